@@ -1,0 +1,158 @@
+"""Host-side assembly: map each step's rows to requests (scheduler token order) and
+accumulate every request across steps (chunked prefill) until its prompt is complete."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm_hidden.capture.ring import StepTransfer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    req_id: str
+    row: int  # first row of this request in the step buffer
+    count: int  # rows of this request in the step
+    pos: int  # position (token index in the prompt) of the first row
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequest:
+    sample_id: Any
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class StepRecord:
+    slot: int
+    num_tokens: int
+    segments: list[Segment]
+    new: dict[str, NewRequest] = field(default_factory=dict)
+    finished: frozenset[str] = frozenset()
+
+
+@dataclass(slots=True)
+class Sample:
+    sample_id: Any
+    token_ids: torch.Tensor  # int64 [T]
+    hidden_states: torch.Tensor  # [T, K, H]
+
+
+class CaptureError(RuntimeError):
+    pass
+
+
+class _Partial:
+    __slots__ = ("req", "buf", "filled")
+
+    def __init__(self, req: NewRequest, shape_tail: tuple[int, int], dtype: torch.dtype) -> None:
+        self.req = req
+        self.buf = torch.empty((len(req.token_ids), *shape_tail), dtype=dtype)
+        self.filled = 0  # rows [0, filled) are valid
+
+
+class Assembler:
+    """Consumes StepRecords in order on one thread; hands finished samples to `emit`."""
+
+    def __init__(self, transfer: StepTransfer, emit: Callable[[Sample], None]) -> None:
+        self.transfer = transfer
+        self.emit = emit
+        self._tail = transfer.shape[1:]
+        self._dtype = transfer.host[0].dtype
+        self._pending: dict[str, NewRequest] = {}
+        self._partial: dict[str, _Partial] = {}
+        self.dropped: list[str] = []
+
+    def process(self, rec: StepRecord) -> None:
+        self._pending.update(rec.new)
+        for rid in rec.finished:
+            # finished/aborted before its prompt was complete (normal completions left already)
+            if self._partial.pop(rid, None) is not None or self._pending.pop(rid, None) is not None:
+                self.dropped.append(rid)
+        host = self.transfer.wait(rec.slot)
+        try:
+            for seg in rec.segments:
+                self._take(seg, host)
+        finally:
+            self.transfer.release(rec.slot)
+
+    def _take(self, seg: Segment, host: torch.Tensor) -> None:
+        part = self._partial.get(seg.req_id)
+        if part is None:
+            req = self._pending.pop(seg.req_id, None)
+            if req is None:
+                return  # a request we were not asked to capture
+            part = self._partial[seg.req_id] = _Partial(req, self._tail, self._dtype)
+        total = part.buf.shape[0]
+        if seg.pos == 0:
+            part.filled = 0  # first chunk, or recomputation after preemption
+        elif seg.pos != part.filled:
+            raise CaptureError(
+                f"request {part.req.sample_id!r}: rows arrive at position {seg.pos} but "
+                f"{part.filled} rows were captured; were prompt tokens skipped (prefix cache)?"
+            )
+        keep = min(seg.count, total - seg.pos)  # rows past the prompt are generated tokens
+        if keep > 0:
+            part.buf[seg.pos : seg.pos + keep].copy_(host[seg.row : seg.row + keep])
+            part.filled = seg.pos + keep
+        if part.filled >= total:
+            del self._partial[seg.req_id]
+            self.emit(Sample(part.req.sample_id, torch.tensor(part.req.token_ids, dtype=torch.int64), part.buf))
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._partial) + len(self._pending)
+
+
+class AssemblerThread:
+    """Runs an Assembler (and whatever `emit` does, e.g. shard writes) off the engine thread.
+    The first error is kept and re-raised to the engine on its next step or at close."""
+
+    def __init__(self, assembler: Assembler) -> None:
+        self.assembler = assembler
+        self._q: queue.Queue[StepRecord | None] = queue.Queue()
+        self.error: BaseException | None = None
+        self._t = threading.Thread(target=self._run, name="vllm-hidden-assembler", daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while True:
+            rec = self._q.get()
+            if rec is None:
+                return
+            if self.error is not None:
+                self.assembler.transfer.release(rec.slot)
+                continue
+            try:
+                self.assembler.process(rec)
+            except BaseException as e:  # noqa: BLE001 - surfaced to the engine thread
+                log.exception("vllm-hidden: capture consumer failed")
+                self.error = e
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise CaptureError(f"hidden-state capture failed: {self.error!r}") from self.error
+
+    def put(self, rec: StepRecord) -> None:
+        self._q.put(rec)
+
+    def drain(self) -> None:
+        """Wait until every queued step is processed."""
+        self._q.put(None)
+        self._t.join()
+        self.check()
+        self._t = threading.Thread(target=self._run, name="vllm-hidden-assembler", daemon=True)
+        self._t.start()
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._t.join()

@@ -1,0 +1,85 @@
+"""`vllm-hidden` command line (typer). No logic here: parse, hand to the library, report."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from vllm_hidden.config import DEFAULT_MAX_SHARD_BYTES
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="Extract hidden states from vLLM for drafter training.")
+
+
+def _fail(msg: str) -> None:
+    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    help="Run prefill over a JSONL prompt file and write the selected layers' hidden states as "
+    "safetensors shards plus manifest.json. Unknown options are passed to vLLM's engine "
+    "(e.g. --enforce-eager, --tensor-parallel-size 2, --gdn-prefill-backend triton).",
+)
+def extract(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Option("--model", "-m", help="HF model directory or id.")],
+    input: Annotated[Path, typer.Option("--input", "-i", help="JSONL: token_ids | text | messages per line, optional id.")],
+    output: Annotated[str, typer.Option("--output", "-o", help="Output directory (new or empty).")],
+    layers: Annotated[Optional[str], typer.Option(help="Layer ids, output of decoder layer i (0-based), e.g. 1,16,31.")] = None,
+    aux_layers: Annotated[Optional[str], typer.Option(help="vLLM/EAGLE-3 aux ids (input of layer j = layer id j-1).")] = None,
+    layers_from: Annotated[Optional[Path], typer.Option(help="Drafter config.json (DFlash target_layer_ids or EAGLE-3 aux ids).")] = None,
+    max_model_len: Annotated[Optional[int], typer.Option(help="Longest prompt accepted (tokens); longer lines become error records.")] = None,
+    max_num_batched_tokens: Annotated[Optional[int], typer.Option(help="Tokens per scheduler step (also the capture buffer's rows).")] = None,
+    max_num_seqs: Annotated[Optional[int], typer.Option(help="Sequences per scheduler step.")] = None,
+    dtype: Annotated[str, typer.Option(help="Model dtype (auto, bfloat16, float16).")] = "auto",
+    max_shard_bytes: Annotated[int, typer.Option(help="Roll shards at this size.")] = DEFAULT_MAX_SHARD_BYTES,
+    ring_slots: Annotated[int, typer.Option(help="Host ring depth (steps in flight between GPU and writer).")] = 2,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    from vllm_hidden.config import ExtractConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = ExtractConfig(
+            model=model, input_path=str(input), output_dir=output, layers=layers, aux_layers=aux_layers,
+            layers_from=str(layers_from) if layers_from else None, max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, dtype=dtype,
+            max_shard_bytes=max_shard_bytes, ring_slots=ring_slots, progress=progress, engine_args=list(ctx.args),
+        )
+        if output.startswith("s3://"):
+            _fail(f"--output {output!r}: S3 output is not supported yet; write to a local directory")
+        from vllm_hidden.engine.driver import run_extract
+
+        summary = run_extract(cfg)
+    except ValueError as e:
+        _fail(str(e))
+    d = summary.to_dict()
+    typer.echo(
+        f"done: {d['samples']} samples, {d['tokens']} tokens, {d['errors']} errors -> {d['shards']} shards "
+        f"({d['bytes'] / 1e6:.1f} MB) in {d['seconds']:.1f} s ({d['tokens_per_s']:,.0f} tok/s, "
+        f"{d['samples_per_s']:,.1f} samples/s; engine start {d['engine_init_seconds']:.1f} s)"
+    )
+    typer.echo(json.dumps(d))
+
+
+@app.command(help="Write a tiny random model (Qwen3-Next GDN hybrid by default) for demos and tests.")
+def make_demo_model(
+    path: Annotated[Path, typer.Argument(help="Directory to write.")],
+    arch: Annotated[str, typer.Option(help="qwen3_next | qwen3 | llama")] = "qwen3_next",
+    num_layers: Annotated[int, typer.Option(help="Decoder layers.")] = 8,
+) -> None:
+    from vllm_hidden.demo import make_tiny_model
+
+    try:
+        typer.echo(str(make_tiny_model(path, arch=arch, num_layers=num_layers)))
+    except ValueError as e:
+        _fail(str(e))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,98 @@
+"""Validated configuration dataclasses (pure; no vLLM)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+ADDITIONAL_CONFIG_KEY = "vllm_hidden"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CaptureConfig:
+    """What the model runner captures. Lives in vLLM's `additional_config`, which vLLM
+    hashes into its compile-cache key, so a changed layer list never reuses a stale graph."""
+
+    layer_ids: tuple[int, ...]
+    ring_slots: int = 2
+
+    def __post_init__(self) -> None:
+        ids = tuple(self.layer_ids)
+        object.__setattr__(self, "layer_ids", ids)
+        if not ids:
+            raise ValueError(f"layer_ids must not be empty, got {self.layer_ids!r}")
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+            raise ValueError(f"layer_ids must be non-negative ints, got {self.layer_ids!r}")
+        if list(ids) != sorted(set(ids)):
+            raise ValueError(f"layer_ids must be sorted and unique, got {self.layer_ids!r}")
+        if not isinstance(self.ring_slots, int) or self.ring_slots < 2:
+            raise ValueError(f"ring_slots must be an int >= 2, got {self.ring_slots!r}")
+
+    @property
+    def aux_ids(self) -> tuple[int, ...]:
+        return tuple(i + 1 for i in self.layer_ids)
+
+    def to_additional_config(self) -> dict[str, Any]:
+        return {ADDITIONAL_CONFIG_KEY: {"layer_ids": list(self.layer_ids), "ring_slots": self.ring_slots}}
+
+    @classmethod
+    def from_additional_config(cls, additional: dict[str, Any] | None) -> "CaptureConfig | None":
+        raw = (additional or {}).get(ADDITIONAL_CONFIG_KEY)
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise ValueError(f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] must be a dict, got {raw!r}")
+        return cls(layer_ids=tuple(raw["layer_ids"]), ring_slots=int(raw.get("ring_slots", 2)))
+
+
+DEFAULT_MAX_SHARD_BYTES = 1 << 30
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardConfig:
+    """Where and how the worker writes shards."""
+
+    output_dir: str
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    prefix: str = "shard"
+
+    def __post_init__(self) -> None:
+        if not self.output_dir:
+            raise ValueError(f"output_dir must be a non-empty path, got {self.output_dir!r}")
+        if not isinstance(self.max_shard_bytes, int) or self.max_shard_bytes < 1:
+            raise ValueError(f"max_shard_bytes must be a positive int, got {self.max_shard_bytes!r}")
+        if not self.prefix or "/" in self.prefix:
+            raise ValueError(f"prefix must be a plain file-name prefix, got {self.prefix!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(kw_only=True)
+class ExtractConfig:
+    """Everything `vllm-hidden extract` needs besides the engine's own arguments."""
+
+    model: str
+    input_path: str
+    output_dir: str
+    layers: str | None = None
+    aux_layers: str | None = None
+    layers_from: str | None = None
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    dtype: str = "auto"
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    ring_slots: int = 2
+    progress: bool = True
+    engine_args: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {v!r}")
+        if self.max_shard_bytes < 1:
+            raise ValueError(f"--max-shard-bytes must be positive, got {self.max_shard_bytes!r}")
+        if self.ring_slots < 2:
+            raise ValueError(f"--ring-slots must be >= 2, got {self.ring_slots!r}")

