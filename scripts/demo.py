@@ -1,0 +1,36 @@
+"""Demo: tiny local model + prompts -> `vllm-hidden extract` -> read a sample back."""
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from vllm_hidden.demo import make_tiny_model
+
+if __name__ == "__main__":
+    root = Path(".demo")
+    model = make_tiny_model(root / "model")
+    rng = random.Random(0)
+    prompts = root / "prompts.jsonl"
+    with open(prompts, "w") as f:
+        for i in range(200):
+            n = int(min(1024, max(8, rng.lognormvariate(4.8, 0.8))))
+            f.write(json.dumps({"id": f"tok-{i}", "token_ids": [rng.randrange(1024) for _ in range(n)]}) + "\n")
+        f.write(json.dumps({"id": "text-0", "text": "hello world , this is vllm hidden ."}) + "\n")
+        f.write(json.dumps({"id": "chat-0", "messages": [{"role": "user", "content": "abc de"},
+                                                         {"role": "assistant", "content": "fg hij"}]}) + "\n")
+    out = root / "out"
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = ["vllm-hidden", "extract", "--model", str(model), "--input", str(prompts), "--output", str(out),
+           "--max-model-len", "2048", "--dtype", "bfloat16", *sys.argv[1:]]
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+
+    from vllm_hidden.data import HiddenStatesDataset
+
+    ds = HiddenStatesDataset(out)
+    s = ds[0]
+    print(f"read back: {len(ds)} samples, layer_ids {ds.layer_ids}; ds[0]: id={s['id']!r} "
+          f"token_ids {tuple(s['token_ids'].shape)} hidden_states {tuple(s['hidden_states'].shape)} {s['hidden_states'].dtype}")

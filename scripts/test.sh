@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup.sh) and run the whole test suite: unit tests, then the real vLLM
+# engine on CPU with tiny random models. tests/gpu is skipped without CUDA.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+. .venv/bin/activate
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+python -m pytest -q -rs tests "$@"
