@@ -43,6 +43,16 @@ def pin_v1_runner() -> None:
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
 
 
+def spawn_on_cuda() -> None:
+    """vLLM forks its engine process by default; a fork cannot use CUDA once the parent has
+    touched it (seen on 0.26 when the caller had loaded anything onto the GPU), so always
+    spawn on CUDA machines."""
+    import torch
+
+    if torch.cuda.is_available():
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+
 def allow_long_max_model_len() -> None:
     # the +1 for the sampled token may exceed the model's position limit; that token is
     # sampled from the last prompt position's logits and never run through the model

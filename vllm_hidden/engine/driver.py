@@ -150,6 +150,7 @@ def run_extract(cfg: ExtractConfig) -> Summary:
 
     compat.check_version()
     compat.pin_v1_runner()
+    compat.spawn_on_cuda()
     if info.max_positions is not None and max_prompt_len + 1 > info.max_positions:
         compat.allow_long_max_model_len()
 
