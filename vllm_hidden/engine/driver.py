@@ -94,6 +94,7 @@ class Summary:
     shards: list[ShardInfo] = field(default_factory=list)
     seconds: float = 0.0
     engine_init_seconds: float = 0.0
+    flush_seconds: float = 0.0  # from the last finished request to every shard durable
     output_dir: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -101,6 +102,7 @@ class Summary:
             "samples": self.samples, "tokens": self.tokens, "errors": self.errors,
             "shards": len(self.shards), "bytes": sum(s.bytes for s in self.shards),
             "seconds": round(self.seconds, 3), "engine_init_seconds": round(self.engine_init_seconds, 3),
+            "flush_seconds": round(self.flush_seconds, 3),
             "tokens_per_s": round(self.tokens / self.seconds, 1) if self.seconds else 0.0,
             "samples_per_s": round(self.samples / self.seconds, 2) if self.seconds else 0.0,
             "output_dir": self.output_dir,
@@ -220,8 +222,10 @@ def run_extract(cfg: ExtractConfig) -> Summary:
                     summary.tokens += inflight.pop(o.request_id)
                     summary.samples += 1
             progress.update(summary.samples, summary.tokens, summary.errors)
+        t2 = time.perf_counter()
         result = engine.collective_rpc("vllm_hidden_close")
         summary.seconds = time.perf_counter() - t1
+        summary.flush_seconds = time.perf_counter() - t2
     finally:
         progress.close()
         if errors_f is not None:

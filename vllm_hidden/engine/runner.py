@@ -55,7 +55,8 @@ class Capture:
             raise RuntimeError("a capture sink is already open on this worker")
         self.writer = ShardWriter(shard_cfg, list(self.cfg.layer_ids))
         writer = self.writer
-        self.thread = AssemblerThread(Assembler(self.transfer, lambda s: writer.add(s.sample_id, s.token_ids, s.hidden_states)))
+        self.thread = AssemblerThread(Assembler(self.transfer, lambda s: writer.add(s.sample_id, s.token_ids, s.hidden_states)),
+                                      cpus=compat.cpus_off_the_forward(self.runner.device))
         return True
 
     def close(self) -> dict[str, Any] | None:
