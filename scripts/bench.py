@@ -36,16 +36,14 @@ def workload(n: int, median: float, sigma: float, lo: int, hi: int, vocab: int, 
 
 def run_plain(model: str, prompts: list[list[int]], engine_args: list[str], max_model_len: int) -> dict:
     from vllm import SamplingParams
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the runner extract uses
-    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
-    args = EngineArgs.from_cli_args(parser.parse_args(["--model", model, *engine_args]))
-    args.enable_prefix_caching = False
-    args.skip_tokenizer_init = True
-    args.max_model_len = max_model_len + 1
+    from vllm_hidden.engine import compat
+    from vllm_hidden.engine.driver import engine_args as build_engine_args
+
+    compat.pin_v1_runner()  # the runner extract uses
+    compat.spawn_on_cuda()
+    args = build_engine_args(model, engine_args, max_model_len)  # same settings, no capture
     t0 = time.perf_counter()
     engine = LLMEngine.from_engine_args(args)
     init = time.perf_counter() - t0

@@ -57,32 +57,36 @@ def check_paths(cfg: ExtractConfig) -> None:
         raise ValueError(f"--output: {cfg.output_dir!r} exists and is not empty; choose a new directory")
 
 
-def _engine_args(cfg: ExtractConfig, capture: CaptureConfig, max_prompt_len: int):
+def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: CaptureConfig | None = None, *,
+                dtype: str = "auto", max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None):
+    """vLLM EngineArgs from vLLM's own CLI parser (so every engine flag passes through), set up
+    for prefill-only work; with `capture`, the vllm-hidden capture path is switched on."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm-hidden extract"))
     try:
-        ns = parser.parse_args(["--model", cfg.model, *cfg.engine_args])
+        ns = parser.parse_args(["--model", model, *cli_args])
     except SystemExit:
-        raise ValueError(f"invalid engine arguments: {' '.join(cfg.engine_args)!r}") from None
+        raise ValueError(f"invalid engine arguments: {' '.join(cli_args)!r}") from None
     args = EngineArgs.from_cli_args(ns)
     if args.enable_prefix_caching:
         raise ValueError("--enable-prefix-caching: cached prompt tokens are not recomputed, so their "
                          "hidden states would be missing; extract runs with prefix caching off")
-    if args.worker_extension_cls and args.worker_extension_cls != WORKER_EXTENSION:
-        raise ValueError(f"--worker-extension-cls {args.worker_extension_cls!r} cannot be combined with capture")
     args.enable_prefix_caching = False
-    args.worker_extension_cls = WORKER_EXTENSION
     args.skip_tokenizer_init = True  # we tokenize (and validate) before the engine
     args.max_model_len = max_prompt_len + 1  # room for the one sampled (discarded) token
-    args.additional_config = {**(args.additional_config or {}), **capture.to_additional_config()}
-    if cfg.dtype != "auto":
-        args.dtype = cfg.dtype
-    if cfg.max_num_batched_tokens is not None:
-        args.max_num_batched_tokens = cfg.max_num_batched_tokens
-    if cfg.max_num_seqs is not None:
-        args.max_num_seqs = cfg.max_num_seqs
+    if dtype != "auto":
+        args.dtype = dtype
+    if max_num_batched_tokens is not None:
+        args.max_num_batched_tokens = max_num_batched_tokens
+    if max_num_seqs is not None:
+        args.max_num_seqs = max_num_seqs
+    if capture is not None:
+        if args.worker_extension_cls and args.worker_extension_cls != WORKER_EXTENSION:
+            raise ValueError(f"--worker-extension-cls {args.worker_extension_cls!r} cannot be combined with capture")
+        args.worker_extension_cls = WORKER_EXTENSION
+        args.additional_config = {**(args.additional_config or {}), **capture.to_additional_config()}
     return args
 
 
@@ -164,7 +168,8 @@ def run_extract(cfg: ExtractConfig) -> Summary:
     reader = PromptReader(cfg.input_path, vocab_size=info.vocab_size, max_prompt_len=max_prompt_len,
                           tokenizer_loader=load_tokenizer)
     total = count_lines(cfg.input_path)
-    args = _engine_args(cfg, capture, max_prompt_len)
+    args = engine_args(cfg.model, cfg.engine_args, max_prompt_len, capture, dtype=cfg.dtype,
+                       max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -178,6 +183,14 @@ def run_extract(cfg: ExtractConfig) -> Summary:
     summary = Summary(engine_init_seconds=time.perf_counter() - t0, output_dir=str(out))
     sp_extra = {"skip_reading_prefix_cache": True} if "skip_reading_prefix_cache" in SamplingParams.__struct_fields__ else {}
     errors_f = None
+
+    def record_error(bad: BadLine) -> None:
+        nonlocal errors_f
+        if errors_f is None:
+            errors_f = open(out / ERRORS, "w")
+        errors_f.write(json.dumps(bad.to_dict()) + "\n")
+        summary.errors += 1
+
     progress = _Progress(total, cfg.progress)
     try:
         opened = engine.collective_rpc("vllm_hidden_open", args=(shard_cfg.to_dict(),))
@@ -195,10 +208,7 @@ def run_extract(cfg: ExtractConfig) -> Summary:
                     exhausted = True
                     break
                 if isinstance(item, BadLine):
-                    if errors_f is None:
-                        errors_f = open(out / ERRORS, "w")
-                    errors_f.write(json.dumps(item.to_dict()) + "\n")
-                    summary.errors += 1
+                    record_error(item)
                     continue
                 rid = str(item.line)
                 params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
@@ -206,11 +216,7 @@ def run_extract(cfg: ExtractConfig) -> Summary:
                 try:
                     engine.add_request(rid, {"prompt_token_ids": item.token_ids}, params)
                 except ValueError as e:  # the engine's own validation
-                    item = BadLine(item.line, item.id, f"rejected by the engine: {e}")
-                    if errors_f is None:
-                        errors_f = open(out / ERRORS, "w")
-                    errors_f.write(json.dumps(item.to_dict()) + "\n")
-                    summary.errors += 1
+                    record_error(BadLine(item.line, item.id, f"rejected by the engine: {e}"))
                     continue
                 inflight[rid] = len(item.token_ids)
             if not inflight:
