@@ -23,14 +23,21 @@ class CaptureConfig:
             raise ValueError(f"layer_ids must not be empty, got {self.layer_ids!r}")
         if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
             raise ValueError(f"layer_ids must be non-negative ints, got {self.layer_ids!r}")
-        if list(ids) != sorted(set(ids)):
-            raise ValueError(f"layer_ids must be sorted and unique, got {self.layer_ids!r}")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"layer_ids must be unique, got {self.layer_ids!r}")
         if not isinstance(self.ring_slots, int) or self.ring_slots < 2:
             raise ValueError(f"ring_slots must be an int >= 2, got {self.ring_slots!r}")
 
     @property
     def aux_ids(self) -> tuple[int, ...]:
-        return tuple(i + 1 for i in self.layer_ids)
+        """What the model is asked for: sorted, because it emits aux states in layer order."""
+        return tuple(sorted(i + 1 for i in self.layer_ids))
+
+    @property
+    def emit_order(self) -> tuple[int, ...]:
+        """For each requested layer (in `layer_ids` order), its index among the model's aux outputs."""
+        srt = sorted(self.layer_ids)
+        return tuple(srt.index(i) for i in self.layer_ids)
 
     def to_additional_config(self) -> dict[str, Any]:
         return {ADDITIONAL_CONFIG_KEY: {"layer_ids": list(self.layer_ids), "ring_slots": self.ring_slots}}

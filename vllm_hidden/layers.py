@@ -81,11 +81,8 @@ def layer_ids_from_drafter_config(path: str | Path) -> list[int]:
 
 
 def validate_layer_ids(ids: Sequence[int], num_layers: int, what: str = "--layers") -> list[int]:
-    """Check a selection against the model; returns it sorted ascending.
-
-    Sorted because the model emits aux states in layer order whatever order they are
-    asked in; `hidden_states[:, k]` is then `layer_ids[k]` without a permutation.
-    """
+    """Check a selection against the model; returns it in the order given
+    (`hidden_states[:, k]` is `layer_ids[k]`)."""
     ids = list(ids)
     if not ids:
         raise ValueError(f"{what}: empty layer selection (model has {num_layers} layers)")
@@ -99,7 +96,7 @@ def validate_layer_ids(ids: Sequence[int], num_layers: int, what: str = "--layer
         if i in seen:
             raise ValueError(f"{what}: duplicate layer id {i} in {ids} (model has {num_layers} layers)")
         seen.add(i)
-    return sorted(ids)
+    return ids
 
 
 def resolve_layer_ids(

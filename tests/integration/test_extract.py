@@ -105,7 +105,7 @@ def test_extract_matches_hf_compiled_chunked(arch, tiny_models, tmp_path):
     tok = AutoTokenizer.from_pretrained(str(model))
     good, bad = make_input(tmp_path / "in.jsonl", tok)
     out = tmp_path / "out"
-    layers = [0, 3, 7]  # first, a full-attention layer (Qwen3-Next), last (before final norm)
+    layers = [7, 0, 3]  # last (before final norm), first, a full-attention layer (Qwen3-Next); order kept
     r = run_cli("extract", "--model", str(model), "--input", str(tmp_path / "in.jsonl"), "--output", str(out),
                 "--layers", "7,0,3", "--max-model-len", str(MAX_LEN), "--max-num-batched-tokens", "64",
                 "--dtype", "bfloat16", "--no-progress")

@@ -12,8 +12,8 @@ def test_dflash_default_matches_dflash_for_64_layers():
     assert resolve_layer_ids(64) == [1, 16, 31, 46, 61]
 
 
-def test_explicit_layers_are_sorted_and_validated():
-    assert resolve_layer_ids(8, layers="7,0,3") == [0, 3, 7]
+def test_explicit_layers_keep_their_order():
+    assert resolve_layer_ids(8, layers="7,0,3") == [7, 0, 3]
     assert resolve_layer_ids(8, layers=[2, 5]) == [2, 5]
 
 
@@ -30,6 +30,7 @@ def test_bad_layer_specs_name_the_value(spec, needle):
 def test_aux_ids_are_layer_ids_plus_one():
     # aux j = input of layer j = output of layer j-1
     assert resolve_layer_ids(8, aux_layers="1,4,8") == [0, 3, 7]
+    assert resolve_layer_ids(8, aux_layers="8,1") == [7, 0]
     assert to_aux_ids([0, 3, 7]) == [1, 4, 8]
     with pytest.raises(ValueError, match="aux id 0 out of range.*embedding"):
         resolve_layer_ids(8, aux_layers="0,2")
@@ -60,3 +61,13 @@ def test_drafter_configs(tmp_path):
 def test_only_one_source():
     with pytest.raises(ValueError, match="only one of"):
         resolve_layer_ids(8, layers="1", aux_layers="2")
+
+
+def test_capture_config_orders():
+    from vllm_hidden.config import CaptureConfig
+
+    c = CaptureConfig(layer_ids=(7, 0, 3))
+    assert c.aux_ids == (1, 4, 8)  # what the model is asked for, ascending
+    assert c.emit_order == (2, 0, 1)  # layer 7 is the model's 3rd aux output
+    with pytest.raises(ValueError, match="unique"):
+        CaptureConfig(layer_ids=(1, 1))

@@ -6,7 +6,7 @@
 - Prompt length: both reject a prompt of exactly max_model_len for generation (the sampled
   token would not fit), so the engine gets max_model_len + 1.
 - `_set_aux_hidden_state_layers` sorts the ids on 0.32, not on 0.26; both emit aux states in
-  layer order, so we always pass them sorted.
+  layer order, so we always ask for them sorted and reorder (free: the gather takes a list).
 Everything else we touch (`_setup_eagle3_aux_hidden_state_outputs`, `execute_model_state
 .aux_hidden_states`, SchedulerOutput fields, `SamplingParams.extra_args`,
 `skip_reading_prefix_cache`, `worker_extension_cls`, `collective_rpc`) is the same in both.

@@ -45,6 +45,7 @@ class Capture:
         self.thread: AssemblerThread | None = None
         self.writer: ShardWriter | None = None
         self._tracked: set[str] = set()
+        self.order = cfg.emit_order
         self.steps = 0
 
     # -- control (via worker RPC) ---------------------------------------------------
@@ -116,7 +117,7 @@ class Capture:
         if not any_tracked:
             return
         slot = self.transfer.acquire()  # blocks while the host side is behind (backpressure)
-        self.transfer.submit(aux, n, slot)
+        self.transfer.submit([aux[i] for i in self.order], n, slot)  # gathered in layer_ids order
         thread.put(StepRecord(slot, n, segments, new, frozenset(finished)))
         self.steps += 1
 
@@ -147,6 +148,6 @@ def install_capture(runner: Any, cfg: CaptureConfig) -> Capture:
         return out
 
     runner.execute_model = execute_model
-    log.info("vllm-hidden: capturing layer ids %s (aux %s)%s", list(cfg.layer_ids), list(cfg.aux_ids),
+    log.info("vllm-hidden: capturing layer ids %s (aux %s)%s", list(cfg.layer_ids), [i + 1 for i in cfg.layer_ids],
              "" if cap.writer_rank else " [not the writer rank]")
     return cap
