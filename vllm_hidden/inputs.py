@@ -63,8 +63,14 @@ class PromptReader:
     def _tokenizer(self) -> Any:
         if self._tok is None:
             if self._loader is None:
-                raise ValueError("text/messages input needs a tokenizer, and none is available")
-            self._tok = self._loader()
+                self._tok = "text/messages input needs a tokenizer, and none is available"
+            else:
+                try:
+                    self._tok = self._loader()
+                except Exception as e:  # noqa: BLE001 - every text line gets this error record
+                    self._tok = f"cannot load the model's tokenizer for text/messages input: {e}"
+        if isinstance(self._tok, str):  # loading failed once; do not retry per line
+            raise ValueError(self._tok)
         return self._tok
 
     def __iter__(self) -> Iterator[Prompt | BadLine]:

@@ -59,3 +59,14 @@ def test_count_lines(tmp_path):
     assert count_lines(p) == 3
     p.write_bytes(b"a\nb\n")
     assert count_lines(p) == 2
+
+
+def test_text_without_a_tokenizer_is_an_error_record(tmp_path):
+    def broken():
+        raise OSError("no tokenizer files")
+
+    p = tmp_path / "in.jsonl"
+    p.write_text(json.dumps({"id": "t", "text": "hi"}) + "\n" + json.dumps({"id": "k", "token_ids": [1]}) + "\n")
+    out = list(PromptReader(p, vocab_size=10, max_prompt_len=5, tokenizer_loader=broken))
+    assert isinstance(out[0], BadLine) and "cannot load the model's tokenizer" in out[0].reason
+    assert out[1] == Prompt(1, "k", [1])
