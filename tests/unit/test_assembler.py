@@ -90,3 +90,20 @@ def test_step_larger_than_buffer_is_refused():
     tr = StepTransfer(4, K, H, torch.float32, torch.device("cpu"), 2)
     with pytest.raises(ValueError, match="step has 5 tokens; the capture buffer holds 4"):
         tr.submit([torch.zeros(5, H)] * K, 5, 0)
+
+
+def test_consumer_error_reaches_the_engine_thread_and_slots_keep_flowing():
+    from vllm_hidden.capture.assembler import AssemblerThread
+
+    tr = StepTransfer(8, K, H, torch.float32, torch.device("cpu"), 2)
+
+    def emit(sample):
+        raise OSError("disk full")
+
+    th = AssemblerThread(Assembler(tr, emit))
+    for i in range(4):  # more steps than slots: a failed consumer must still free them
+        slot = tr.acquire(timeout=5)
+        tr.submit([torch.zeros(2, H)] * K, 2, slot)
+        th.put(StepRecord(slot, 2, [Segment(f"r{i}", 0, 2, 0)], {f"r{i}": NewRequest(i, [1, 2])}))
+    with pytest.raises(CaptureError, match="disk full"):
+        th.close()

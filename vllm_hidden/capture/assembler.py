@@ -149,14 +149,8 @@ class AssemblerThread:
     def put(self, rec: StepRecord) -> None:
         self._q.put(rec)
 
-    def drain(self) -> None:
-        """Wait until every queued step is processed."""
+    def close(self) -> None:
+        """Process every queued step, stop the thread, and raise its error if it had one."""
         self._q.put(None)
         self._t.join()
         self.check()
-        self._t = threading.Thread(target=self._run, name="vllm-hidden-assembler", daemon=True)
-        self._t.start()
-
-    def close(self) -> None:
-        self._q.put(None)
-        self._t.join()

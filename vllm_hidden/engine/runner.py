@@ -65,7 +65,6 @@ class Capture:
             return None
         thread, writer = self.thread, self.writer
         self.thread = self.writer = None
-        thread.drain()
         thread.close()
         shards = writer.close()
         return {
