@@ -35,7 +35,6 @@ def workload(n: int, median: float, sigma: float, lo: int, hi: int, vocab: int, 
 
 
 def run_plain(model: str, prompts: list[list[int]], engine_args: list[str], max_model_len: int) -> dict:
-    from vllm import SamplingParams
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from vllm_hidden.engine import compat
@@ -49,7 +48,7 @@ def run_plain(model: str, prompts: list[list[int]], engine_args: list[str], max_
     init = time.perf_counter() - t0
     try:
         max_inflight = 2 * engine.vllm_config.scheduler_config.max_num_seqs
-        sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        sp = compat.prefill_sampling_params({})  # same params as extract, nothing marked for capture
         pending = list(enumerate(prompts))[::-1]
         inflight = 0
         t1 = time.perf_counter()

@@ -145,6 +145,9 @@ def test_missing_paths_fail_before_engine_start(tiny_models, tmp_path):
     assert r.returncode == 2 and "--input: no such file" in r.stderr
     r = run_cli("extract", "--model", str(model), "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o"), "--layers", "8")
     assert r.returncode == 2 and "layer id 8 out of range; the model has 8 layers" in r.stderr
+    r = run_cli("extract", "--model", str(model), "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o"),
+                "--enable-prefix-caching")
+    assert r.returncode == 2 and "--enable-prefix-caching" in r.stderr and "missing" in r.stderr
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     r = run_cli("extract", "--model", str(model), "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "full"))

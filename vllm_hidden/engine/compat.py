@@ -69,6 +69,15 @@ def cpus_off_the_forward(device) -> set[int] | None:
     return rest or None
 
 
+def prefill_sampling_params(extra_args: dict):
+    """One sampled (discarded) token, greedy, no detokenizing; never read the prefix cache
+    where the field exists, so no prompt row can be skipped."""
+    from vllm import SamplingParams
+
+    kw = {"skip_reading_prefix_cache": True} if "skip_reading_prefix_cache" in SamplingParams.__struct_fields__ else {}
+    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args=extra_args, **kw)
+
+
 def model_runner_class():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 

@@ -175,7 +175,6 @@ def run_extract(cfg: ExtractConfig) -> Summary:
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    from vllm import SamplingParams
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from vllm_hidden.engine.runner import REQUEST_KEY
@@ -183,7 +182,6 @@ def run_extract(cfg: ExtractConfig) -> Summary:
     t0 = time.perf_counter()
     engine = LLMEngine.from_engine_args(args)
     summary = Summary(engine_init_seconds=time.perf_counter() - t0, output_dir=str(out))
-    sp_extra = {"skip_reading_prefix_cache": True} if "skip_reading_prefix_cache" in SamplingParams.__struct_fields__ else {}
     errors_f = None
 
     def record_error(bad: BadLine) -> None:
@@ -213,8 +211,7 @@ def run_extract(cfg: ExtractConfig) -> Summary:
                     record_error(item)
                     continue
                 rid = str(item.line)
-                params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
-                                        extra_args={REQUEST_KEY: item.id}, **sp_extra)
+                params = compat.prefill_sampling_params({REQUEST_KEY: item.id})
                 try:
                     engine.add_request(rid, {"prompt_token_ids": item.token_ids}, params)
                 except ValueError as e:  # the engine's own validation
@@ -244,7 +241,7 @@ def run_extract(cfg: ExtractConfig) -> Summary:
     written = sum(s.num_samples for s in summary.shards)
     if written != summary.samples or res["incomplete"]:
         raise RuntimeError(f"engine finished {summary.samples} samples but {written} were written "
-                           f"(incomplete: {res['incomplete'][:5]})")
+                           f"(incomplete: {res['incomplete'][:5]}, still assembling: {res['in_flight']})")
     mc = engine.vllm_config.model_config
     Manifest(
         model=cfg.model, layer_ids=layer_ids, layer_semantics=SEMANTICS, num_model_layers=info.num_layers,

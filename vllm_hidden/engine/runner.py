@@ -29,7 +29,6 @@ class Capture:
         self.runner = runner
         self.cfg = cfg
         mc = runner.model_config
-        self.num_layers = mc.hf_text_config.num_hidden_layers
         self.hidden_size = mc.get_hidden_size()
         self.writer_rank = compat.is_writer_rank()
         self.transfer: StepTransfer | None = None
@@ -46,7 +45,6 @@ class Capture:
         self.writer: ShardWriter | None = None
         self._tracked: set[str] = set()
         self.order = cfg.emit_order
-        self.steps = 0
 
     # -- control (via worker RPC) ---------------------------------------------------
     def open(self, shard_cfg: ShardConfig) -> bool:
@@ -71,7 +69,6 @@ class Capture:
             "shards": [s.to_dict() for s in shards],
             "incomplete": list(thread.assembler.dropped),
             "in_flight": thread.assembler.in_flight,
-            "steps": self.steps,
         }
 
     # -- per step ------------------------------------------------------------------
@@ -106,8 +103,8 @@ class Capture:
         row = 0
         any_tracked = False
         for rid in self.runner.input_batch.req_ids:  # row order of the step's tokens
-            c = counts[rid]
-            if rid in tracked:
+            c = counts.get(rid, 0)
+            if c and rid in tracked:
                 segments.append(Segment(rid, row, c, start[rid]))
                 any_tracked = True
             row += c
@@ -118,7 +115,6 @@ class Capture:
         slot = self.transfer.acquire()  # blocks while the host side is behind (backpressure)
         self.transfer.submit([aux[i] for i in self.order], n, slot)  # gathered in layer_ids order
         thread.put(StepRecord(slot, n, segments, new, frozenset(finished)))
-        self.steps += 1
 
 
 def install_capture(runner: Any, cfg: CaptureConfig) -> Capture:
