@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from vllm_hidden.config import DEFAULT_MAX_SHARD_BYTES
+from vllm_hidden.config import DEFAULT_MAX_SHARD_BYTES, DEFAULT_WRITER_THREADS
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Extract hidden states from vLLM for drafter training.")
 
@@ -37,7 +37,8 @@ def extract(
     max_num_batched_tokens: Annotated[Optional[int], typer.Option(help="Tokens per scheduler step (also the capture buffer's rows).")] = None,
     max_num_seqs: Annotated[Optional[int], typer.Option(help="Sequences per scheduler step.")] = None,
     dtype: Annotated[str, typer.Option(help="Model dtype (auto, bfloat16, float16).")] = "auto",
-    max_shard_bytes: Annotated[int, typer.Option(help="Roll shards at this size.")] = DEFAULT_MAX_SHARD_BYTES,
+    max_shard_bytes: Annotated[int, typer.Option(help="Largest shard (a longer sample gets a shard of its own).")] = DEFAULT_MAX_SHARD_BYTES,
+    writer_threads: Annotated[int, typer.Option(help="Threads writing shards; host memory holds up to threads+1 shards.")] = DEFAULT_WRITER_THREADS,
     ring_slots: Annotated[int, typer.Option(help="Host ring depth (steps in flight between GPU and writer).")] = 2,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
@@ -49,7 +50,7 @@ def extract(
             model=model, input_path=str(input), output_dir=output, layers=layers, aux_layers=aux_layers,
             layers_from=str(layers_from) if layers_from else None, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, dtype=dtype,
-            max_shard_bytes=max_shard_bytes, ring_slots=ring_slots, progress=progress, engine_args=list(ctx.args),
+            max_shard_bytes=max_shard_bytes, writer_threads=writer_threads, ring_slots=ring_slots, progress=progress, engine_args=list(ctx.args),
         )
         if output.startswith("s3://"):
             _fail(f"--output {output!r}: S3 output is not supported yet; write to a local directory")

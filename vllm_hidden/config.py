@@ -53,6 +53,9 @@ class CaptureConfig:
 
 
 DEFAULT_MAX_SHARD_BYTES = 1 << 30
+# One 27B GPU emits ~0.6 GB/s; one thread hashes and writes ~1-1.5 GB/s to disk. Four keep
+# several GPUs per host fed, and bound host memory at (threads + 1) shards.
+DEFAULT_WRITER_THREADS = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,8 +65,11 @@ class ShardConfig:
     output_dir: str
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
     prefix: str = "shard"
+    writer_threads: int = DEFAULT_WRITER_THREADS
 
     def __post_init__(self) -> None:
+        if isinstance(self.writer_threads, bool) or not isinstance(self.writer_threads, int) or not 1 <= self.writer_threads <= 64:
+            raise ValueError(f"writer_threads must be an int in 1..64, got {self.writer_threads!r}")
         if not self.output_dir:
             raise ValueError(f"output_dir must be a non-empty path, got {self.output_dir!r}")
         if not isinstance(self.max_shard_bytes, int) or self.max_shard_bytes < 1:
@@ -90,6 +96,7 @@ class ExtractConfig:
     max_num_seqs: int | None = None
     dtype: str = "auto"
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    writer_threads: int = DEFAULT_WRITER_THREADS
     ring_slots: int = 2
     progress: bool = True
     engine_args: list[str] = field(default_factory=list)
@@ -103,3 +110,5 @@ class ExtractConfig:
             raise ValueError(f"--max-shard-bytes must be positive, got {self.max_shard_bytes!r}")
         if self.ring_slots < 2:
             raise ValueError(f"--ring-slots must be >= 2, got {self.ring_slots!r}")
+        if not 1 <= self.writer_threads <= 64:
+            raise ValueError(f"--writer-threads must be in 1..64, got {self.writer_threads!r}")

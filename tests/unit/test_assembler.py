@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from vllm_hidden.capture.assembler import Assembler, CaptureError, NewRequest, Segment, StepRecord
+from vllm_hidden.capture.assembler import Assembler, CaptureError, MemorySink, NewRequest, Segment, StepRecord
 from vllm_hidden.capture.ring import StepTransfer
 
 K, H = 3, 4
@@ -19,7 +19,7 @@ class Harness:
     def __init__(self, max_tokens=16, slots=2):
         self.tr = StepTransfer(max_tokens, K, H, torch.float32, torch.device("cpu"), slots)
         self.out = []
-        self.asm = Assembler(self.tr, self.out.append)
+        self.asm = Assembler(self.tr, MemorySink((K, H), torch.float32, self.out.append))
 
     def step(self, parts, new=None, finished=()):
         """parts: list of (req_id, sample_index, length, pos, count)."""
@@ -100,7 +100,7 @@ def test_consumer_error_reaches_the_engine_thread_and_slots_keep_flowing():
     def emit(sample):
         raise OSError("disk full")
 
-    th = AssemblerThread(Assembler(tr, emit))
+    th = AssemblerThread(Assembler(tr, MemorySink((K, H), torch.float32, emit)))
     for i in range(4):  # more steps than slots: a failed consumer must still free them
         slot = tr.acquire(timeout=5)
         tr.submit([torch.zeros(2, H)] * K, 2, slot)

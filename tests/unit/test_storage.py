@@ -18,8 +18,9 @@ def sample(i, n):
     return torch.randint(0, 100, (n,), generator=g), torch.randn(n, K, H, generator=g).to(torch.bfloat16)
 
 
-def write(tmp_path, lengths, max_shard_bytes):
-    w = ShardWriter(ShardConfig(output_dir=str(tmp_path), max_shard_bytes=max_shard_bytes), [3, 5])
+def write(tmp_path, lengths, max_shard_bytes, threads=2):
+    w = ShardWriter(ShardConfig(output_dir=str(tmp_path), max_shard_bytes=max_shard_bytes, writer_threads=threads),
+                    [3, 5], H, torch.bfloat16)
     data = {}
     for i, n in enumerate(lengths):
         tok, hs = sample(i, n)
@@ -31,21 +32,23 @@ def write(tmp_path, lengths, max_shard_bytes):
     return shards, data
 
 
-def test_shards_roll_at_size_limit_and_are_valid_safetensors(tmp_path):
+def test_shards_hold_at_most_the_size_limit_and_are_valid_safetensors(tmp_path):
     per_row = K * H * 2 + 8
     shards, data = write(tmp_path, [10, 20, 5, 7, 30, 1], max_shard_bytes=25 * per_row)
-    # rolls once a shard reaches 25 rows: [10,20] [5,7,30] [1]
-    assert [s.num_samples for s in shards] == [2, 3, 1]
-    assert [s.num_tokens for s in shards] == [30, 42, 1]
+    # 25 rows per shard: [10] | [20, 5] | 7 opens a shard; 30 > 25 gets its own; 1 joins 7
+    assert [(s.num_samples, s.num_tokens) for s in shards] == [(1, 10), (2, 25), (1, 30), (2, 8)]
     for s in shards:
         raw = (tmp_path / s.file).read_bytes()
         assert len(raw) == s.bytes and hashlib.sha256(raw).hexdigest() == s.sha256
     with safe_open(str(tmp_path / shards[1].file), framework="pt") as f:
         index = json.loads(f.metadata()["samples"])
-        assert index == [["id2", 0, 5], ["id3", 5, 7], ["id4", 12, 30]]
+        assert index == [["id1", 0, 20], ["id2", 20, 5]]
         hs, tok = f.get_tensor("hidden_states"), f.get_tensor("token_ids")
-        assert hs.dtype == torch.bfloat16 and tok.dtype == torch.int64
-        assert torch.equal(hs[12:42], data["id4"][1]) and torch.equal(tok[5:12], data["id3"][0])
+        assert hs.dtype == torch.bfloat16 and tok.dtype == torch.int64 and hs.shape == (25, K, H)
+        assert torch.equal(hs[20:25], data["id2"][1]) and torch.equal(tok[:20], data["id1"][0])
+    with safe_open(str(tmp_path / shards[3].file), framework="pt") as f:
+        assert json.loads(f.metadata()["samples"]) == [["id3", 0, 7], ["id5", 7, 1]]
+        assert torch.equal(f.get_tensor("hidden_states")[7:], data["id5"][1])
     assert not list(tmp_path.glob(".*.tmp"))
 
 
@@ -82,3 +85,94 @@ def test_reader_contract_and_dataloader_workers(tmp_path):
 def test_reader_without_manifest(tmp_path):
     with pytest.raises(FileNotFoundError, match="no manifest.json"):
         HiddenStatesDataset(tmp_path)
+
+
+def _writer(tmp_path, rows, threads=1):
+    cfg = ShardConfig(output_dir=str(tmp_path), max_shard_bytes=rows * (K * H * 2 + 8), writer_threads=threads)
+    return ShardWriter(cfg, [3, 5], H, torch.bfloat16)
+
+
+def test_dropped_and_interleaved_samples(tmp_path):
+    """Slots are filled out of order and one is dropped (an aborted request): the shard holds
+    exactly the committed samples, each in its own rows."""
+    w = _writer(tmp_path, rows=100)
+    data = {i: sample(i, n) for i, n in enumerate([4, 6, 3])}
+    slots = {i: w.reserve(f"id{i}", data[i][0]) for i in data}
+    slots[2].buf.copy_(data[2][1])
+    w.commit(slots[2])
+    w.drop(slots[1])
+    slots[0].buf[:2].copy_(data[0][1][:2])  # filled in two steps
+    slots[0].buf[2:].copy_(data[0][1][2:])
+    w.commit(slots[0])
+    with pytest.raises(RuntimeError, match="already committed or dropped"):
+        w.commit(slots[0])
+    (shard,) = w.close()
+    with safe_open(str(tmp_path / shard.file), framework="pt") as f:
+        assert json.loads(f.metadata()["samples"]) == [["id0", 0, 4], ["id2", 4, 3]]
+        hs = f.get_tensor("hidden_states")
+        assert torch.equal(hs[:4], data[0][1]) and torch.equal(hs[4:], data[2][1])
+
+
+def test_incomplete_samples_are_left_out_at_close(tmp_path):
+    w = _writer(tmp_path, rows=10)
+    tok, hs = sample(0, 8)
+    w.add("done", tok, hs)
+    w.reserve("half", sample(1, 5)[0])  # seals the first arena, waits for the rest that never comes
+    (shard,) = w.close()
+    assert shard.num_samples == 1 and shard.num_tokens == 8
+
+
+def test_memory_is_bounded_by_the_arena_pool(tmp_path, monkeypatch):
+    """More shards than threads + 1: arenas are reused, never more than the pool holds."""
+    import vllm_hidden.storage.shards as shards_mod
+
+    allocated = []
+    real = shards_mod.ShardWriter._new_buffer
+    monkeypatch.setattr(shards_mod.ShardWriter, "_new_buffer", lambda self, rows: allocated.append(rows) or real(self, rows))
+    w = _writer(tmp_path, rows=10, threads=2)
+    data = {}
+    for i in range(40):
+        data[f"id{i}"] = sample(i, 7)
+        w.add(f"id{i}", *data[f"id{i}"])
+    shards = w.close()
+    assert len(shards) == 40 and len(allocated) <= 3
+    assert [s.file for s in shards] == [f"shard-{i:05d}.safetensors" for i in range(40)]
+
+
+def test_write_failure_is_raised_with_the_directory(tmp_path):
+    w = _writer(tmp_path, rows=4)
+    (tmp_path / ".shard-00000.safetensors.tmp").mkdir()  # the temporary file cannot be created
+    tok, hs = sample(0, 3)
+    w.add("a", tok, hs)
+    w.add("b", tok, hs)  # seals shard 0 -> its write fails in a writer thread
+    with pytest.raises(OSError, match="writing a shard to .*IsADirectoryError"):
+        w.close()
+
+
+def test_reserve_blocks_while_every_arena_is_being_written(tmp_path, monkeypatch):
+    """Backpressure: with one writer thread (two arenas) and the disk stalled, the third
+    shard's reserve waits until a write finishes instead of allocating more memory."""
+    import threading
+
+    import vllm_hidden.storage.shards as shards_mod
+
+    gate = threading.Event()
+    real = shards_mod.write_safetensors
+
+    def slow(*a, **kw):
+        gate.wait(10)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(shards_mod, "write_safetensors", slow)
+    w = _writer(tmp_path, rows=4, threads=1)
+    tok, hs = sample(0, 3)
+    w.add("a", tok, hs)
+    w.add("b", tok, hs)  # shard 0 sealed -> writing (stalled); arena 2 filling
+    got = threading.Event()
+    t = threading.Thread(target=lambda: (w.add("c", tok, hs), got.set()))
+    t.start()  # shard 1 sealed -> queued behind the stalled write; no free arena for "c"
+    assert not got.wait(0.5)
+    gate.set()
+    assert got.wait(10)
+    t.join()
+    assert [s.num_samples for s in w.close()] == [1, 1, 1]

@@ -1,5 +1,10 @@
 """Host-side assembly: map each step's rows to requests (scheduler token order) and
-accumulate every request across steps (chunked prefill) until its prompt is complete."""
+accumulate every request across steps (chunked prefill) until its prompt is complete.
+
+Rows are copied once, from the pinned ring slot into the sample's final place, which a
+sink hands out: `reserve(sample_id, token_ids)` -> a slot whose `.buf` [T, K, H] is filled,
+then `commit(slot)` (or `drop(slot)` if the request was aborted). The shard writer is a
+sink (slots inside its shard arenas); `MemorySink` keeps each sample in its own tensor."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -52,23 +57,55 @@ class CaptureError(RuntimeError):
     pass
 
 
-class _Partial:
-    __slots__ = ("req", "buf", "filled")
+class Slot(Protocol):
+    buf: torch.Tensor  # [T, K, H], filled by the assembler
 
-    def __init__(self, req: NewRequest, shape_tail: tuple[int, int], dtype: torch.dtype) -> None:
+
+class Sink(Protocol):
+    def reserve(self, sample_id: Any, token_ids: list[int]) -> Slot: ...
+    def commit(self, slot: Any) -> None: ...
+    def drop(self, slot: Any) -> None: ...
+
+
+class _MemSlot:
+    __slots__ = ("sample_id", "token_ids", "buf")
+
+    def __init__(self, sample_id: Any, token_ids: list[int], buf: torch.Tensor) -> None:
+        self.sample_id, self.token_ids, self.buf = sample_id, token_ids, buf
+
+
+class MemorySink:
+    """Each sample in its own host tensor, handed to `on_sample` when complete."""
+
+    def __init__(self, row_shape: tuple[int, int], dtype: torch.dtype, on_sample: Callable[[Sample], None]) -> None:
+        self.row_shape, self.dtype, self.on_sample = tuple(row_shape), dtype, on_sample
+
+    def reserve(self, sample_id: Any, token_ids: list[int]) -> _MemSlot:
+        return _MemSlot(sample_id, token_ids, torch.empty((len(token_ids), *self.row_shape), dtype=self.dtype))
+
+    def commit(self, slot: _MemSlot) -> None:
+        self.on_sample(Sample(slot.sample_id, torch.tensor(slot.token_ids, dtype=torch.int64), slot.buf))
+
+    def drop(self, slot: _MemSlot) -> None:
+        pass
+
+
+class _Partial:
+    __slots__ = ("req", "slot", "total", "filled")
+
+    def __init__(self, req: NewRequest, slot: Slot) -> None:
         self.req = req
-        self.buf = torch.empty((len(req.token_ids), *shape_tail), dtype=dtype)
+        self.slot = slot
+        self.total = len(req.token_ids)
         self.filled = 0  # rows [0, filled) are valid
 
 
 class Assembler:
-    """Consumes StepRecords in order on one thread; hands finished samples to `emit`."""
+    """Consumes StepRecords in order on one thread; places finished samples in `sink`."""
 
-    def __init__(self, transfer: StepTransfer, emit: Callable[[Sample], None]) -> None:
+    def __init__(self, transfer: StepTransfer, sink: Sink) -> None:
         self.transfer = transfer
-        self.emit = emit
-        self._tail = transfer.shape[1:]
-        self._dtype = transfer.host[0].dtype
+        self.sink = sink
         self._pending: dict[str, NewRequest] = {}
         self._partial: dict[str, _Partial] = {}
         self.dropped: list[str] = []
@@ -77,7 +114,10 @@ class Assembler:
         self._pending.update(rec.new)
         for rid in rec.finished:
             # finished/aborted before its prompt was complete (normal completions left already)
-            if self._partial.pop(rid, None) is not None or self._pending.pop(rid, None) is not None:
+            part = self._partial.pop(rid, None)
+            if part is not None:
+                self.sink.drop(part.slot)
+            if part is not None or self._pending.pop(rid, None) is not None:
                 self.dropped.append(rid)
         host = self.transfer.wait(rec.slot)
         try:
@@ -92,8 +132,8 @@ class Assembler:
             req = self._pending.pop(seg.req_id, None)
             if req is None:
                 return  # a request we were not asked to capture
-            part = self._partial[seg.req_id] = _Partial(req, self._tail, self._dtype)
-        total = part.buf.shape[0]
+            part = self._partial[seg.req_id] = _Partial(req, self.sink.reserve(req.sample_id, req.token_ids))
+        total = part.total
         if seg.pos == 0:
             part.filled = 0  # first chunk, or recomputation after preemption
         elif seg.pos != part.filled:
@@ -103,11 +143,21 @@ class Assembler:
             )
         keep = min(seg.count, total - seg.pos)  # rows past the prompt are generated tokens
         if keep > 0:
-            part.buf[seg.pos : seg.pos + keep].copy_(host[seg.row : seg.row + keep])
+            part.slot.buf[seg.pos : seg.pos + keep].copy_(host[seg.row : seg.row + keep])
             part.filled = seg.pos + keep
         if part.filled >= total:
             del self._partial[seg.req_id]
-            self.emit(Sample(part.req.sample_id, torch.tensor(part.req.token_ids, dtype=torch.int64), part.buf))
+            self.sink.commit(part.slot)
+
+    def abandon(self) -> list[str]:
+        """Drop every request still incomplete (end of a run); returns their request ids."""
+        gone = list(self._partial) + list(self._pending)
+        for part in self._partial.values():
+            self.sink.drop(part.slot)
+        self._partial.clear()
+        self._pending.clear()
+        self.dropped.extend(gone)
+        return gone
 
     @property
     def in_flight(self) -> int:
@@ -115,7 +165,7 @@ class Assembler:
 
 
 class AssemblerThread:
-    """Runs an Assembler (and whatever `emit` does, e.g. shard writes) off the engine thread.
+    """Runs an Assembler (and its sink's bookkeeping) off the engine thread.
     The first error is kept and re-raised to the engine on its next step or at close."""
 
     def __init__(self, assembler: Assembler, cpus: set[int] | None = None) -> None:

@@ -152,7 +152,8 @@ def run_extract(cfg: ExtractConfig) -> Summary:
     if not max_prompt_len:
         raise ValueError(f"--max-model-len is required: {cfg.model!r} does not state max_position_embeddings")
     capture = CaptureConfig(layer_ids=tuple(layer_ids), ring_slots=cfg.ring_slots)
-    shard_cfg = ShardConfig(output_dir=str(cfg.output_dir), max_shard_bytes=cfg.max_shard_bytes)
+    shard_cfg = ShardConfig(output_dir=str(cfg.output_dir), max_shard_bytes=cfg.max_shard_bytes,
+                            writer_threads=cfg.writer_threads)
 
     from vllm_hidden.engine import compat
 

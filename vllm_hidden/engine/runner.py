@@ -52,9 +52,8 @@ class Capture:
             return False
         if self.thread is not None:
             raise RuntimeError("a capture sink is already open on this worker")
-        self.writer = ShardWriter(shard_cfg, list(self.cfg.layer_ids))
-        writer = self.writer
-        self.thread = AssemblerThread(Assembler(self.transfer, lambda s: writer.add(s.sample_id, s.token_ids, s.hidden_states)),
+        self.writer = ShardWriter(shard_cfg, list(self.cfg.layer_ids), self.hidden_size, self.transfer.device_buf.dtype)
+        self.thread = AssemblerThread(Assembler(self.transfer, self.writer),
                                       cpus=compat.cpus_off_the_forward(self.runner.device))
         return True
 
@@ -63,12 +62,23 @@ class Capture:
             return None
         thread, writer = self.thread, self.writer
         self.thread = self.writer = None
-        thread.close()
-        shards = writer.close()
+        error: BaseException | None = None
+        try:
+            thread.close()  # every queued step assembled
+        except BaseException as e:  # noqa: BLE001 - the writer must still be shut down
+            error = e
+        in_flight = thread.assembler.in_flight
+        thread.assembler.abandon()
+        try:
+            shards = writer.close()  # every shard durable
+        except BaseException as e:  # noqa: BLE001
+            error = error or e
+        if error is not None:
+            raise error
         return {
             "shards": [s.to_dict() for s in shards],
             "incomplete": list(thread.assembler.dropped),
-            "in_flight": thread.assembler.in_flight,
+            "in_flight": in_flight,
         }
 
     # -- per step ------------------------------------------------------------------

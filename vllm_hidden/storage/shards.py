@@ -1,17 +1,27 @@
-"""Shard writer: many samples per safetensors file, rolled at a size limit.
+"""Shard writer: many samples per safetensors file, rolled at a size limit, written by a
+pool of threads.
 
-Each shard holds `hidden_states` [R, K, H] (the samples' rows back to back), `token_ids`
-[R] int64, and in its metadata the per-sample index (id, row offset, token count). The file
-is written directly from the sample tensors' memory behind a valid safetensors header (no
-concatenation copy, no serialize-to-bytes copy), to a temporary name, fsynced, then renamed.
+Samples are assembled in place: each one gets rows in a preallocated host arena (one arena
+per shard being filled or written, reused), the assembler copies its rows there straight
+from the pinned ring, and the arena's file is written from that memory (no concatenation,
+no serialize-to-bytes) behind a valid safetensors header, to a temporary name, fsynced,
+then renamed. The pool of arenas is what bounds host memory: when every arena is full or
+being written, `reserve` blocks, the assembler stops taking steps, and the engine waits
+on the capture ring (backpressure instead of growth).
+
+Each shard holds `hidden_states` [R, K, H] (samples back to back), `token_ids` [R] int64,
+and in its metadata the per-sample index (id, row offset, token count).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import struct
+import threading
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +29,8 @@ from typing import Any
 import torch
 
 from vllm_hidden.config import ShardConfig
+
+log = logging.getLogger("vllm_hidden")
 
 FORMAT = "vllm-hidden/1"
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64"}
@@ -37,13 +49,16 @@ class ShardInfo:
 
 
 def _raw(t: torch.Tensor) -> memoryview:
-    t = t.contiguous()
+    if not t.is_contiguous():
+        raise ValueError(f"shard parts must be contiguous, got strides {t.stride()}")
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def write_safetensors(path: Path, tensors: dict[str, list[torch.Tensor]], metadata: dict[str, str]) -> tuple[int, str]:
+def write_safetensors(path: Path, tensors: dict[str, list[torch.Tensor]], metadata: dict[str, str],
+                      hasher: Executor | None = None) -> tuple[int, str]:
     """Write a safetensors file whose tensor `name` is the row-wise concatenation of the
-    listed parts, streaming each part's memory; fsync; returns (bytes, sha256 hex)."""
+    listed parts, streaming each part's memory; fsync; returns (bytes, sha256 hex). With
+    `hasher`, the sha256 runs there while this thread writes (both release the GIL)."""
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for name, parts in tensors.items():
@@ -61,71 +76,242 @@ def write_safetensors(path: Path, tensors: dict[str, list[torch.Tensor]], metada
         offset += nbytes
     hbytes = json.dumps(header, separators=(",", ":")).encode()
     hbytes += b" " * (-len(hbytes) % 8)
+    chunks = [memoryview(struct.pack("<Q", len(hbytes))), memoryview(hbytes)]
+    chunks += [_raw(p) for parts in tensors.values() for p in parts if p.numel()]
     h = hashlib.sha256()
+
+    def digest() -> None:
+        for c in chunks:
+            h.update(c)
+
+    pending = hasher.submit(digest) if hasher is not None else None
     total = 0
     with open(path, "wb") as f:
-        for chunk in (struct.pack("<Q", len(hbytes)), hbytes):
-            f.write(chunk)
-            h.update(chunk)
-            total += len(chunk)
-        for parts in tensors.values():
-            for p in parts:
-                mv = _raw(p)
-                f.write(mv)
-                h.update(mv)
-                total += len(mv)
+        for c in chunks:
+            f.write(c)
+            total += len(c)
         f.flush()
         os.fsync(f.fileno())
+    if pending is not None:
+        pending.result()
+    else:
+        digest()
     return total, h.hexdigest()
 
 
-class ShardWriter:
-    """Buffers finished samples and writes a shard whenever `max_shard_bytes` is reached."""
+class SampleSlot:
+    """Rows reserved for one sample; the assembler fills `buf` [T, K, H], then commits."""
 
-    def __init__(self, cfg: ShardConfig, layer_ids: list[int]) -> None:
+    __slots__ = ("arena", "sample_id", "token_ids", "row", "buf", "state")
+    RESERVED, COMMITTED, DROPPED = 0, 1, 2
+
+    def __init__(self, arena: "_Arena", sample_id: Any, token_ids: torch.Tensor, row: int) -> None:
+        self.arena = arena
+        self.sample_id = sample_id
+        self.token_ids = token_ids
+        self.row = row
+        self.buf = arena.buf[row : row + token_ids.shape[0]]
+        self.state = SampleSlot.RESERVED
+
+
+class _Arena:
+    __slots__ = ("buf", "rows", "slots", "pending", "sealed", "pooled")
+
+    def __init__(self, buf: torch.Tensor, pooled: bool) -> None:
+        self.buf = buf
+        self.rows = 0
+        self.slots: list[SampleSlot] = []
+        self.pending = 0
+        self.sealed = False
+        self.pooled = pooled
+
+    def add(self, sample_id: Any, token_ids: torch.Tensor) -> SampleSlot:
+        slot = SampleSlot(self, sample_id, token_ids, self.rows)
+        self.rows += token_ids.shape[0]
+        self.slots.append(slot)
+        self.pending += 1
+        return slot
+
+
+class ShardWriter:
+    """reserve() -> fill slot.buf -> commit() (or drop()); close() writes what is left and
+    returns every shard written. reserve/commit/drop are called from one thread (the
+    assembler); the files are written by `cfg.writer_threads` threads."""
+
+    def __init__(self, cfg: ShardConfig, layer_ids: list[int], hidden_size: int, dtype: torch.dtype) -> None:
+        if hidden_size < 1:
+            raise ValueError(f"hidden_size must be positive, got {hidden_size!r}")
+        if dtype not in _ST_DTYPES:
+            raise ValueError(f"unsupported hidden-state dtype {dtype}")
         self.cfg = cfg
         self.dir = Path(cfg.output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.layer_ids = list(layer_ids)
-        self.shards: list[ShardInfo] = []
-        self._samples: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
-        self._bytes = 0
+        self.dtype = dtype
+        self.row_shape = (len(self.layer_ids), hidden_size)
+        row_bytes = len(self.layer_ids) * hidden_size * dtype.itemsize + 8  # + the token id
+        self.rows_per_shard = max(1, cfg.max_shard_bytes // row_bytes)
+        # one arena being filled + one per writer thread; more only when every other arena
+        # waits for a sample still in prefill (chunked prompts), never while one is writing
+        self.max_arenas = cfg.writer_threads + 1
+        self._pool = ThreadPoolExecutor(cfg.writer_threads, thread_name_prefix="vllm-hidden-writer")
+        self._hasher = ThreadPoolExecutor(cfg.writer_threads, thread_name_prefix="vllm-hidden-sha")
+        self._cv = threading.Condition()
+        self._free: list[torch.Tensor] = []
+        self._allocated = 0
+        self._writing = 0
+        self._futures: list[Future] = []
+        self._current: _Arena | None = None
+        self._open: list[_Arena] = []  # not yet handed to a writer
+        self._next_shard = 0
+        self._shards: list[tuple[int, ShardInfo]] = []
+        self._error: BaseException | None = None
+        self._closed = False
+
+    # -- arenas ------------------------------------------------------------------------
+    def _new_buffer(self, rows: int) -> torch.Tensor:
+        # untouched until rows are filled: a small run costs only what it writes; arenas
+        # are reused, so the first-touch page faults are paid once per arena
+        return torch.empty((rows, *self.row_shape), dtype=self.dtype)
+
+    def _take_buffer(self) -> torch.Tensor:
+        with self._cv:
+            while True:
+                self._raise_error()
+                if self._free:
+                    return self._free.pop()
+                if self._allocated < self.max_arenas or self._writing == 0:
+                    if self._allocated >= self.max_arenas:
+                        log.warning("vllm-hidden: every shard arena waits on a prompt still in prefill; "
+                                    "allocating arena %d", self._allocated + 1)
+                    self._allocated += 1
+                    break
+                self._cv.wait()  # backpressure: a writer will hand an arena back
+        return self._new_buffer(self.rows_per_shard)
+
+    # -- samples -----------------------------------------------------------------------
+    def reserve(self, sample_id: Any, token_ids: Any) -> SampleSlot:
+        self._raise_error()
+        if self._closed:
+            raise RuntimeError("the shard writer is closed")
+        tok = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
+        n = tok.shape[0]
+        if n < 1:
+            raise ValueError(f"sample {sample_id!r} has no tokens")
+        if n > self.rows_per_shard:  # larger than a shard: a shard of its own
+            arena = _Arena(self._new_buffer(n), pooled=False)
+            self._open.append(arena)
+            slot = arena.add(sample_id, tok)
+            arena.sealed = True
+            return slot
+        a = self._current
+        if a is None or a.rows + n > self.rows_per_shard:
+            if a is not None:
+                self._seal(a)
+            a = self._current = _Arena(self._take_buffer(), pooled=True)
+            self._open.append(a)
+        return a.add(sample_id, tok)
+
+    def commit(self, slot: SampleSlot) -> None:
+        self._resolve(slot, SampleSlot.COMMITTED)
+
+    def drop(self, slot: SampleSlot) -> None:
+        self._resolve(slot, SampleSlot.DROPPED)
 
     def add(self, sample_id: Any, token_ids: torch.Tensor, hidden_states: torch.Tensor) -> None:
-        if hidden_states.dim() != 3 or hidden_states.shape[1] != len(self.layer_ids):
-            raise ValueError(
-                f"sample {sample_id!r}: hidden_states shape {tuple(hidden_states.shape)} does not "
-                f"match [T, {len(self.layer_ids)}, H]"
-            )
-        if token_ids.shape != (hidden_states.shape[0],):
-            raise ValueError(f"sample {sample_id!r}: {token_ids.shape[0]} token ids for {hidden_states.shape[0]} rows")
-        self._samples.append((sample_id, token_ids.to(torch.int64), hidden_states))
-        self._bytes += hidden_states.numel() * hidden_states.element_size() + token_ids.numel() * 8
-        if self._bytes >= self.cfg.max_shard_bytes:
-            self.flush()
+        """A whole sample at once (one copy into its shard's arena)."""
+        if tuple(hidden_states.shape[1:]) != self.row_shape or hidden_states.shape[0] != len(token_ids):
+            raise ValueError(f"sample {sample_id!r}: hidden_states shape {tuple(hidden_states.shape)} does not "
+                             f"match [{len(token_ids)}, {self.row_shape[0]}, {self.row_shape[1]}]")
+        slot = self.reserve(sample_id, token_ids)
+        slot.buf.copy_(hidden_states)
+        self.commit(slot)
 
-    def flush(self) -> ShardInfo | None:
-        if not self._samples:
-            return None
-        name = f"{self.cfg.prefix}-{len(self.shards):05d}.safetensors"
-        index, row = [], 0
-        for sid, tok, _ in self._samples:
-            index.append([sid, row, int(tok.shape[0])])
-            row += int(tok.shape[0])
-        meta = {"format": FORMAT, "layer_ids": json.dumps(self.layer_ids), "samples": json.dumps(index)}
-        tmp = self.dir / f".{name}.tmp"
-        nbytes, digest = write_safetensors(
-            tmp,
-            {"hidden_states": [s[2] for s in self._samples], "token_ids": [s[1] for s in self._samples]},
-            meta,
-        )
-        os.replace(tmp, self.dir / name)
-        info = ShardInfo(file=name, bytes=nbytes, sha256=digest, num_samples=len(index), num_tokens=row)
-        self.shards.append(info)
-        self._samples.clear()
-        self._bytes = 0
-        return info
+    def _resolve(self, slot: SampleSlot, state: int) -> None:
+        if slot.state != SampleSlot.RESERVED:
+            raise RuntimeError(f"sample {slot.sample_id!r} was already committed or dropped")
+        slot.state = state
+        a = slot.arena
+        a.pending -= 1
+        if a.sealed and a.pending == 0:
+            self._submit(a)
+        self._raise_error()
+
+    def _seal(self, a: _Arena) -> None:
+        a.sealed = True
+        if a.pending == 0:
+            self._submit(a)
+
+    def _submit(self, a: _Arena) -> None:
+        self._open.remove(a)
+        done = [s for s in a.slots if s.state == SampleSlot.COMMITTED]
+        if not done:
+            self._give_back(a)
+            return
+        index = self._next_shard
+        self._next_shard += 1
+        with self._cv:
+            self._writing += 1
+        self._futures.append(self._pool.submit(self._write, a, done, index))
+
+    def _give_back(self, a: _Arena) -> None:
+        with self._cv:
+            if a.pooled:
+                self._free.append(a.buf)
+            self._cv.notify_all()
+
+    # -- files -------------------------------------------------------------------------
+    def _write(self, a: _Arena, done: list[SampleSlot], index: int) -> None:
+        try:
+            name = f"{self.cfg.prefix}-{index:05d}.safetensors"
+            entries, row = [], 0
+            for s in done:
+                n = s.token_ids.shape[0]
+                entries.append([s.sample_id, row, n])
+                row += n
+            meta = {"format": FORMAT, "layer_ids": json.dumps(self.layer_ids), "samples": json.dumps(entries)}
+            tmp = self.dir / f".{name}.tmp"
+            nbytes, digest = write_safetensors(
+                tmp, {"hidden_states": [s.buf for s in done], "token_ids": [s.token_ids for s in done]}, meta,
+                hasher=self._hasher)
+            os.replace(tmp, self.dir / name)
+            info = ShardInfo(file=name, bytes=nbytes, sha256=digest, num_samples=len(done), num_tokens=row)
+            with self._cv:
+                self._shards.append((index, info))
+        except BaseException as e:  # noqa: BLE001 - surfaced to the assembler thread
+            log.exception("vllm-hidden: writing shard %d failed", index)
+            with self._cv:
+                if self._error is None:
+                    self._error = e
+        finally:
+            with self._cv:
+                self._writing -= 1
+            self._give_back(a)
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise OSError(f"writing a shard to {str(self.dir)!r} failed: {self._error!r}") from self._error
+
+    @property
+    def shards(self) -> list[ShardInfo]:
+        with self._cv:
+            return [info for _, info in sorted(self._shards, key=lambda x: x[0])]
 
     def close(self) -> list[ShardInfo]:
-        self.flush()
-        return list(self.shards)
+        """Write the shard being filled, wait for every write, return all shards in order.
+        Samples still reserved (never completed) are left out."""
+        if not self._closed:
+            self._closed = True
+            self._current = None
+            for a in list(self._open):
+                for s in a.slots:
+                    if s.state == SampleSlot.RESERVED:
+                        s.state = SampleSlot.DROPPED
+                        a.pending -= 1
+                self._seal(a)
+            for f in list(self._futures):
+                f.exception()  # wait; errors were recorded by _write
+            self._pool.shutdown(wait=True)
+            self._hasher.shutdown(wait=True)
+        self._raise_error()
+        return self.shards
