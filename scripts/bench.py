@@ -1,148 +1,405 @@
-"""Throughput of `vllm-hidden extract` vs plain vLLM prefill, same engine settings, same run.
+"""Prefill throughput: plain vLLM vs `vllm-hidden extract` vs vLLM's own extractor, on the
+same workloads and engine settings, in one session. One command:
 
-    python scripts/bench.py                       # CPU, tiny Qwen3-Next (the CI machine's scale)
-    python scripts/bench.py --model M --engine-arg=--gdn-prefill-backend --engine-arg=triton ...
+    # GPU host, Qwen3.6-27B text dims (random weights), BRIEF's W-chat and W-short:
+    python scripts/bench.py --qwen36-27b --workloads w-chat,w-short \
+        --cases plain,extract,extract-shm,upstream
+    # CPU, tiny random Qwen3-Next (the CI machine's scale):
+    python scripts/bench.py --workloads small --cases plain,extract
 
-Plain = the same prompts through vLLM with max_tokens=1 and nothing captured. Writes one
-JSON file (command, versions, git revision, both cases) under benchmarks/results/.
+Cases (each in its own process, so its peak host RSS is its own; the engine starts once per
+case and runs every workload):
+  plain        vLLM prefill, max_tokens=1, nothing captured
+  extract      vllm-hidden to local disk (--out-dir), output fully written before the clock stops
+  extract-shm  the same to tmpfs (--shm-dir)
+  upstream     vLLM's `extract_hidden_states` + ExampleHiddenStatesConnector to tmpfs, until
+               every file is written (its per-file locks released)
+  extract-tuned  extract with extra engine settings (--tuned-arg), vs plain at the reference ones
+Every output is verified after its clock stops: every sample present with its token ids,
+no NaN/inf, and (extract) every shard's sha256. Results: one JSON under benchmarks/results/
+(command, versions, git revision, per case and workload: tok/s, samples/s, ratio to plain,
+MFU, engine init, bytes, verification, peak RSS of the case's process tree).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import random
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+CASES = ("plain", "extract", "extract-shm", "upstream", "extract-tuned")
+# BRIEF's workloads: lognormal lengths clipped, random token ids, seed 0
+WORKLOADS = {
+    "w-chat": {"samples": 512, "median": 384, "sigma": 0.8, "min": 32, "max": 2048},
+    "w-short": {"samples": 4096, "median": 64, "sigma": 0.5, "min": 8, "max": 256},
+    "small": {"samples": 256, "median": 128, "sigma": 0.8, "min": 16, "max": 1024},  # CPU scale
+}
+# Qwen3.6-27B: FLOP per prefill token (2 x params + attention at these lengths), and the
+# H200's measured dense bf16 peak
+GFLOP_PER_TOKEN_27B = 48.7
+PEAK_TFLOPS_H200 = 790.0
+# The reference settings plain vLLM is measured at (BRIEF)
+REFERENCE_27B = ["--dtype", "bfloat16", "--max-num-batched-tokens", "16384", "--max-num-seqs", "256",
+                 "--gpu-memory-utilization", "0.85", "--gdn-prefill-backend", "triton"]
 
 
-def workload(n: int, median: float, sigma: float, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    import math
-
+def make_prompts(spec: dict, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     out = []
-    for _ in range(n):
-        length = int(min(hi, max(lo, round(rng.lognormvariate(math.log(median), sigma)))))
-        out.append([rng.randrange(vocab) for _ in range(length)])
+    for _ in range(spec["samples"]):
+        n = int(min(spec["max"], max(spec["min"], round(rng.lognormvariate(math.log(spec["median"]), spec["sigma"])))))
+        out.append([rng.randrange(vocab) for _ in range(n)])
     return out
 
 
-def run_plain(model: str, prompts: list[list[int]], engine_args: list[str], max_model_len: int) -> dict:
-    from vllm.v1.engine.llm_engine import LLMEngine
-
-    from vllm_hidden.engine import compat
-    from vllm_hidden.engine.driver import engine_args as build_engine_args
-
-    compat.pin_v1_runner()  # the runner extract uses
-    compat.spawn_on_cuda()
-    args = build_engine_args(model, engine_args, max_model_len)  # same settings, no capture
+# -- child side: one case, every workload ----------------------------------------------------
+def _timed_loop(engine, prompts: list[list[int]], params_for) -> tuple[float, list]:
+    """Feed prompts with at most 2 x max_num_seqs in flight (as extract does); returns the
+    wall time to the last finished request and the finished outputs."""
+    max_inflight = 2 * engine.vllm_config.scheduler_config.max_num_seqs
+    pending = list(enumerate(prompts))[::-1]
+    inflight, finished = 0, []
     t0 = time.perf_counter()
-    engine = LLMEngine.from_engine_args(args)
-    init = time.perf_counter() - t0
-    try:
-        max_inflight = 2 * engine.vllm_config.scheduler_config.max_num_seqs
-        sp = compat.prefill_sampling_params({})  # same params as extract, nothing marked for capture
-        pending = list(enumerate(prompts))[::-1]
-        inflight = 0
-        t1 = time.perf_counter()
-        while pending or inflight:
-            while pending and inflight < max_inflight:
-                i, p = pending.pop()
-                engine.add_request(str(i), {"prompt_token_ids": p}, sp)
-                inflight += 1
-            inflight -= sum(1 for o in engine.step() if o.finished)
-        dt = time.perf_counter() - t1
-    finally:
-        engine.engine_core.shutdown()
-    tokens = sum(map(len, prompts))
-    return {"tokens": tokens, "samples": len(prompts), "seconds": dt, "tokens_per_s": tokens / dt,
-            "samples_per_s": len(prompts) / dt, "engine_init_seconds": init}
+    while pending or inflight:
+        while pending and inflight < max_inflight:
+            i, p = pending.pop()
+            engine.add_request(str(i), {"prompt_token_ids": p}, params_for(i))
+            inflight += 1
+        for o in engine.step():
+            if o.finished:
+                inflight -= 1
+                finished.append(o)
+    return time.perf_counter() - t0, finished
 
 
-def run_extract(model: str, prompts: list[list[int]], engine_args: list[str], max_model_len: int, out: Path,
-                layers: str | None, max_shard_bytes: int | None) -> dict:
-    from vllm_hidden.config import ExtractConfig
-    from vllm_hidden.engine.driver import run_extract as extract
+def _check_finite(t) -> bool:
+    import torch
 
-    inp = out.parent / "bench-input.jsonl"
-    with open(inp, "w") as f:
-        for i, p in enumerate(prompts):
-            f.write(json.dumps({"id": i, "token_ids": p}) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    s = extract(ExtractConfig(model=model, input_path=str(inp), output_dir=str(out), layers=layers,
-                              max_model_len=max_model_len, progress=False, engine_args=engine_args,
-                              **({"max_shard_bytes": max_shard_bytes} if max_shard_bytes else {})))
-    d = s.to_dict()
+    return bool(torch.isfinite(t.float() if t.dtype == torch.bfloat16 else t).all())
+
+
+def verify_extract(out: Path, prompts: list[list[int]]) -> dict:
+    """Every sample present once with its token ids, every shard's sha256, no NaN/inf."""
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    from safetensors import safe_open
+
     from vllm_hidden.data import HiddenStatesDataset
     from vllm_hidden.storage.manifest import Manifest
 
+    m = Manifest.read(out)
+
+    def sha_ok(s) -> bool:
+        h = hashlib.sha256()
+        with open(out / s.file, "rb") as f:
+            while chunk := f.read(64 << 20):
+                h.update(chunk)
+        return h.hexdigest() == s.sha256
+
+    def finite(s) -> bool:
+        with safe_open(str(out / s.file), framework="pt") as f:
+            return _check_finite(f.get_tensor("hidden_states"))
+
+    with ThreadPoolExecutor(8) as pool:
+        sha = all(pool.map(sha_ok, m.shards))
+        fin = all(pool.map(finite, m.shards))
     ds = HiddenStatesDataset(out)
-    ids = {ds[i]["id"] for i in range(len(ds))}
-    d["verified_all_samples_present"] = ids == set(range(len(prompts)))
-    d["bytes_written"] = sum(x.bytes for x in Manifest.read(out).shards)
-    return d
+    seen = {}
+    for i in range(len(ds)):
+        s = ds[i]
+        seen.setdefault(s["id"], []).append(s["token_ids"].tolist())
+    present = set(seen) == set(range(len(prompts))) and all(len(v) == 1 for v in seen.values())
+    tokens_ok = present and all(seen[i][0] == p for i, p in enumerate(prompts))
+    return {"all_samples_present_once": present, "token_ids_match": tokens_ok, "checksums_ok": sha,
+            "finite": fin, "bytes": sum(s.bytes for s in m.shards), "shards": len(m.shards)}
+
+
+def run_plain(args: list[str], max_len: int, workloads: dict[str, list[list[int]]]) -> dict:
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from vllm_hidden.engine import compat
+    from vllm_hidden.engine.driver import engine_args
+
+    compat.pin_v1_runner()  # the runner extract uses
+    compat.spawn_on_cuda()
+    t0 = time.perf_counter()
+    engine = LLMEngine.from_engine_args(engine_args(args[0], args[1:], max_len))
+    init = time.perf_counter() - t0
+    sp = compat.prefill_sampling_params({})  # the params extract uses, nothing marked for capture
+    res = {"engine_init_seconds": init, "workloads": {}}
+    try:
+        for name, prompts in workloads.items():
+            dt, _ = _timed_loop(engine, prompts, lambda i: sp)
+            res["workloads"][name] = {"seconds": dt}
+    finally:
+        engine.engine_core.shutdown()
+    return res
+
+
+def run_extract(args: list[str], max_len: int, workloads: dict[str, list[list[int]]], out_root: Path,
+                inputs: dict[str, Path], layers: str | None, writer_threads: int | None) -> dict:
+    from vllm_hidden.config import ExtractConfig
+    from vllm_hidden.engine.driver import Extractor
+
+    shutil.rmtree(out_root, ignore_errors=True)
+    first = next(iter(workloads))
+    kw = {"writer_threads": writer_threads} if writer_threads else {}
+    cfg = ExtractConfig(model=args[0], input_path=str(inputs[first]), output_dir=str(out_root / first), layers=layers,
+                        max_model_len=max_len, progress=False, engine_args=args[1:], **kw)
+    res = {"workloads": {}}
+    with Extractor(cfg) as ex:
+        res["engine_init_seconds"] = ex.engine_init_seconds
+        res["layer_ids"] = ex.layer_ids
+        for name, prompts in workloads.items():
+            s = ex.run(str(inputs[name]), str(out_root / name)).to_dict()
+            v = verify_extract(out_root / name, prompts)
+            res["workloads"][name] = {"seconds": s["seconds"], "flush_seconds": s["flush_seconds"],
+                                      "capture_stats": s["capture_stats"], "verified": v}
+            shutil.rmtree(out_root / name)  # keep the disk for the next workload
+    return res
+
+
+def run_upstream(args: list[str], max_len: int, workloads: dict[str, list[list[int]]], out_root: Path,
+                 layer_ids: list[int]) -> dict:
+    """vLLM's own extractor: speculative method `extract_hidden_states` stores the aux
+    states in KV-cache blocks; ExampleHiddenStatesConnector writes one safetensors file per
+    request from a thread pool, each guarded by a lock file released when written."""
+    import fcntl
+
+    from safetensors.torch import load_file
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from vllm_hidden.engine import compat
+    from vllm_hidden.engine.driver import engine_args
+
+    compat.pin_v1_runner()
+    compat.spawn_on_cuda()
+    shutil.rmtree(out_root, ignore_errors=True)
+    out_root.mkdir(parents=True)
+    aux = [i + 1 for i in layer_ids]  # EAGLE-3 aux id = input of layer i+1
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux}}}
+    kv = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+          "kv_connector_extra_config": {"shared_storage_path": str(out_root)}}
+    t0 = time.perf_counter()
+    engine = LLMEngine.from_engine_args(engine_args(
+        args[0], [*args[1:], "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)], max_len))
+    res = {"engine_init_seconds": time.perf_counter() - t0, "aux_layer_ids": aux, "workloads": {}}
+    sp = compat.prefill_sampling_params({})
+    try:
+        for name, prompts in workloads.items():
+            t1 = time.perf_counter()
+            dt, outs = _timed_loop(engine, prompts, lambda i: sp)
+            paths = {int(o.request_id): (o.kv_transfer_params or {}).get("hidden_states_path") for o in outs}
+            for p in paths.values():  # the clock stops when every file is written
+                if p:
+                    with open(p + ".lock") as lf:
+                        fcntl.flock(lf, fcntl.LOCK_SH)
+            total = time.perf_counter() - t1
+            present = sorted(paths) == list(range(len(prompts))) and all(paths.values())
+            tokens_ok, finite, nbytes, shape = present, True, 0, None
+            for i, p in paths.items():
+                if not p or not os.path.exists(p):
+                    tokens_ok = False
+                    continue
+                d = load_file(p)
+                nbytes += os.path.getsize(p)
+                shape = list(d["hidden_states"].shape)
+                tokens_ok = tokens_ok and d["token_ids"].tolist() == prompts[i]
+                finite = finite and _check_finite(d["hidden_states"])
+            res["workloads"][name] = {"seconds": total, "engine_seconds": dt, "verified": {
+                "all_samples_present_once": present, "token_ids_match": tokens_ok, "finite": finite,
+                "checksums_ok": None, "bytes": nbytes, "files": len(paths), "last_shape": shape}}
+            for f in out_root.iterdir():
+                f.unlink()
+    finally:
+        engine.engine_core.shutdown()
+    return res
+
+
+def child(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    case = spec["case"]
+    workloads = {n: json.loads(Path(p).read_text()) for n, p in spec["prompts"].items()}
+    inputs = {n: Path(p) for n, p in spec["inputs"].items()}
+    args = [spec["model"], *spec["engine_args"]]
+    max_len = spec["max_model_len"]
+    if case == "plain":
+        res = run_plain(args, max_len, workloads)
+    elif case in ("extract", "extract-tuned"):
+        res = run_extract([*args, *(spec["tuned_args"] if case == "extract-tuned" else [])], max_len, workloads,
+                          Path(spec["out_dir"]) / case, inputs, spec["layers"], spec["writer_threads"])
+    elif case == "extract-shm":
+        res = run_extract(args, max_len, workloads, Path(spec["shm_dir"]) / case, inputs, spec["layers"],
+                          spec["writer_threads"])
+    elif case == "upstream":
+        res = run_upstream(args, max_len, workloads, Path(spec["shm_dir"]) / case, spec["layer_ids"])
+    else:
+        raise ValueError(f"unknown case {case!r}")
+    Path(spec["result"]).write_text(json.dumps(res))
+
+
+# -- parent side -------------------------------------------------------------------------------
+def run_case(spec: dict, work: Path) -> dict:
+    """Run one case in a child process; sample the RSS of its process tree (the engine core
+    and workers are its children) every 0.2 s."""
+    import psutil
+
+    spec_path = work / f"spec-{spec['case']}.json"
+    spec_path.write_text(json.dumps(spec))
+    proc = subprocess.Popen([sys.executable, __file__, "--child", str(spec_path)])
+    ps = psutil.Process(proc.pid)
+    peak = 0
+    stop = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not stop.wait(0.2):
+            try:
+                rss = sum(p.memory_info().rss for p in [ps, *ps.children(recursive=True)])
+            except psutil.Error:
+                continue
+            peak = max(peak, rss)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    rc = proc.wait()
+    stop.set()
+    t.join()
+    if rc != 0:
+        return {"error": f"case process exited with {rc}", "peak_rss_bytes": peak}
+    res = json.loads(Path(spec["result"]).read_text())
+    res["peak_rss_bytes"] = peak
+    return res
+
+
+def summarize(result: dict) -> None:
+    """Per workload: tok/s, samples/s, ratio to plain, MFU (27B only)."""
+    wl = result["workloads"]
+    for case, r in result["cases"].items():
+        for name, w in r.get("workloads", {}).items():
+            w["tokens"] = wl[name]["tokens"]
+            w["samples"] = wl[name]["samples"]
+            w["tokens_per_s"] = round(w["tokens"] / w["seconds"], 1)
+            w["samples_per_s"] = round(w["samples"] / w["seconds"], 2)
+            if result.get("gflop_per_token"):
+                w["mfu"] = round(w["tokens_per_s"] * result["gflop_per_token"] * 1e9 / (PEAK_TFLOPS_H200 * 1e12), 4)
+    plain = result["cases"].get("plain", {}).get("workloads", {})
+    for case, r in result["cases"].items():
+        for name, w in r.get("workloads", {}).items():
+            if name in plain:
+                w["ratio_to_plain"] = round(w["tokens_per_s"] / plain[name]["tokens_per_s"], 4)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="model dir (default: a tiny random Qwen3-Next written to .demo/bench-model)")
-    ap.add_argument("--samples", type=int, default=256)
-    ap.add_argument("--median", type=float, default=128)
-    ap.add_argument("--sigma", type=float, default=0.8)
-    ap.add_argument("--min-len", type=int, default=16)
-    ap.add_argument("--max-len", type=int, default=1024)
-    ap.add_argument("--layers", default=None)
-    ap.add_argument("--max-shard-bytes", type=int, default=None, help="extract's shard size (default: extract's default)")
-    ap.add_argument("--out", default=str(ROOT / ".demo" / "bench-out"))
-    ap.add_argument("--engine-arg", action="append", default=[], help="passed to vLLM (repeat)")
-    ap.add_argument("--result", default=None, help="result JSON path (default benchmarks/results/<name>.json)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help="model dir (default: a tiny random Qwen3-Next written to .bench/model)")
+    ap.add_argument("--qwen36-27b", action="store_true",
+                    help="Qwen3.6-27B text dims with random weights (load_format=dummy) at the reference settings")
+    ap.add_argument("--workloads", default="small", help=f"comma list of {sorted(WORKLOADS)}")
+    ap.add_argument("--cases", default="plain,extract", help=f"comma list of {CASES}")
+    ap.add_argument("--layers", default=None, help="layer ids (default: the DFlash default for the model)")
+    ap.add_argument("--max-model-len", type=int, default=4095, help="longest prompt (the engine gets +1)")
+    ap.add_argument("--writer-threads", type=int, default=None)
+    ap.add_argument("--work-dir", default=str(ROOT / ".bench"), help="inputs, models, and the extract disk output")
+    ap.add_argument("--shm-dir", default="/dev/shm/vllm-hidden-bench")
+    ap.add_argument("--engine-arg", action="append", default=[], help="passed to vLLM for every case (repeat)")
+    ap.add_argument("--tuned-arg", action="append", default=[], help="extra vLLM args for extract-tuned (repeat)")
+    ap.add_argument("--result", default=None, help="result JSON (default benchmarks/results/<kind>-<time>.json)")
+    ap.add_argument("--append", action="store_true", help="merge these cases into an existing --result")
     a = ap.parse_args()
+    if a.child:
+        child(a.child)
+        return
+
+    cases = [c for c in a.cases.split(",") if c]
+    names = [w for w in a.workloads.split(",") if w]
+    for c in cases:
+        if c not in CASES:
+            ap.error(f"--cases: unknown case {c!r}; choose from {CASES}")
+    for w in names:
+        if w not in WORKLOADS:
+            ap.error(f"--workloads: unknown workload {w!r}; choose from {sorted(WORKLOADS)}")
+    work = Path(a.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
 
     from transformers import AutoConfig
 
-    model = a.model
-    if model is None:
+    from vllm_hidden.layers import resolve_layer_ids
+
+    engine = list(a.engine_arg)
+    if a.qwen36_27b:
+        from vllm_hidden.demo import write_qwen36_27b_config
+
+        model = str(write_qwen36_27b_config(work / "qwen36-27b"))
+        engine = [*REFERENCE_27B, "--load-format", "dummy", "--language-model-only", *engine]
+        model_desc = "Qwen3.6-27B text dims, random weights (load_format=dummy), language_model_only"
+    elif a.model:
+        model, model_desc = a.model, a.model
+    else:
         from vllm_hidden.demo import make_tiny_model
 
-        model = str(make_tiny_model(ROOT / ".demo" / "bench-model"))
-        a.engine_arg = ["--dtype", "bfloat16", *a.engine_arg]
-    vocab = AutoConfig.from_pretrained(model).get_text_config().vocab_size
-    prompts = workload(a.samples, a.median, a.sigma, a.min_len, a.max_len, vocab)
-    plain = run_plain(model, prompts, a.engine_arg, a.max_len)
-    ext = run_extract(model, prompts, a.engine_arg, a.max_len, Path(a.out), a.layers, a.max_shard_bytes)
+        model = str(make_tiny_model(work / "model"))
+        engine = ["--dtype", "bfloat16", *engine]
+        model_desc = "tiny random Qwen3-Next (vllm_hidden.demo, 8 layers, hidden 256)"
+    text = AutoConfig.from_pretrained(model).get_text_config()
+    layer_ids = resolve_layer_ids(text.num_hidden_layers, a.layers, None, None)
+
+    prompts, inputs, wl_info = {}, {}, {}
+    for name in names:
+        ps = make_prompts(WORKLOADS[name], text.vocab_size)
+        prompts[name] = str(work / f"{name}.prompts.json")
+        Path(prompts[name]).write_text(json.dumps(ps))
+        inputs[name] = str(work / f"{name}.jsonl")
+        with open(inputs[name], "w") as f:
+            for i, p in enumerate(ps):
+                f.write(json.dumps({"id": i, "token_ids": p}) + "\n")
+        wl_info[name] = {**WORKLOADS[name], "seed": 0, "tokens": sum(map(len, ps)), "samples": len(ps)}
+
+    path = Path(a.result) if a.result else ROOT / "benchmarks" / "results" / (
+        f"{'gpu' if a.qwen36_27b else 'cpu'}-bench-{time.strftime('%Y%m%d-%H%M%S')}.json")
     import torch
     import vllm
 
     rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    result = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+    result = {"cases": {}}
+    if a.append and path.exists():
+        result = json.loads(path.read_text())
+    result.setdefault("commands", []).append(" ".join(["python", "scripts/bench.py", *sys.argv[1:]]))
+    result.update({
         "git_revision": rev,
         "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "python": platform.python_version()},
-        "machine": {"cpus": os.cpu_count(), "cuda": torch.cuda.is_available(),
-                    "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
-        "model": model if a.model else "tiny random Qwen3-Next (vllm_hidden.demo, 8 layers, hidden 256)",
-        "workload": {"samples": a.samples, "median": a.median, "sigma": a.sigma, "min": a.min_len, "max": a.max_len,
-                     "tokens": plain["tokens"], "seed": 0},
-        "engine_args": a.engine_arg,
-        "plain_vllm": plain,
-        "extract": ext,
-        "ratio_extract_vs_plain": ext["tokens_per_s"] / plain["tokens_per_s"],
-        # the same ratio without the final flush (last shard hashed, written, fsynced after the last request)
-        "ratio_during_run": (ext["tokens"] / (ext["seconds"] - ext["flush_seconds"])) / plain["tokens_per_s"],
-    }
-    path = Path(a.result) if a.result else ROOT / "benchmarks" / "results" / (
-        f"{'gpu' if torch.cuda.is_available() else 'cpu'}-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: result[k] for k in ("ratio_extract_vs_plain", "ratio_during_run")} | {
-        "plain_tok_s": round(plain["tokens_per_s"]), "extract_tok_s": round(ext["tokens_per_s"])}))
+        "machine": {"cpus": os.cpu_count(), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
+        "model": model_desc, "layer_ids": layer_ids, "engine_args": engine, "max_model_len": a.max_model_len + 1,
+        "tuned_args": a.tuned_arg, "gflop_per_token": GFLOP_PER_TOKEN_27B if a.qwen36_27b else None,
+        "peak_tflops": PEAK_TFLOPS_H200 if a.qwen36_27b else None,
+    })
+    result.setdefault("workloads", {}).update(wl_info)
+    for case in cases:
+        spec = {"case": case, "model": model, "engine_args": engine, "tuned_args": a.tuned_arg,
+                "max_model_len": a.max_model_len, "layers": ",".join(map(str, layer_ids)), "layer_ids": layer_ids,
+                "prompts": prompts, "inputs": inputs, "out_dir": str(work / "out"), "shm_dir": a.shm_dir,
+                "writer_threads": a.writer_threads, "result": str(work / f"result-{case}.json")}
+        print(f"bench: case {case} ...", flush=True)
+        result["cases"][case] = run_case(spec, work)
+        summarize(result)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))  # after every case: a later failure keeps the rest
+        short = {n: {k: w.get(k) for k in ("tokens_per_s", "ratio_to_plain", "mfu")}
+                 for n, w in result["cases"][case].get("workloads", {}).items()}
+        print(f"bench: {case}: {json.dumps(short)} {result['cases'][case].get('error', '')}", flush=True)
     print(f"wrote {path}")
 
 

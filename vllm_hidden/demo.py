@@ -1,6 +1,8 @@
 """Tiny random models written locally (no downloads): the demo's default model and the
 test fixtures. Each is a real HF checkpoint (config, safetensors weights, tokenizer with a
-chat template) that both vLLM and HF Transformers load."""
+chat template) that both vLLM and HF Transformers load. Also Qwen3.5/3.6-shaped ones: a
+checkpoint at Qwen3.6-27B's widths with few layers, and a config alone for vLLM's dummy
+weights at full size."""
 
 from __future__ import annotations
 
@@ -116,6 +118,126 @@ def make_tiny_model(
             if p.dim() >= 2:
                 p.normal_(0.0, 1.0 if "embed" in name else 0.04)
     model.to(torch.bfloat16).save_pretrained(str(path))
+    _write_tokenizer(path, vocab_size, seed)
+    stamp.write_text(json.dumps(spec))
+    return path
+
+
+# -- Qwen3.5 / Qwen3.6 (Qwen3_5ForConditionalGeneration) ---------------------------------------
+
+QWEN36_27B_VISION = dict(
+    depth=27, hidden_size=1152, hidden_act="gelu_pytorch_tanh", intermediate_size=4304, num_heads=16,
+    in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=5120,
+    num_position_embeddings=2304, deepstack_visual_indexes=[], initializer_range=0.02,
+)
+
+
+def qwen36_27b_text_config(num_layers: int = 64, vocab_size: int = 248320) -> dict:
+    """Qwen3.6-27B's text config (HF `Qwen3_5TextConfig` kwargs): dense MLP, every 4th layer
+    full (gated) attention, the rest Gated DeltaNet; `num_layers` and `vocab_size` may shrink."""
+    return dict(
+        model_type="qwen3_5_text",
+        vocab_size=vocab_size,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=num_layers,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)],
+        full_attention_interval=4,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        attn_output_gate=True,
+        attention_bias=False,
+        attention_dropout=0.0,
+        linear_num_key_heads=16,
+        linear_num_value_heads=48,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        mamba_ssm_dtype="float32",
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        max_position_embeddings=262144,
+        partial_rotary_factor=0.25,
+        rope_parameters=dict(rope_type="default", rope_theta=10_000_000, partial_rotary_factor=0.25,
+                             mrope_section=[11, 11, 10], mrope_interleaved=True),
+        initializer_range=0.02,
+        use_cache=True,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    )
+
+
+def _qwen35_config(text: dict, vision: dict) -> dict:
+    """The top-level `qwen3_5` config.json as the released checkpoints lay it out."""
+    return {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "text_config": text,
+        "vision_config": {"model_type": "qwen3_5", **vision},
+        "image_token_id": 248056,
+        "video_token_id": 248057,
+        "vision_start_token_id": 248053,
+        "vision_end_token_id": 248054,
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+    }
+
+
+def write_qwen36_27b_config(path: str | Path, num_layers: int = 64) -> Path:
+    """Write only a config.json with Qwen3.6-27B's shapes, for vLLM's `--load-format dummy`
+    (random full-size weights, nothing to read). Start the engine with `--language-model-only`
+    (no vision tower, no image processor files needed) and feed token ids: the directory has
+    no tokenizer (vLLM runs with `skip_tokenizer_init`)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = _qwen35_config(qwen36_27b_text_config(num_layers), QWEN36_27B_VISION)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return path
+
+
+def make_qwen35_model(path: str | Path, num_layers: int = 4, vocab_size: int = 4096, seed: int = 0) -> Path:
+    """Write a random `Qwen3_5ForConditionalGeneration` checkpoint with Qwen3.6-27B's widths but
+    few layers and a small vocabulary (bf16 safetensors, tiny vision tower, tiny tokenizer;
+    idempotent: reuses a complete one). Weights are drawn on the GPU when there is one, so the
+    values depend on the device; HF and vLLM read the same files either way."""
+    import math
+
+    import torch
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    path = Path(path)
+    stamp = path / "vllm_hidden_tiny.json"
+    spec = {"arch": "qwen3_5", "num_layers": num_layers, "vocab_size": vocab_size, "seed": seed}
+    if stamp.is_file() and json.loads(stamp.read_text()) == spec:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    text = {**qwen36_27b_text_config(num_layers, vocab_size), "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+    vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=text["hidden_size"])
+    top = _qwen35_config(text, vision)
+    cfg = Qwen3_5Config(**{k: v for k, v in top.items() if k not in ("architectures", "model_type")})
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen3_5ForConditionalGeneration._from_config(cfg, dtype=torch.bfloat16)
+    gen = torch.Generator(device).manual_seed(seed)
+    with torch.no_grad():
+        # HF's init (std 0.02 at width 5120) makes every layer a near-identity. Width-aware
+        # instead: O(1) embeddings and std 0.64/sqrt(fan_in) for every matrix (the depthwise
+        # conv's fan-in is its kernel size) keep activations O(1) and make neighbouring layers
+        # differ by well over 5%, while bf16 rounding stays under 1%. Norms, A_log and dt_bias
+        # keep HF's init.
+        for name, p in model.named_parameters():
+            if name.startswith("model.visual."):
+                continue
+            if "embed_tokens" in name:
+                p.normal_(0.0, 1.0, generator=gen)
+            elif p.dim() >= 2:
+                p.normal_(0.0, 0.64 / math.sqrt(p.shape[-1]), generator=gen)
+    model.save_pretrained(str(path))
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # leave the GPU to the engine started next
     _write_tokenizer(path, vocab_size, seed)
     stamp.write_text(json.dumps(spec))
     return path

@@ -12,6 +12,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -109,6 +110,7 @@ class Assembler:
         self._pending: dict[str, NewRequest] = {}
         self._partial: dict[str, _Partial] = {}
         self.dropped: list[str] = []
+        self.wait_copy_s = 0.0  # waiting for D2H copies to land
 
     def process(self, rec: StepRecord) -> None:
         self._pending.update(rec.new)
@@ -119,7 +121,9 @@ class Assembler:
                 self.sink.drop(part.slot)
             if part is not None or self._pending.pop(rid, None) is not None:
                 self.dropped.append(rid)
+        t0 = time.perf_counter()
         host = self.transfer.wait(rec.slot)
+        self.wait_copy_s += time.perf_counter() - t0
         try:
             for seg in rec.segments:
                 self._take(seg, host)
@@ -173,6 +177,7 @@ class AssemblerThread:
         self.cpus = cpus
         self._q: queue.Queue[StepRecord | None] = queue.Queue()
         self.error: BaseException | None = None
+        self.busy_s = 0.0  # processing steps, incl. waiting for their copies
         self._t = threading.Thread(target=self._run, name="vllm-hidden-assembler", daemon=True)
         self._t.start()
 
@@ -186,11 +191,13 @@ class AssemblerThread:
             if self.error is not None:
                 self.assembler.transfer.release(rec.slot)
                 continue
+            t0 = time.perf_counter()
             try:
                 self.assembler.process(rec)
             except BaseException as e:  # noqa: BLE001 - surfaced to the engine thread
                 log.exception("vllm-hidden: capture consumer failed")
                 self.error = e
+            self.busy_s += time.perf_counter() - t0
 
     def check(self) -> None:
         if self.error is not None:

@@ -45,16 +45,15 @@ def model_info(model: str) -> ModelInfo:
     )
 
 
-def check_paths(cfg: ExtractConfig) -> None:
+def check_paths(model: str, input_path: str, output_dir: str) -> None:
     """Fail before the (slow) engine start on anything we can check up front."""
-    if not Path(cfg.input_path).is_file():
-        raise ValueError(f"--input: no such file {cfg.input_path!r}")
-    m = cfg.model
-    if (m.startswith((".", "/", "~")) or Path(m).exists()) and not Path(m).expanduser().is_dir():
-        raise ValueError(f"--model: no such model directory {m!r}")
-    out = Path(cfg.output_dir)
+    if not Path(input_path).is_file():
+        raise ValueError(f"--input: no such file {input_path!r}")
+    if (model.startswith((".", "/", "~")) or Path(model).exists()) and not Path(model).expanduser().is_dir():
+        raise ValueError(f"--model: no such model directory {model!r}")
+    out = Path(output_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"--output: {cfg.output_dir!r} exists and is not empty; choose a new directory")
+        raise ValueError(f"--output: {output_dir!r} exists and is not empty; choose a new directory")
 
 
 def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: CaptureConfig | None = None, *,
@@ -100,6 +99,7 @@ class Summary:
     engine_init_seconds: float = 0.0
     flush_seconds: float = 0.0  # from the last finished request to every shard durable
     output_dir: str = ""
+    capture_stats: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -110,6 +110,7 @@ class Summary:
             "tokens_per_s": round(self.tokens / self.seconds, 1) if self.seconds else 0.0,
             "samples_per_s": round(self.samples / self.seconds, 2) if self.seconds else 0.0,
             "output_dir": self.output_dir,
+            "capture_stats": self.capture_stats,
         }
 
 
@@ -142,114 +143,152 @@ class _Progress:
             self.p.stop()
 
 
-def run_extract(cfg: ExtractConfig) -> Summary:
-    check_paths(cfg)
-    info = model_info(cfg.model)
-    layer_ids = resolve_layer_ids(info.num_layers, cfg.layers, cfg.aux_layers, cfg.layers_from)
-    if cfg.max_model_len and info.max_positions and cfg.max_model_len > info.max_positions:
-        raise ValueError(f"--max-model-len {cfg.max_model_len} is above the model's limit of {info.max_positions} positions")
-    max_prompt_len = cfg.max_model_len or info.max_positions
-    if not max_prompt_len:
-        raise ValueError(f"--max-model-len is required: {cfg.model!r} does not state max_position_embeddings")
-    capture = CaptureConfig(layer_ids=tuple(layer_ids), ring_slots=cfg.ring_slots)
-    shard_cfg = ShardConfig(output_dir=str(cfg.output_dir), max_shard_bytes=cfg.max_shard_bytes,
-                            writer_threads=cfg.writer_threads)
+class Extractor:
+    """One engine with the capture path on; `run` any number of prompt files through it
+    (each into its own output directory). `run_extract` is one Extractor, one run."""
 
-    from vllm_hidden.engine import compat
+    def __init__(self, cfg: ExtractConfig) -> None:
+        self.engine = None
+        check_paths(cfg.model, cfg.input_path, cfg.output_dir)
+        self.cfg = cfg
+        self.info = info = model_info(cfg.model)
+        self.layer_ids = resolve_layer_ids(info.num_layers, cfg.layers, cfg.aux_layers, cfg.layers_from)
+        if cfg.max_model_len and info.max_positions and cfg.max_model_len > info.max_positions:
+            raise ValueError(f"--max-model-len {cfg.max_model_len} is above the model's limit of {info.max_positions} positions")
+        self.max_prompt_len = cfg.max_model_len or info.max_positions
+        if not self.max_prompt_len:
+            raise ValueError(f"--max-model-len is required: {cfg.model!r} does not state max_position_embeddings")
+        capture = CaptureConfig(layer_ids=tuple(self.layer_ids), ring_slots=cfg.ring_slots)
 
-    compat.check_version()
-    compat.pin_v1_runner()
-    compat.spawn_on_cuda()
-    if info.max_positions is not None and max_prompt_len + 1 > info.max_positions:
-        compat.allow_long_max_model_len()
+        from vllm_hidden.engine import compat
 
-    def load_tokenizer():
+        compat.check_version()
+        compat.pin_v1_runner()
+        compat.spawn_on_cuda()
+        if info.max_positions is not None and self.max_prompt_len + 1 > info.max_positions:
+            compat.allow_long_max_model_len()
+        args = engine_args(cfg.model, cfg.engine_args, self.max_prompt_len, capture, dtype=cfg.dtype,
+                           max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs)
+
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        t0 = time.perf_counter()
+        self.engine = LLMEngine.from_engine_args(args)
+        self.engine_init_seconds = time.perf_counter() - t0
+
+    def __enter__(self) -> "Extractor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.engine_core.shutdown()
+            self.engine = None
+
+    def _tokenizer(self):
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(cfg.model)
+        return AutoTokenizer.from_pretrained(self.cfg.model)
 
-    reader = PromptReader(cfg.input_path, vocab_size=info.vocab_size, max_prompt_len=max_prompt_len,
-                          tokenizer_loader=load_tokenizer)
-    total = count_lines(cfg.input_path)
-    args = engine_args(cfg.model, cfg.engine_args, max_prompt_len, capture, dtype=cfg.dtype,
-                       max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs)
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    def run(self, input_path: str, output_dir: str, progress: bool | None = None) -> Summary:
+        from vllm_hidden.engine import compat
+        from vllm_hidden.engine.runner import REQUEST_KEY
 
-    from vllm.v1.engine.llm_engine import LLMEngine
+        cfg, engine = self.cfg, self.engine
+        if engine is None:
+            raise RuntimeError("the extractor is closed")
+        check_paths(cfg.model, input_path, output_dir)
+        shard_cfg = ShardConfig(output_dir=str(output_dir), max_shard_bytes=cfg.max_shard_bytes,
+                                writer_threads=cfg.writer_threads)
+        reader = PromptReader(input_path, vocab_size=self.info.vocab_size, max_prompt_len=self.max_prompt_len,
+                              tokenizer_loader=self._tokenizer)
+        total = count_lines(input_path)
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        summary = Summary(engine_init_seconds=self.engine_init_seconds, output_dir=str(out))
+        errors_f = None
 
-    from vllm_hidden.engine.runner import REQUEST_KEY
+        def record_error(bad: BadLine) -> None:
+            nonlocal errors_f
+            if errors_f is None:
+                errors_f = open(out / ERRORS, "w")
+            errors_f.write(json.dumps(bad.to_dict()) + "\n")
+            summary.errors += 1
 
-    t0 = time.perf_counter()
-    engine = LLMEngine.from_engine_args(args)
-    summary = Summary(engine_init_seconds=time.perf_counter() - t0, output_dir=str(out))
-    errors_f = None
-
-    def record_error(bad: BadLine) -> None:
-        nonlocal errors_f
-        if errors_f is None:
-            errors_f = open(out / ERRORS, "w")
-        errors_f.write(json.dumps(bad.to_dict()) + "\n")
-        summary.errors += 1
-
-    progress = _Progress(total, cfg.progress)
-    try:
-        opened = engine.collective_rpc("vllm_hidden_open", args=(shard_cfg.to_dict(),))
-        if not any(opened):
-            raise RuntimeError("no worker opened a capture sink")
-        max_inflight = 2 * engine.vllm_config.scheduler_config.max_num_seqs
-        inflight: dict[str, int] = {}
-        prompts = iter(reader)
-        exhausted = False
-        t1 = time.perf_counter()
-        while True:
-            while not exhausted and len(inflight) < max_inflight:
-                item = next(prompts, None)
-                if item is None:
-                    exhausted = True
-                    break
-                if isinstance(item, BadLine):
-                    record_error(item)
+        bar = _Progress(total, cfg.progress if progress is None else progress)
+        opened = False
+        try:
+            opened = any(engine.collective_rpc("vllm_hidden_open", args=(shard_cfg.to_dict(),)))
+            if not opened:
+                raise RuntimeError("no worker opened a capture sink")
+            max_inflight = 2 * engine.vllm_config.scheduler_config.max_num_seqs
+            inflight: dict[str, int] = {}
+            prompts = iter(reader)
+            exhausted = False
+            t1 = time.perf_counter()
+            while True:
+                while not exhausted and len(inflight) < max_inflight:
+                    item = next(prompts, None)
+                    if item is None:
+                        exhausted = True
+                        break
+                    if isinstance(item, BadLine):
+                        record_error(item)
+                        continue
+                    rid = str(item.line)
+                    params = compat.prefill_sampling_params({REQUEST_KEY: item.id})
+                    try:
+                        engine.add_request(rid, {"prompt_token_ids": item.token_ids}, params)
+                    except ValueError as e:  # the engine's own validation
+                        record_error(BadLine(item.line, item.id, f"rejected by the engine: {e}"))
+                        continue
+                    inflight[rid] = len(item.token_ids)
+                if not inflight:
+                    if exhausted:
+                        break
                     continue
-                rid = str(item.line)
-                params = compat.prefill_sampling_params({REQUEST_KEY: item.id})
+                for o in engine.step():
+                    if o.finished and o.request_id in inflight:
+                        summary.tokens += inflight.pop(o.request_id)
+                        summary.samples += 1
+                bar.update(summary.samples, summary.tokens, summary.errors)
+            t2 = time.perf_counter()
+            opened = False
+            result = engine.collective_rpc("vllm_hidden_close")
+            summary.seconds = time.perf_counter() - t1
+            summary.flush_seconds = time.perf_counter() - t2
+        finally:
+            bar.close()
+            if errors_f is not None:
+                errors_f.close()
+            if opened:  # failed mid-run: stop the writer threads, keep the engine usable
                 try:
-                    engine.add_request(rid, {"prompt_token_ids": item.token_ids}, params)
-                except ValueError as e:  # the engine's own validation
-                    record_error(BadLine(item.line, item.id, f"rejected by the engine: {e}"))
-                    continue
-                inflight[rid] = len(item.token_ids)
-            if not inflight:
-                if exhausted:
-                    break
-                continue
-            for o in engine.step():
-                if o.finished and o.request_id in inflight:
-                    summary.tokens += inflight.pop(o.request_id)
-                    summary.samples += 1
-            progress.update(summary.samples, summary.tokens, summary.errors)
-        t2 = time.perf_counter()
-        result = engine.collective_rpc("vllm_hidden_close")
-        summary.seconds = time.perf_counter() - t1
-        summary.flush_seconds = time.perf_counter() - t2
-    finally:
-        progress.close()
-        if errors_f is not None:
-            errors_f.close()
-        engine.engine_core.shutdown()
-    res = next(r for r in result if r is not None)
-    summary.shards = [ShardInfo(**s) for s in res["shards"]]
-    written = sum(s.num_samples for s in summary.shards)
-    if written != summary.samples or res["incomplete"]:
-        raise RuntimeError(f"engine finished {summary.samples} samples but {written} were written "
-                           f"(incomplete: {res['incomplete'][:5]}, still assembling: {res['in_flight']})")
-    mc = engine.vllm_config.model_config
-    Manifest(
-        model=cfg.model, layer_ids=layer_ids, layer_semantics=SEMANTICS, num_model_layers=info.num_layers,
-        hidden_size=info.hidden_size, dtype=str(mc.dtype).replace("torch.", ""), shards=summary.shards,
-        num_errors=summary.errors, errors_file=ERRORS if summary.errors else None,
-        versions={"vllm": compat.VLLM_VERSION, "vllm_hidden": __version__},
-        engine={"max_model_len": max_prompt_len, "max_num_batched_tokens": engine.vllm_config.scheduler_config.max_num_batched_tokens,
-                "max_num_seqs": engine.vllm_config.scheduler_config.max_num_seqs, "enforce_eager": mc.enforce_eager},
-    ).write(out)
-    return summary
+                    engine.collective_rpc("vllm_hidden_close")
+                except Exception:  # noqa: BLE001 - the original error is what matters
+                    log.exception("vllm-hidden: closing the capture sink after a failure")
+        res = next(r for r in result if r is not None)
+        summary.shards = [ShardInfo(**s) for s in res["shards"]]
+        summary.capture_stats = res.get("stats", {})
+        written = sum(s.num_samples for s in summary.shards)
+        if written != summary.samples or res["incomplete"]:
+            raise RuntimeError(f"engine finished {summary.samples} samples but {written} were written "
+                               f"(incomplete: {res['incomplete'][:5]}, still assembling: {res['in_flight']})")
+        mc = engine.vllm_config.model_config
+        info = self.info
+        Manifest(
+            model=cfg.model, layer_ids=self.layer_ids, layer_semantics=SEMANTICS, num_model_layers=info.num_layers,
+            hidden_size=info.hidden_size, dtype=str(mc.dtype).replace("torch.", ""), shards=summary.shards,
+            num_errors=summary.errors, errors_file=ERRORS if summary.errors else None,
+            versions={"vllm": compat.VLLM_VERSION, "vllm_hidden": __version__},
+            engine={"max_model_len": self.max_prompt_len,
+                    "max_num_batched_tokens": engine.vllm_config.scheduler_config.max_num_batched_tokens,
+                    "max_num_seqs": engine.vllm_config.scheduler_config.max_num_seqs, "enforce_eager": mc.enforce_eager},
+        ).write(out)
+        return summary
+
+
+def run_extract(cfg: ExtractConfig) -> Summary:
+    with Extractor(cfg) as ex:
+        return ex.run(cfg.input_path, cfg.output_dir)

@@ -10,6 +10,7 @@ to which request; assembly and writing run on a separate thread.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from vllm_hidden.capture.assembler import Assembler, AssemblerThread, CaptureError, NewRequest, Segment, StepRecord
@@ -45,6 +46,7 @@ class Capture:
         self.writer: ShardWriter | None = None
         self._tracked: set[str] = set()
         self.order = cfg.emit_order
+        self._stats = _StepStats()
 
     # -- control (via worker RPC) ---------------------------------------------------
     def open(self, shard_cfg: ShardConfig) -> bool:
@@ -55,6 +57,7 @@ class Capture:
         self.writer = ShardWriter(shard_cfg, list(self.cfg.layer_ids), self.hidden_size, self.transfer.device_buf.dtype)
         self.thread = AssemblerThread(Assembler(self.transfer, self.writer),
                                       cpus=compat.cpus_off_the_forward(self.runner.device))
+        self._stats = _StepStats()
         return True
 
     def close(self) -> dict[str, Any] | None:
@@ -75,10 +78,14 @@ class Capture:
             error = error or e
         if error is not None:
             raise error
+        asm = thread.assembler
+        stats = {**self._stats.to_dict(), "assembler_busy_s": round(thread.busy_s, 3),
+                 "assembler_wait_copy_s": round(asm.wait_copy_s, 3), **writer.stats()}
         return {
             "shards": [s.to_dict() for s in shards],
-            "incomplete": list(thread.assembler.dropped),
+            "incomplete": list(asm.dropped),
             "in_flight": in_flight,
+            "stats": stats,
         }
 
     # -- per step ------------------------------------------------------------------
@@ -122,9 +129,31 @@ class Capture:
             raise CaptureError(f"step rows {row} != scheduled tokens {n}; cannot map rows to requests")
         if not any_tracked:
             return
+        st = self._stats
+        t0 = time.perf_counter()
         slot = self.transfer.acquire()  # blocks while the host side is behind (backpressure)
+        t1 = time.perf_counter()
         self.transfer.submit([aux[i] for i in self.order], n, slot)  # gathered in layer_ids order
         thread.put(StepRecord(slot, n, segments, new, frozenset(finished)))
+        st.steps += 1
+        st.rows += n
+        st.acquire_wait_s += t1 - t0
+        st.submit_s += time.perf_counter() - t1
+
+
+class _StepStats:
+    """Engine-thread cost of capture, per run: time blocked on a free ring slot
+    (backpressure from the host side) and time launching the gather + copy."""
+
+    __slots__ = ("steps", "rows", "acquire_wait_s", "submit_s")
+
+    def __init__(self) -> None:
+        self.steps = self.rows = 0
+        self.acquire_wait_s = self.submit_s = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "rows": self.rows, "engine_acquire_wait_s": round(self.acquire_wait_s, 3),
+                "engine_submit_s": round(self.submit_s, 3)}
 
 
 def install_capture(runner: Any, cfg: CaptureConfig) -> Capture:

@@ -21,6 +21,7 @@ import logging
 import os
 import struct
 import threading
+import time
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -167,6 +168,8 @@ class ShardWriter:
         self._shards: list[tuple[int, ShardInfo]] = []
         self._error: BaseException | None = None
         self._closed = False
+        self._write_s = 0.0  # summed over writer threads
+        self._reserve_wait_s = 0.0  # assembler blocked on a free arena (backpressure)
 
     # -- arenas ------------------------------------------------------------------------
     def _new_buffer(self, rows: int) -> torch.Tensor:
@@ -175,10 +178,12 @@ class ShardWriter:
         return torch.empty((rows, *self.row_shape), dtype=self.dtype)
 
     def _take_buffer(self) -> torch.Tensor:
+        t0 = time.perf_counter()
         with self._cv:
             while True:
                 self._raise_error()
                 if self._free:
+                    self._reserve_wait_s += time.perf_counter() - t0
                     return self._free.pop()
                 if self._allocated < self.max_arenas or self._writing == 0:
                     if self._allocated >= self.max_arenas:
@@ -187,6 +192,7 @@ class ShardWriter:
                     self._allocated += 1
                     break
                 self._cv.wait()  # backpressure: a writer will hand an arena back
+            self._reserve_wait_s += time.perf_counter() - t0
         return self._new_buffer(self.rows_per_shard)
 
     # -- samples -----------------------------------------------------------------------
@@ -262,6 +268,7 @@ class ShardWriter:
 
     # -- files -------------------------------------------------------------------------
     def _write(self, a: _Arena, done: list[SampleSlot], index: int) -> None:
+        t0 = time.perf_counter()
         try:
             name = f"{self.cfg.prefix}-{index:05d}.safetensors"
             entries, row = [], 0
@@ -286,11 +293,17 @@ class ShardWriter:
         finally:
             with self._cv:
                 self._writing -= 1
+                self._write_s += time.perf_counter() - t0
             self._give_back(a)
 
     def _raise_error(self) -> None:
         if self._error is not None:
             raise OSError(f"writing a shard to {str(self.dir)!r} failed: {self._error!r}") from self._error
+
+    def stats(self) -> dict[str, Any]:
+        with self._cv:
+            return {"writer_threads": self.cfg.writer_threads, "arenas": self._allocated,
+                    "writer_busy_s": round(self._write_s, 3), "arena_wait_s": round(self._reserve_wait_s, 3)}
 
     @property
     def shards(self) -> list[ShardInfo]:

@@ -1,0 +1,113 @@
+"""GPU host only (skipped without CUDA): the capture hook on a Qwen3.5/3.6 checkpoint
+(`Qwen3_5ForConditionalGeneration`, served with --language-model-only) at Qwen3.6-27B's widths
+with 4 layers (3 Gated DeltaNet, then 1 gated full attention), with torch.compile + CUDA graphs
+(vLLM defaults) and with enforce_eager, checked against HF Transformers in float32 on the same
+weights. Run: `pytest -q -s tests/gpu` on the GPU host."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+BOUND = 1e-2
+NEIGHBOUR = 5e-2  # captured layer k must differ from HF's layers k-1 and k+1 by more than this
+LAYERS = [0, 1, 2, 3]  # every layer; 3 is the last, compared before the final norm
+VOCAB = 4096
+MAX_LEN = 2048
+BATCHED = 512  # below the long prompts' lengths, so they prefill in chunks
+ENGINE = ["--gdn-prefill-backend", "triton", "--language-model-only", "--gpu-memory-utilization", "0.5",
+          "--max-num-seqs", "64"]
+
+
+def _prompts(path, vocab=VOCAB, seed=0):
+    rng = random.Random(seed)
+    lengths = [1, 2000] + [int(min(2000, max(1, rng.lognormvariate(5.5, 1.2)))) for _ in range(22)]
+    good = {f"s{i}": [rng.randrange(vocab) for _ in range(n)] for i, n in enumerate(lengths)}
+    good["exact"] = [rng.randrange(vocab) for _ in range(MAX_LEN)]
+    with open(path, "w") as f:
+        for sid, ids in good.items():
+            f.write(json.dumps({"id": sid, "token_ids": ids}) + "\n")
+    return good
+
+
+def _rel(got, ref):
+    return ((got - ref).norm() / ref.norm()).item()
+
+
+def test_gpu_qwen35_capture_matches_hf_graphs_and_eager(tmp_path):
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from vllm_hidden.config import ExtractConfig
+    from vllm_hidden.data import HiddenStatesDataset
+    from vllm_hidden.demo import make_qwen35_model
+    from vllm_hidden.engine.driver import run_extract
+
+    t0 = time.perf_counter()
+    model = make_qwen35_model(tmp_path / "qwen3_5-4", num_layers=len(LAYERS), vocab_size=VOCAB)
+    build_s = time.perf_counter() - t0
+    good = _prompts(tmp_path / "in.jsonl")
+    outs, summaries = {}, {}
+    for mode, extra in (("graphs", []), ("eager", ["--enforce-eager"])):
+        outs[mode] = tmp_path / mode
+        s = run_extract(ExtractConfig(model=str(model), input_path=str(tmp_path / "in.jsonl"),
+                                      output_dir=str(outs[mode]), layers=",".join(map(str, LAYERS)),
+                                      max_model_len=MAX_LEN, max_num_batched_tokens=BATCHED, dtype="bfloat16",
+                                      progress=False, engine_args=ENGINE + extra))
+        assert s.samples == len(good) and s.errors == 0
+        summaries[mode] = s.to_dict()
+        print(f"qwen3_5 {mode}: {summaries[mode]}")
+
+    # vLLM's engines are shut down; the float32 reference (~6 GB of weights) has the GPU to itself
+    t1 = time.perf_counter()
+    hf = Qwen3_5ForConditionalGeneration.from_pretrained(str(model), dtype=torch.float32).cuda().eval()
+    decoder = hf.model.language_model.layers
+    assert len(decoder) == len(LAYERS)
+    last = {}
+    decoder[-1].register_forward_hook(lambda m, i, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
+    ds = {m: HiddenStatesDataset(p) for m, p in outs.items()}
+    by_id = {m: {d[i]["id"]: d[i] for i in range(len(d))} for m, d in ds.items()}
+    worst = {m: [0.0] * len(LAYERS) for m in outs}
+    worst_modes = [0.0] * len(LAYERS)
+    min_neighbour = [float("inf")] * len(LAYERS)
+    for sid, ids in good.items():
+        with torch.no_grad():
+            r = hf(torch.tensor([ids], device="cuda"), output_hidden_states=True, use_cache=False)
+        # states[0] = embeddings, states[k + 1] = output of layer k (the last one before the final norm)
+        states = [h[0] for h in r.hidden_states[: len(LAYERS)]] + [last["h"][0]]
+        del r
+        got = {}
+        for m in outs:
+            smp = by_id[m][sid]
+            assert smp["token_ids"].tolist() == ids
+            got[m] = smp["hidden_states"].cuda().float()
+            for k, layer in enumerate(LAYERS):
+                err = _rel(got[m][:, k], states[layer + 1])
+                worst[m][k] = max(worst[m][k], err)
+                assert err <= BOUND, (m, sid, layer, err)
+        for k in range(len(LAYERS)):
+            diff = _rel(got["eager"][:, k], got["graphs"][:, k])
+            worst_modes[k] = max(worst_modes[k], diff)
+            assert diff <= BOUND, ("eager vs graphs", sid, LAYERS[k], diff)
+        if len(ids) >= 1000:  # off-by-one guard: each capture is far from the neighbouring layers' states
+            for k, layer in enumerate(LAYERS):
+                for j in (layer, layer + 2):  # HF index of layer - 1 (embeddings for layer 0) and of layer + 1
+                    if j < len(states):
+                        d = _rel(got["graphs"][:, k], states[j])
+                        min_neighbour[k] = min(min_neighbour[k], d)
+                        assert d > NEIGHBOUR, ("neighbour", sid, layer, j, d)
+    hf_s = time.perf_counter() - t1
+    assert all(v < float("inf") for v in min_neighbour)
+    print(f"qwen3_5 worst rel L2 per layer {LAYERS}: {worst}; eager vs graphs {worst_modes}; "
+          f"min neighbour-layer rel L2 {min_neighbour}; build {build_s:.1f}s, HF reference {hf_s:.1f}s")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "gpu-parity-qwen3_5.json"), "w") as f:
+            json.dump({"arch": "qwen3_5", "worst_rel_l2": worst, "layers": LAYERS, "eager_vs_graphs": worst_modes,
+                       "min_neighbour_rel_l2": min_neighbour, "build_seconds": round(build_s, 1),
+                       "hf_reference_seconds": round(hf_s, 1), "extract": summaries}, f)
