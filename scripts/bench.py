@@ -274,9 +274,17 @@ def run_case(spec: dict, work: Path) -> dict:
 
     t = threading.Thread(target=sample, daemon=True)
     t.start()
-    rc = proc.wait()
-    stop.set()
-    t.join()
+    try:
+        rc = proc.wait()
+    finally:  # interrupted (or timed out): take the engine processes down with us
+        stop.set()
+        t.join()
+        if proc.poll() is None:
+            for p in [*ps.children(recursive=True), ps]:
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
     if rc != 0:
         return {"error": f"case process exited with {rc}", "peak_rss_bytes": peak}
     res = json.loads(Path(spec["result"]).read_text())
@@ -320,6 +328,9 @@ def main() -> None:
     ap.add_argument("--result", default=None, help="result JSON (default benchmarks/results/<kind>-<time>.json)")
     ap.add_argument("--append", action="store_true", help="merge these cases into an existing --result")
     a = ap.parse_args()
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run finally blocks on `timeout`
     if a.child:
         child(a.child)
         return
