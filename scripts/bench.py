@@ -16,7 +16,7 @@ case and runs every workload):
                every file is written (its per-file locks released)
   extract-tuned  extract with extra engine settings (--tuned-arg), vs plain at the reference ones
 Every output is verified after its clock stops: every sample present with its token ids,
-no NaN/inf, and (extract) every shard's sha256. Results: one JSON under benchmarks/results/
+no NaN/inf, and (extract) every shard's checksum. Results: one JSON under benchmarks/results/
 (command, versions, git revision, per case and workload: tok/s, samples/s, ratio to plain,
 MFU, engine init, bytes, verification, peak RSS of the case's process tree).
 """
@@ -63,6 +63,35 @@ def make_prompts(spec: dict, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 # -- child side: one case, every workload ----------------------------------------------------
+class RssPeak:
+    """Peak RSS of this process and its children (the engine core, workers) while the block
+    runs, sampled every 0.1 s."""
+
+    def __enter__(self) -> "RssPeak":
+        import psutil
+
+        me = psutil.Process()
+        self.peak = 0
+        self._stop = threading.Event()
+
+        def sample() -> None:
+            while True:
+                try:
+                    self.peak = max(self.peak, sum(p.memory_info().rss for p in [me, *me.children(recursive=True)]))
+                except psutil.Error:
+                    pass
+                if self._stop.wait(0.1):
+                    return
+
+        self._t = threading.Thread(target=sample, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()
+
+
 def _timed_loop(engine, prompts: list[list[int]], params_for) -> tuple[float, list]:
     """Feed prompts with at most 2 x max_num_seqs in flight (as extract does); returns the
     wall time to the last finished request and the finished outputs."""
@@ -85,34 +114,32 @@ def _timed_loop(engine, prompts: list[list[int]], params_for) -> tuple[float, li
 def _check_finite(t) -> bool:
     import torch
 
-    return bool(torch.isfinite(t.float() if t.dtype == torch.bfloat16 else t).all())
+    if t.dtype == torch.bfloat16:  # NaN/inf <=> exponent bits all ones; no float copy of GBs
+        return not bool(((t.view(torch.int16) & 0x7F80) == 0x7F80).any())
+    return bool(torch.isfinite(t).all())
 
 
 def verify_extract(out: Path, prompts: list[list[int]]) -> dict:
-    """Every sample present once with its token ids, every shard's sha256, no NaN/inf."""
-    import hashlib
+    """Every sample present once with its token ids, every shard's checksum, no NaN/inf."""
     from concurrent.futures import ThreadPoolExecutor
 
     from safetensors import safe_open
 
     from vllm_hidden.data import HiddenStatesDataset
     from vllm_hidden.storage.manifest import Manifest
+    from vllm_hidden.storage.shards import file_checksum
 
     m = Manifest.read(out)
 
-    def sha_ok(s) -> bool:
-        h = hashlib.sha256()
-        with open(out / s.file, "rb") as f:
-            while chunk := f.read(64 << 20):
-                h.update(chunk)
-        return h.hexdigest() == s.sha256
+    def sum_ok(s) -> bool:
+        return file_checksum(out / s.file) == s.blake3
 
     def finite(s) -> bool:
         with safe_open(str(out / s.file), framework="pt") as f:
             return _check_finite(f.get_tensor("hidden_states"))
 
     with ThreadPoolExecutor(8) as pool:
-        sha = all(pool.map(sha_ok, m.shards))
+        sha = all(pool.map(sum_ok, m.shards))
         fin = all(pool.map(finite, m.shards))
     ds = HiddenStatesDataset(out)
     seen = {}
@@ -140,8 +167,9 @@ def run_plain(args: list[str], max_len: int, workloads: dict[str, list[list[int]
     res = {"engine_init_seconds": init, "workloads": {}}
     try:
         for name, prompts in workloads.items():
-            dt, _ = _timed_loop(engine, prompts, lambda i: sp)
-            res["workloads"][name] = {"seconds": dt}
+            with RssPeak() as rss:
+                dt, _ = _timed_loop(engine, prompts, lambda i: sp)
+            res["workloads"][name] = {"seconds": dt, "peak_rss_bytes_during_run": rss.peak}
     finally:
         engine.engine_core.shutdown()
     return res
@@ -162,10 +190,12 @@ def run_extract(args: list[str], max_len: int, workloads: dict[str, list[list[in
         res["engine_init_seconds"] = ex.engine_init_seconds
         res["layer_ids"] = ex.layer_ids
         for name, prompts in workloads.items():
-            s = ex.run(str(inputs[name]), str(out_root / name)).to_dict()
+            with RssPeak() as rss:
+                s = ex.run(str(inputs[name]), str(out_root / name)).to_dict()
             v = verify_extract(out_root / name, prompts)
             res["workloads"][name] = {"seconds": s["seconds"], "flush_seconds": s["flush_seconds"],
-                                      "capture_stats": s["capture_stats"], "verified": v}
+                                      "peak_rss_bytes_during_run": rss.peak, "capture_stats": s["capture_stats"],
+                                      "verified": v}
             shutil.rmtree(out_root / name)  # keep the disk for the next workload
     return res
 
@@ -199,14 +229,15 @@ def run_upstream(args: list[str], max_len: int, workloads: dict[str, list[list[i
     sp = compat.prefill_sampling_params({})
     try:
         for name, prompts in workloads.items():
-            t1 = time.perf_counter()
-            dt, outs = _timed_loop(engine, prompts, lambda i: sp)
-            paths = {int(o.request_id): (o.kv_transfer_params or {}).get("hidden_states_path") for o in outs}
-            for p in paths.values():  # the clock stops when every file is written
-                if p:
-                    with open(p + ".lock") as lf:
-                        fcntl.flock(lf, fcntl.LOCK_SH)
-            total = time.perf_counter() - t1
+            with RssPeak() as rss:
+                t1 = time.perf_counter()
+                dt, outs = _timed_loop(engine, prompts, lambda i: sp)
+                paths = {int(o.request_id): (o.kv_transfer_params or {}).get("hidden_states_path") for o in outs}
+                for p in paths.values():  # the clock stops when every file is written
+                    if p:
+                        with open(p + ".lock") as lf:
+                            fcntl.flock(lf, fcntl.LOCK_SH)
+                total = time.perf_counter() - t1
             present = sorted(paths) == list(range(len(prompts))) and all(paths.values())
             tokens_ok, finite, nbytes, shape = present, True, 0, None
             for i, p in paths.items():
@@ -218,7 +249,8 @@ def run_upstream(args: list[str], max_len: int, workloads: dict[str, list[list[i
                 shape = list(d["hidden_states"].shape)
                 tokens_ok = tokens_ok and d["token_ids"].tolist() == prompts[i]
                 finite = finite and _check_finite(d["hidden_states"])
-            res["workloads"][name] = {"seconds": total, "engine_seconds": dt, "verified": {
+            res["workloads"][name] = {"seconds": total, "engine_seconds": dt, "peak_rss_bytes_during_run": rss.peak,
+                                      "verified": {
                 "all_samples_present_once": present, "token_ids_match": tokens_ok, "finite": finite,
                 "checksums_ok": None, "bytes": nbytes, "files": len(paths), "last_shape": shape}}
             for f in out_root.iterdir():
@@ -253,7 +285,8 @@ def child(spec_path: str) -> None:
 # -- parent side -------------------------------------------------------------------------------
 def run_case(spec: dict, work: Path) -> dict:
     """Run one case in a child process; sample the RSS of its process tree (the engine core
-    and workers are its children) every 0.2 s."""
+    and workers are its children) every 0.2 s, start to end (engine start and output
+    verification included; each workload's run alone is `peak_rss_bytes_during_run`)."""
     import psutil
 
     spec_path = work / f"spec-{spec['case']}.json"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
+import blake3
 import json
 import os
 import subprocess
@@ -51,4 +51,4 @@ def verify_checksums(out: Path) -> None:
     for s in m["shards"]:
         raw = (out / s["file"]).read_bytes()
         assert len(raw) == s["bytes"], s
-        assert hashlib.sha256(raw).hexdigest() == s["sha256"], s
+        assert blake3.blake3(raw).hexdigest() == s["blake3"], s

@@ -1,4 +1,4 @@
-import hashlib
+import blake3
 import json
 
 import pytest
@@ -39,7 +39,7 @@ def test_shards_hold_at_most_the_size_limit_and_are_valid_safetensors(tmp_path):
     assert [(s.num_samples, s.num_tokens) for s in shards] == [(1, 10), (2, 25), (1, 30), (2, 8)]
     for s in shards:
         raw = (tmp_path / s.file).read_bytes()
-        assert len(raw) == s.bytes and hashlib.sha256(raw).hexdigest() == s.sha256
+        assert len(raw) == s.bytes and blake3.blake3(raw).hexdigest() == s.blake3
     with safe_open(str(tmp_path / shards[1].file), framework="pt") as f:
         index = json.loads(f.metadata()["samples"])
         assert index == [["id1", 0, 20], ["id2", 20, 5]]
@@ -93,8 +93,8 @@ def _writer(tmp_path, rows, threads=1):
 
 
 def test_dropped_and_interleaved_samples(tmp_path):
-    """Slots are filled out of order and one is dropped (an aborted request): the shard holds
-    exactly the committed samples, each in its own rows."""
+    """Slots are filled out of order and one is dropped (an aborted request): the index lists
+    exactly the committed samples at their rows; the dropped one's rows are zeros."""
     w = _writer(tmp_path, rows=100)
     data = {i: sample(i, n) for i, n in enumerate([4, 6, 3])}
     slots = {i: w.reserve(f"id{i}", data[i][0]) for i in data}
@@ -108,9 +108,13 @@ def test_dropped_and_interleaved_samples(tmp_path):
         w.commit(slots[0])
     (shard,) = w.close()
     with safe_open(str(tmp_path / shard.file), framework="pt") as f:
-        assert json.loads(f.metadata()["samples"]) == [["id0", 0, 4], ["id2", 4, 3]]
-        hs = f.get_tensor("hidden_states")
-        assert torch.equal(hs[:4], data[0][1]) and torch.equal(hs[4:], data[2][1])
+        assert json.loads(f.metadata()["samples"]) == [["id0", 0, 4], ["id2", 10, 3]]
+        hs, tok = f.get_tensor("hidden_states"), f.get_tensor("token_ids")
+        assert torch.equal(hs[:4], data[0][1]) and torch.equal(hs[10:], data[2][1])
+        assert not hs[4:10].any() and not tok[4:10].any() and torch.equal(tok[10:], data[2][0])
+    assert shard.num_samples == 2 and shard.num_tokens == 7
+    assert blake3.blake3((tmp_path / shard.file).read_bytes()).hexdigest() == shard.blake3
+
 
 
 def test_incomplete_samples_are_left_out_at_close(tmp_path):
@@ -141,7 +145,7 @@ def test_memory_is_bounded_by_the_arena_pool(tmp_path, monkeypatch):
 
 def test_write_failure_is_raised_with_the_directory(tmp_path):
     w = _writer(tmp_path, rows=4)
-    (tmp_path / ".shard-00000.safetensors.tmp").mkdir()  # the temporary file cannot be created
+    (tmp_path / "shard-00000.safetensors").mkdir()  # the finished file cannot take its name
     tok, hs = sample(0, 3)
     w.add("a", tok, hs)
     w.add("b", tok, hs)  # seals shard 0 -> its write fails in a writer thread
@@ -157,13 +161,13 @@ def test_reserve_blocks_while_every_arena_is_being_written(tmp_path, monkeypatch
     import vllm_hidden.storage.shards as shards_mod
 
     gate = threading.Event()
-    real = shards_mod.write_safetensors
+    real = shards_mod.ShardWriter._finish_file
 
-    def slow(*a, **kw):
+    def slow(self, *args):
         gate.wait(10)
-        return real(*a, **kw)
+        return real(self, *args)
 
-    monkeypatch.setattr(shards_mod, "write_safetensors", slow)
+    monkeypatch.setattr(shards_mod.ShardWriter, "_finish_file", slow)
     w = _writer(tmp_path, rows=4, threads=1)
     tok, hs = sample(0, 3)
     w.add("a", tok, hs)

@@ -1,28 +1,34 @@
-"""Shard writer: many samples per safetensors file, rolled at a size limit, written by a
-pool of threads.
+"""Shard writer: many samples per safetensors file, rolled at a size limit, streamed to disk
+while the run goes on, by a pool of threads.
 
-Samples are assembled in place: each one gets rows in a preallocated host arena (one arena
-per shard being filled or written, reused), the assembler copies its rows there straight
-from the pinned ring, and the arena's file is written from that memory (no concatenation,
-no serialize-to-bytes) behind a valid safetensors header, to a temporary name, fsynced,
-then renamed. The pool of arenas is what bounds host memory: when every arena is full or
-being written, `reserve` blocks, the assembler stops taking steps, and the engine waits
-on the capture ring (backpressure instead of growth).
+Samples are assembled in place: each one gets rows in a preallocated host arena (one per
+shard being filled or finished, reused), laid out as the shard's `hidden_states` tensor.
+The assembler copies rows there straight from the pinned ring. Each arena has its shard's
+temporary file open: completed samples are written to their final offsets (`pwrite`, no
+concatenation, no serialize-to-bytes) as they complete, behind room reserved for the
+safetensors header, and synced every so often. When the arena is full and its last sample
+complete, only the header (index, shapes) and token ids are left to write, then fsync, a
+BLAKE3 of the file (computed from memory, multi-threaded) and the rename to its final name.
+So the end of a run waits for the last few samples, not for a whole shard.
 
-Each shard holds `hidden_states` [R, K, H] (samples back to back), `token_ids` [R] int64,
-and in its metadata the per-sample index (id, row offset, token count).
+The pool of arenas bounds host memory: when every arena is full or being finished,
+`reserve` blocks, the assembler stops taking steps, and the engine waits on the capture
+ring (backpressure instead of growth).
+
+A shard holds `hidden_states` [R, K, H], `token_ids` [R] int64, and in its metadata the
+per-sample index [id, row offset, token count]. Rows the index does not list (a request
+aborted mid-prefill) are zeros.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import struct
 import threading
 import time
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -34,14 +40,18 @@ from vllm_hidden.config import ShardConfig
 log = logging.getLogger("vllm_hidden")
 
 FORMAT = "vllm-hidden/1"
+CHECKSUM = "blake3"
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64"}
+_WRITE_BATCH = 32 << 20  # completed rows handed to a writer thread in batches of this size
+_SYNC_EVERY = 256 << 20  # fdatasync as data accumulates, so the final fsync has little left
+_HEADER_FIXED = 4096  # header bytes besides the sample index (tensor entries, format, layer ids)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ShardInfo:
     file: str
     bytes: int
-    sha256: str
+    blake3: str
     num_samples: int
     num_tokens: int
 
@@ -55,49 +65,24 @@ def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def write_safetensors(path: Path, tensors: dict[str, list[torch.Tensor]], metadata: dict[str, str],
-                      hasher: Executor | None = None) -> tuple[int, str]:
-    """Write a safetensors file whose tensor `name` is the row-wise concatenation of the
-    listed parts, streaming each part's memory; fsync; returns (bytes, sha256 hex). With
-    `hasher`, the sha256 runs there while this thread writes (both release the GIL)."""
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for name, parts in tensors.items():
-        if not parts:
-            raise ValueError(f"tensor {name!r} has no parts")
-        dtype, tail = parts[0].dtype, tuple(parts[0].shape[1:])
-        for p in parts:
-            if p.dtype != dtype or tuple(p.shape[1:]) != tail:
-                raise ValueError(f"tensor {name!r}: part {tuple(p.shape)} {p.dtype} does not match {tail} {dtype}")
-        if dtype not in _ST_DTYPES:
-            raise ValueError(f"tensor {name!r}: unsupported dtype {dtype}")
-        rows = sum(p.shape[0] for p in parts)
-        nbytes = sum(p.numel() * p.element_size() for p in parts)
-        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": [rows, *tail], "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    hbytes = json.dumps(header, separators=(",", ":")).encode()
-    hbytes += b" " * (-len(hbytes) % 8)
-    chunks = [memoryview(struct.pack("<Q", len(hbytes))), memoryview(hbytes)]
-    chunks += [_raw(p) for parts in tensors.values() for p in parts if p.numel()]
-    h = hashlib.sha256()
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
 
-    def digest() -> None:
-        for c in chunks:
-            h.update(c)
 
-    pending = hasher.submit(digest) if hasher is not None else None
-    total = 0
-    with open(path, "wb") as f:
-        for c in chunks:
-            f.write(c)
-            total += len(c)
-        f.flush()
-        os.fsync(f.fileno())
-    if pending is not None:
-        pending.result()
-    else:
-        digest()
-    return total, h.hexdigest()
+def file_checksum(path: str | os.PathLike[str]) -> str:
+    """BLAKE3 (hex) of a file, as recorded in the manifest (`b3sum` prints the same)."""
+    import blake3
+
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    h.update_mmap(str(path))
+    return h.hexdigest()
+
+
+def _entry_bytes(sample_id: Any, row: int, count: int) -> int:
+    # the index is a JSON string inside the JSON header: quotes and backslashes get escaped
+    return len(json.dumps(json.dumps([sample_id, row, count]))) + 1
 
 
 class SampleSlot:
@@ -116,28 +101,39 @@ class SampleSlot:
 
 
 class _Arena:
-    __slots__ = ("buf", "rows", "slots", "pending", "sealed", "pooled")
+    """One shard in the making: its rows in memory, its temporary file, its pending writes."""
 
-    def __init__(self, buf: torch.Tensor, pooled: bool) -> None:
+    __slots__ = ("buf", "rows", "slots", "pending", "sealed", "pooled", "tmp", "fd", "index_bytes", "batch",
+                 "batch_bytes", "writes", "unsynced")
+
+    def __init__(self, buf: torch.Tensor, pooled: bool, tmp: Path) -> None:
         self.buf = buf
         self.rows = 0
         self.slots: list[SampleSlot] = []
-        self.pending = 0
+        self.pending = 0  # reserved, not yet committed or dropped
         self.sealed = False
         self.pooled = pooled
+        self.tmp = tmp
+        self.fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.index_bytes = 0
+        self.batch: list[SampleSlot] = []  # committed, not yet handed to a writer
+        self.batch_bytes = 0
+        self.writes: list[Future] = []
+        self.unsynced = 0
 
-    def add(self, sample_id: Any, token_ids: torch.Tensor) -> SampleSlot:
+    def add(self, sample_id: Any, token_ids: torch.Tensor, entry_bytes: int) -> SampleSlot:
         slot = SampleSlot(self, sample_id, token_ids, self.rows)
         self.rows += token_ids.shape[0]
         self.slots.append(slot)
         self.pending += 1
+        self.index_bytes += entry_bytes
         return slot
 
 
 class ShardWriter:
-    """reserve() -> fill slot.buf -> commit() (or drop()); close() writes what is left and
+    """reserve() -> fill slot.buf -> commit() (or drop()); close() finishes what is left and
     returns every shard written. reserve/commit/drop are called from one thread (the
-    assembler); the files are written by `cfg.writer_threads` threads."""
+    assembler); files are written by `cfg.writer_threads` threads."""
 
     def __init__(self, cfg: ShardConfig, layer_ids: list[int], hidden_size: int, dtype: torch.dtype) -> None:
         if hidden_size < 1:
@@ -150,20 +146,25 @@ class ShardWriter:
         self.layer_ids = list(layer_ids)
         self.dtype = dtype
         self.row_shape = (len(self.layer_ids), hidden_size)
-        row_bytes = len(self.layer_ids) * hidden_size * dtype.itemsize + 8  # + the token id
-        self.rows_per_shard = max(1, cfg.max_shard_bytes // row_bytes)
+        self.row_bytes = len(self.layer_ids) * hidden_size * dtype.itemsize
+        self.rows_per_shard = max(1, cfg.max_shard_bytes // (self.row_bytes + 8))  # + the token id
+        # Room for the header at the front of each file, so rows can be written at their final
+        # offsets before the index is known; a shard rolls early if its index would overflow it.
+        # Padding the header JSON with spaces is valid safetensors.
+        room = _HEADER_FIXED + 32 * min(self.rows_per_shard, 1 << 15)
+        self.header_room = min(room + (-room % 8), 1 << 20)
         # one arena being filled + one per writer thread; more only when every other arena
-        # waits for a sample still in prefill (chunked prompts), never while one is writing
+        # waits for a sample still in prefill (chunked prompts), never while one is finishing
         self.max_arenas = cfg.writer_threads + 1
         self._pool = ThreadPoolExecutor(cfg.writer_threads, thread_name_prefix="vllm-hidden-writer")
-        self._hasher = ThreadPoolExecutor(cfg.writer_threads, thread_name_prefix="vllm-hidden-sha")
         self._cv = threading.Condition()
         self._free: list[torch.Tensor] = []
         self._allocated = 0
-        self._writing = 0
+        self._finishing = 0
         self._futures: list[Future] = []
         self._current: _Arena | None = None
-        self._open: list[_Arena] = []  # not yet handed to a writer
+        self._open: list[_Arena] = []  # not yet handed over to be finished
+        self._seq = 0
         self._next_shard = 0
         self._shards: list[tuple[int, ShardInfo]] = []
         self._error: BaseException | None = None
@@ -185,15 +186,21 @@ class ShardWriter:
                 if self._free:
                     self._reserve_wait_s += time.perf_counter() - t0
                     return self._free.pop()
-                if self._allocated < self.max_arenas or self._writing == 0:
+                if self._allocated < self.max_arenas or self._finishing == 0:
                     if self._allocated >= self.max_arenas:
                         log.warning("vllm-hidden: every shard arena waits on a prompt still in prefill; "
                                     "allocating arena %d", self._allocated + 1)
                     self._allocated += 1
                     break
-                self._cv.wait()  # backpressure: a writer will hand an arena back
+                self._cv.wait()  # backpressure: a finished shard will hand its arena back
             self._reserve_wait_s += time.perf_counter() - t0
         return self._new_buffer(self.rows_per_shard)
+
+    def _new_arena(self, buf: torch.Tensor, pooled: bool) -> _Arena:
+        self._seq += 1
+        a = _Arena(buf, pooled, self.dir / f".{self.cfg.prefix}-{os.getpid()}-{self._seq}.tmp")
+        self._open.append(a)
+        return a
 
     # -- samples -----------------------------------------------------------------------
     def reserve(self, sample_id: Any, token_ids: Any) -> SampleSlot:
@@ -204,24 +211,26 @@ class ShardWriter:
         n = tok.shape[0]
         if n < 1:
             raise ValueError(f"sample {sample_id!r} has no tokens")
-        if n > self.rows_per_shard:  # larger than a shard: a shard of its own
-            arena = _Arena(self._new_buffer(n), pooled=False)
-            self._open.append(arena)
-            slot = arena.add(sample_id, tok)
-            arena.sealed = True
-            return slot
         a = self._current
-        if a is None or a.rows + n > self.rows_per_shard:
+        entry = _entry_bytes(sample_id, a.rows if a is not None else 0, n)
+        if _HEADER_FIXED + entry > self.header_room:
+            raise ValueError(f"sample id {str(sample_id)[:80]!r}... is too long to index ({entry} bytes)")
+        if n > self.rows_per_shard:  # larger than a shard: a shard of its own
+            big = self._new_arena(self._new_buffer(n), pooled=False)
+            slot = big.add(sample_id, tok, entry)
+            big.sealed = True
+            return slot
+        if a is None or a.rows + n > self.rows_per_shard or _HEADER_FIXED + a.index_bytes + entry > self.header_room:
             if a is not None:
                 self._seal(a)
-            a = self._current = _Arena(self._take_buffer(), pooled=True)
-            self._open.append(a)
-        return a.add(sample_id, tok)
+            a = self._current = self._new_arena(self._take_buffer(), pooled=True)
+        return a.add(sample_id, tok, entry)
 
     def commit(self, slot: SampleSlot) -> None:
         self._resolve(slot, SampleSlot.COMMITTED)
 
     def drop(self, slot: SampleSlot) -> None:
+        slot.buf.zero_()  # the file's rows for it stay unwritten (zeros): keep memory equal for the checksum
         self._resolve(slot, SampleSlot.DROPPED)
 
     def add(self, sample_id: Any, token_ids: torch.Tensor, hidden_states: torch.Tensor) -> None:
@@ -239,62 +248,118 @@ class ShardWriter:
         slot.state = state
         a = slot.arena
         a.pending -= 1
+        if state == SampleSlot.COMMITTED:
+            a.batch.append(slot)
+            a.batch_bytes += slot.buf.numel() * slot.buf.element_size()
+            if a.batch_bytes >= _WRITE_BATCH:
+                self._flush_batch(a)
         if a.sealed and a.pending == 0:
-            self._submit(a)
+            self._finish(a)
         self._raise_error()
 
     def _seal(self, a: _Arena) -> None:
         a.sealed = True
         if a.pending == 0:
-            self._submit(a)
-
-    def _submit(self, a: _Arena) -> None:
-        self._open.remove(a)
-        done = [s for s in a.slots if s.state == SampleSlot.COMMITTED]
-        if not done:
-            self._give_back(a)
-            return
-        index = self._next_shard
-        self._next_shard += 1
-        with self._cv:
-            self._writing += 1
-        self._futures.append(self._pool.submit(self._write, a, done, index))
-
-    def _give_back(self, a: _Arena) -> None:
-        with self._cv:
-            if a.pooled:
-                self._free.append(a.buf)
-            self._cv.notify_all()
+            self._finish(a)
 
     # -- files -------------------------------------------------------------------------
-    def _write(self, a: _Arena, done: list[SampleSlot], index: int) -> None:
+    def _flush_batch(self, a: _Arena) -> None:
+        if a.batch:
+            batch, a.batch, a.batch_bytes = a.batch, [], 0
+            a.writes.append(self._pool.submit(self._write_rows, a, batch))
+
+    def _write_rows(self, a: _Arena, batch: list[SampleSlot]) -> None:
         t0 = time.perf_counter()
         try:
-            name = f"{self.cfg.prefix}-{index:05d}.safetensors"
-            entries, row = [], 0
+            nbytes = 0
+            for s in batch:
+                mv = _raw(s.buf)
+                _pwrite_all(a.fd, mv, self.header_room + s.row * self.row_bytes)
+                nbytes += len(mv)
+            with self._cv:
+                a.unsynced += nbytes
+                sync = a.unsynced >= _SYNC_EVERY
+                if sync:
+                    a.unsynced = 0
+            if sync:
+                os.fdatasync(a.fd)
+        finally:
+            with self._cv:
+                self._write_s += time.perf_counter() - t0
+
+    def _finish(self, a: _Arena) -> None:
+        self._open.remove(a)
+        self._flush_batch(a)
+        index = -1
+        if any(s.state == SampleSlot.COMMITTED for s in a.slots):
+            index = self._next_shard  # names follow the order shards are sealed
+            self._next_shard += 1
+        with self._cv:
+            self._finishing += 1
+        self._futures.append(self._pool.submit(self._finish_file, a, index))
+
+    def _finish_file(self, a: _Arena, index: int) -> None:
+        """Runs after the arena's row writes (queued before it, so running or done)."""
+        t0 = time.perf_counter()
+        try:
+            for w in a.writes:
+                w.result()
+            done = [s for s in a.slots if s.state == SampleSlot.COMMITTED]
+            if index < 0:
+                os.close(a.fd)
+                a.fd = -1
+                a.tmp.unlink()
+                return
+            rows = a.rows
+            hs_bytes = rows * self.row_bytes
+            tokens = torch.zeros(rows, dtype=torch.int64)
             for s in done:
-                n = s.token_ids.shape[0]
-                entries.append([s.sample_id, row, n])
-                row += n
-            meta = {"format": FORMAT, "layer_ids": json.dumps(self.layer_ids), "samples": json.dumps(entries)}
-            tmp = self.dir / f".{name}.tmp"
-            nbytes, digest = write_safetensors(
-                tmp, {"hidden_states": [s.buf for s in done], "token_ids": [s.token_ids for s in done]}, meta,
-                hasher=self._hasher)
-            os.replace(tmp, self.dir / name)
-            info = ShardInfo(file=name, bytes=nbytes, sha256=digest, num_samples=len(done), num_tokens=row)
+                tokens[s.row : s.row + s.token_ids.shape[0]] = s.token_ids
+            meta = {"format": FORMAT, "layer_ids": json.dumps(self.layer_ids),
+                    "samples": json.dumps([[s.sample_id, s.row, int(s.token_ids.shape[0])] for s in done])}
+            header = json.dumps({
+                "__metadata__": meta,
+                "hidden_states": {"dtype": _ST_DTYPES[self.dtype], "shape": [rows, *self.row_shape],
+                                  "data_offsets": [0, hs_bytes]},
+                "token_ids": {"dtype": "I64", "shape": [rows], "data_offsets": [hs_bytes, hs_bytes + rows * 8]},
+            }, separators=(",", ":")).encode()
+            if len(header) > self.header_room - 8:
+                raise RuntimeError(f"shard header of {len(header)} bytes overflows its {self.header_room - 8} reserved")
+            head = struct.pack("<Q", self.header_room - 8) + header + b" " * (self.header_room - 8 - len(header))
+            _pwrite_all(a.fd, _raw(tokens), self.header_room + hs_bytes)
+            _pwrite_all(a.fd, memoryview(head), 0)
+
+            import blake3
+
+            h = blake3.blake3(max_threads=blake3.blake3.AUTO)  # from memory, beside the fsync
+            hashing = threading.Thread(target=lambda: (h.update(head), h.update(_raw(a.buf[:rows])),
+                                                       h.update(_raw(tokens))))
+            hashing.start()
+            os.fsync(a.fd)
+            os.close(a.fd)
+            a.fd = -1
+            hashing.join()
+            name = f"{self.cfg.prefix}-{index:05d}.safetensors"
+            os.replace(a.tmp, self.dir / name)
+            info = ShardInfo(file=name, bytes=self.header_room + hs_bytes + rows * 8, blake3=h.hexdigest(),
+                             num_samples=len(done), num_tokens=sum(int(s.token_ids.shape[0]) for s in done))
             with self._cv:
                 self._shards.append((index, info))
         except BaseException as e:  # noqa: BLE001 - surfaced to the assembler thread
-            log.exception("vllm-hidden: writing shard %d failed", index)
+            log.exception("vllm-hidden: writing a shard failed")
             with self._cv:
                 if self._error is None:
                     self._error = e
         finally:
+            if a.fd >= 0:
+                os.close(a.fd)
+                a.fd = -1
             with self._cv:
-                self._writing -= 1
+                self._finishing -= 1
                 self._write_s += time.perf_counter() - t0
-            self._give_back(a)
+                if a.pooled:
+                    self._free.append(a.buf)
+                self._cv.notify_all()
 
     def _raise_error(self) -> None:
         if self._error is not None:
@@ -311,20 +376,20 @@ class ShardWriter:
             return [info for _, info in sorted(self._shards, key=lambda x: x[0])]
 
     def close(self) -> list[ShardInfo]:
-        """Write the shard being filled, wait for every write, return all shards in order.
-        Samples still reserved (never completed) are left out."""
+        """Finish every shard (samples still reserved, never completed, are left out), wait
+        for every write, return all shards in order."""
         if not self._closed:
             self._closed = True
             self._current = None
             for a in list(self._open):
                 for s in a.slots:
                     if s.state == SampleSlot.RESERVED:
+                        s.buf.zero_()
                         s.state = SampleSlot.DROPPED
                         a.pending -= 1
                 self._seal(a)
             for f in list(self._futures):
-                f.exception()  # wait; errors were recorded by _write
+                f.exception()  # wait; errors were recorded where they happened
             self._pool.shutdown(wait=True)
-            self._hasher.shutdown(wait=True)
         self._raise_error()
         return self.shards
