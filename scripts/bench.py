@@ -152,7 +152,7 @@ def verify_extract(out: Path, prompts: list[list[int]]) -> dict:
             "finite": fin, "bytes": sum(s.bytes for s in m.shards), "shards": len(m.shards)}
 
 
-def run_plain(args: list[str], max_len: int, workloads: dict[str, list[list[int]]]) -> dict:
+def run_plain(args: list[str], max_len: int, workloads: dict[str, list[list[int]]], save) -> dict:
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from vllm_hidden.engine import compat
@@ -165,18 +165,20 @@ def run_plain(args: list[str], max_len: int, workloads: dict[str, list[list[int]
     init = time.perf_counter() - t0
     sp = compat.prefill_sampling_params({})  # the params extract uses, nothing marked for capture
     res = {"engine_init_seconds": init, "workloads": {}}
+    save(res)
     try:
         for name, prompts in workloads.items():
             with RssPeak() as rss:
                 dt, _ = _timed_loop(engine, prompts, lambda i: sp)
             res["workloads"][name] = {"seconds": dt, "peak_rss_bytes_during_run": rss.peak}
+            save(res)
     finally:
         engine.engine_core.shutdown()
     return res
 
 
 def run_extract(args: list[str], max_len: int, workloads: dict[str, list[list[int]]], out_root: Path,
-                inputs: dict[str, Path], layers: str | None, writer_threads: int | None) -> dict:
+                inputs: dict[str, Path], layers: str | None, writer_threads: int | None, save) -> dict:
     from vllm_hidden.config import ExtractConfig
     from vllm_hidden.engine.driver import Extractor
 
@@ -189,6 +191,7 @@ def run_extract(args: list[str], max_len: int, workloads: dict[str, list[list[in
     with Extractor(cfg) as ex:
         res["engine_init_seconds"] = ex.engine_init_seconds
         res["layer_ids"] = ex.layer_ids
+        save(res)
         for name, prompts in workloads.items():
             with RssPeak() as rss:
                 s = ex.run(str(inputs[name]), str(out_root / name)).to_dict()
@@ -196,12 +199,13 @@ def run_extract(args: list[str], max_len: int, workloads: dict[str, list[list[in
             res["workloads"][name] = {"seconds": s["seconds"], "flush_seconds": s["flush_seconds"],
                                       "peak_rss_bytes_during_run": rss.peak, "capture_stats": s["capture_stats"],
                                       "verified": v}
+            save(res)
             shutil.rmtree(out_root / name)  # keep the disk for the next workload
     return res
 
 
 def run_upstream(args: list[str], max_len: int, workloads: dict[str, list[list[int]]], out_root: Path,
-                 layer_ids: list[int]) -> dict:
+                 layer_ids: list[int], save) -> dict:
     """vLLM's own extractor: speculative method `extract_hidden_states` stores the aux
     states in KV-cache blocks; ExampleHiddenStatesConnector writes one safetensors file per
     request from a thread pool, each guarded by a lock file released when written."""
@@ -226,6 +230,7 @@ def run_upstream(args: list[str], max_len: int, workloads: dict[str, list[list[i
     engine = LLMEngine.from_engine_args(engine_args(
         args[0], [*args[1:], "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)], max_len))
     res = {"engine_init_seconds": time.perf_counter() - t0, "aux_layer_ids": aux, "workloads": {}}
+    save(res)
     sp = compat.prefill_sampling_params({})
     try:
         for name, prompts in workloads.items():
@@ -253,6 +258,7 @@ def run_upstream(args: list[str], max_len: int, workloads: dict[str, list[list[i
                                       "verified": {
                 "all_samples_present_once": present, "token_ids_match": tokens_ok, "finite": finite,
                 "checksums_ok": None, "bytes": nbytes, "files": len(paths), "last_shape": shape}}
+            save(res)
             for f in out_root.iterdir():
                 f.unlink()
     finally:
@@ -267,19 +273,22 @@ def child(spec_path: str) -> None:
     inputs = {n: Path(p) for n, p in spec["inputs"].items()}
     args = [spec["model"], *spec["engine_args"]]
     max_len = spec["max_model_len"]
+
+    def save(res: dict) -> None:  # after every workload: a run cut short keeps what it measured
+        Path(spec["result"]).write_text(json.dumps(res))
+
     if case == "plain":
-        res = run_plain(args, max_len, workloads)
+        run_plain(args, max_len, workloads, save)
     elif case in ("extract", "extract-tuned"):
-        res = run_extract([*args, *(spec["tuned_args"] if case == "extract-tuned" else [])], max_len, workloads,
-                          Path(spec["out_dir"]) / case, inputs, spec["layers"], spec["writer_threads"])
+        run_extract([*args, *(spec["tuned_args"] if case == "extract-tuned" else [])], max_len, workloads,
+                    Path(spec["out_dir"]) / case, inputs, spec["layers"], spec["writer_threads"], save)
     elif case == "extract-shm":
-        res = run_extract(args, max_len, workloads, Path(spec["shm_dir"]) / case, inputs, spec["layers"],
-                          spec["writer_threads"])
+        run_extract(args, max_len, workloads, Path(spec["shm_dir"]) / case, inputs, spec["layers"],
+                    spec["writer_threads"], save)
     elif case == "upstream":
-        res = run_upstream(args, max_len, workloads, Path(spec["shm_dir"]) / case, spec["layer_ids"])
+        run_upstream(args, max_len, workloads, Path(spec["shm_dir"]) / case, spec["layer_ids"], save)
     else:
         raise ValueError(f"unknown case {case!r}")
-    Path(spec["result"]).write_text(json.dumps(res))
 
 
 # -- parent side -------------------------------------------------------------------------------
@@ -291,6 +300,7 @@ def run_case(spec: dict, work: Path) -> dict:
 
     spec_path = work / f"spec-{spec['case']}.json"
     spec_path.write_text(json.dumps(spec))
+    Path(spec["result"]).unlink(missing_ok=True)
     proc = subprocess.Popen([sys.executable, __file__, "--child", str(spec_path)])
     ps = psutil.Process(proc.pid)
     peak = 0
@@ -318,11 +328,20 @@ def run_case(spec: dict, work: Path) -> dict:
                     p.kill()
                 except psutil.Error:
                     pass
+    res = json.loads(Path(spec["result"]).read_text()) if Path(spec["result"]).exists() else {}
     if rc != 0:
-        return {"error": f"case process exited with {rc}", "peak_rss_bytes": peak}
-    res = json.loads(Path(spec["result"]).read_text())
+        res["error"] = f"case process exited with {rc}; workloads listed were measured before that"
     res["peak_rss_bytes"] = peak
     return res
+
+
+def source_fingerprint() -> str:
+    import blake3
+
+    h = blake3.blake3()
+    for f in sorted([*(ROOT / "vllm_hidden").rglob("*.py"), Path(__file__).resolve()]):
+        h.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
 
 
 def summarize(result: dict) -> None:
@@ -418,12 +437,16 @@ def main() -> None:
     import vllm
 
     rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                capture_output=True, text=True).stdout.strip())
     result = {"cases": {}}
     if a.append and path.exists():
         result = json.loads(path.read_text())
     result.setdefault("commands", []).append(" ".join(["python", "scripts/bench.py", *sys.argv[1:]]))
     result.update({
-        "git_revision": rev,
+        "git_revision": rev, "git_dirty": dirty,
+        # what ran, independent of the checkout's history: BLAKE3 over the package and this script
+        "source_blake3": source_fingerprint(),
         "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "python": platform.python_version()},
         "machine": {"cpus": os.cpu_count(), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
         "model": model_desc, "layer_ids": layer_ids, "engine_args": engine, "max_model_len": a.max_model_len + 1,
