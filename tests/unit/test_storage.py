@@ -180,3 +180,29 @@ def test_reserve_blocks_while_every_arena_is_being_written(tmp_path, monkeypatch
     assert got.wait(10)
     t.join()
     assert [s.num_samples for s in w.close()] == [1, 1, 1]
+
+
+def test_long_ids_roll_the_shard_before_its_header_room_overflows(tmp_path):
+    """Rows are written before the index is known, behind reserved header room: a shard whose
+    index would not fit rolls early, and every file stays valid safetensors."""
+    w = _writer(tmp_path, rows=10_000)
+    room = w.header_room
+    tok, hs = sample(0, 1)
+    n = 0
+    while w._next_shard == 0 and n < 10_000:  # until the first shard is sealed
+        w.add("x" * 200 + str(n), tok, hs)
+        n += 1
+    shards = w.close()
+    assert len(shards) == 2 and shards[0].num_samples < 10_000 and sum(s.num_samples for s in shards) == n
+    for s in shards:
+        with safe_open(str(tmp_path / s.file), framework="pt") as f:
+            assert len(json.loads(f.metadata()["samples"])) == s.num_samples
+        assert s.bytes == room + s.num_tokens * (K * H * 2 + 8)
+
+
+def test_manifest_from_an_older_writer_is_refused_by_name(tmp_path):
+    write(tmp_path, [3], max_shard_bytes=1 << 20)
+    d = json.loads((tmp_path / "manifest.json").read_text())
+    d["shards"][0]["sha256"] = d["shards"][0].pop("blake3")
+    with pytest.raises(ValueError, match="has no blake3 checksum"):
+        Manifest.from_dict(d)

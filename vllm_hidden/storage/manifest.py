@@ -65,7 +65,13 @@ class Manifest:
             raise ValueError(f"unsupported manifest format {d.get('format')!r}; expected {FORMAT!r}")
         names = {f for f in cls.__dataclass_fields__}
         kw = {k: v for k, v in d.items() if k in names}
-        kw["shards"] = [ShardInfo(**s) for s in d["shards"]]
+        shards = []
+        for s in d["shards"]:
+            if "blake3" not in s:
+                raise ValueError(f"shard entry {s.get('file')!r} has no blake3 checksum (written by an older "
+                                 f"vllm-hidden, keys {sorted(s)}); re-run the extract with this version")
+            shards.append(ShardInfo(**{k: s[k] for k in ShardInfo.__dataclass_fields__}))
+        kw["shards"] = shards
         return cls(**kw)
 
     @classmethod

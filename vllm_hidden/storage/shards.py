@@ -147,10 +147,11 @@ class ShardWriter:
         self.dtype = dtype
         self.row_shape = (len(self.layer_ids), hidden_size)
         self.row_bytes = len(self.layer_ids) * hidden_size * dtype.itemsize
-        self.rows_per_shard = max(1, cfg.max_shard_bytes // (self.row_bytes + 8))  # + the token id
         # Room for the header at the front of each file, so rows can be written at their final
         # offsets before the index is known; a shard rolls early if its index would overflow it.
-        # Padding the header JSON with spaces is valid safetensors.
+        # Padding the header JSON with spaces is valid safetensors. `max_shard_bytes` bounds the
+        # tensor data; the header adds at most 1 MiB.
+        self.rows_per_shard = max(1, cfg.max_shard_bytes // (self.row_bytes + 8))  # + the token id
         room = _HEADER_FIXED + 32 * min(self.rows_per_shard, 1 << 15)
         self.header_room = min(room + (-room % 8), 1 << 20)
         # one arena being filled + one per writer thread; more only when every other arena
