@@ -275,7 +275,9 @@ def child(spec_path: str) -> None:
     max_len = spec["max_model_len"]
 
     def save(res: dict) -> None:  # after every workload: a run cut short keeps what it measured
-        Path(spec["result"]).write_text(json.dumps(res))
+        tmp = Path(spec["result"] + ".tmp")
+        tmp.write_text(json.dumps(res))
+        os.replace(tmp, spec["result"])
 
     if case == "plain":
         run_plain(args, max_len, workloads, save)
@@ -317,9 +319,12 @@ def run_case(spec: dict, work: Path) -> dict:
 
     t = threading.Thread(target=sample, daemon=True)
     t.start()
+    interrupted = False
     try:
         rc = proc.wait()
-    finally:  # interrupted (or timed out): take the engine processes down with us
+    except (SystemExit, KeyboardInterrupt):  # timed out: keep what the case measured so far
+        interrupted, rc = True, -15
+    finally:  # take the engine processes down with us
         stop.set()
         t.join()
         if proc.poll() is None:
@@ -332,6 +337,7 @@ def run_case(spec: dict, work: Path) -> dict:
     if rc != 0:
         res["error"] = f"case process exited with {rc}; workloads listed were measured before that"
     res["peak_rss_bytes"] = peak
+    res["interrupted"] = interrupted
     return res
 
 
@@ -467,6 +473,9 @@ def main() -> None:
         short = {n: {k: w.get(k) for k in ("tokens_per_s", "ratio_to_plain", "mfu")}
                  for n, w in result["cases"][case].get("workloads", {}).items()}
         print(f"bench: {case}: {json.dumps(short)} {result['cases'][case].get('error', '')}", flush=True)
+        if result["cases"][case].pop("interrupted", False):
+            print(f"bench: interrupted; wrote {path}", flush=True)
+            sys.exit(143)
     print(f"wrote {path}")
 
 

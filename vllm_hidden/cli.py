@@ -40,6 +40,8 @@ def extract(
     max_shard_bytes: Annotated[int, typer.Option(help="Largest shard (a longer sample gets a shard of its own).")] = DEFAULT_MAX_SHARD_BYTES,
     writer_threads: Annotated[int, typer.Option(help="Threads writing shards; host memory holds up to threads+1 shards.")] = DEFAULT_WRITER_THREADS,
     ring_slots: Annotated[int, typer.Option(help="Host ring depth (steps in flight between GPU and writer).")] = 2,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run in --output: samples in its "
+                                         "durable shards are skipped, the rest are extracted (each exactly once).")] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     from vllm_hidden.config import ExtractConfig
@@ -50,7 +52,7 @@ def extract(
             model=model, input_path=str(input), output_dir=output, layers=layers, aux_layers=aux_layers,
             layers_from=str(layers_from) if layers_from else None, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, dtype=dtype,
-            max_shard_bytes=max_shard_bytes, writer_threads=writer_threads, ring_slots=ring_slots, progress=progress, engine_args=list(ctx.args),
+            max_shard_bytes=max_shard_bytes, writer_threads=writer_threads, ring_slots=ring_slots, resume=resume, progress=progress, engine_args=list(ctx.args),
         )
         if output.startswith("s3://"):
             _fail(f"--output {output!r}: S3 output is not supported yet; write to a local directory")
@@ -61,11 +63,37 @@ def extract(
         _fail(str(e))
     d = summary.to_dict()
     typer.echo(
-        f"done: {d['samples']} samples, {d['tokens']} tokens, {d['errors']} errors -> {d['shards']} shards "
+        (f"resumed: {d['resumed']} samples were already done; " if d["resumed"] else "")
+        + f"done: {d['samples']} samples, {d['tokens']} tokens, {d['errors']} errors -> {d['shards']} shards "
         f"({d['bytes'] / 1e6:.1f} MB) in {d['seconds']:.1f} s ({d['tokens_per_s']:,.0f} tok/s, "
         f"{d['samples_per_s']:,.1f} samples/s; engine start {d['engine_init_seconds']:.1f} s)"
     )
     typer.echo(json.dumps(d))
+
+
+@app.command(help="Summarize an extract output and verify every shard (size, BLAKE3, header, index). "
+             "Exits 1 if anything is wrong or the run is incomplete.")
+def inspect(
+    output: Annotated[Path, typer.Argument(help="Extract output directory.")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    from vllm_hidden.storage.verify import verify_output
+
+    try:
+        r = verify_output(output)
+    except ValueError as e:
+        _fail(str(e))
+    if json_out:
+        typer.echo(json.dumps({"path": r.path, "complete": r.complete, "ok": r.ok, **r.summary, "problems": r.problems}))
+    else:
+        s = r.summary
+        typer.echo(f"{r.path}: {'complete' if r.complete else 'INCOMPLETE'} — {s['samples']} samples, {s['tokens']} "
+                   f"tokens in {s['shards']} shards ({s['bytes'] / 1e9:.2f} GB); model {s['model']}; layers "
+                   f"{s['layer_ids']}; hidden {s['hidden_size']}" + (f"; {s['errors']} bad input lines" if s.get("errors") else ""))
+        for p in r.problems:
+            typer.secho(f"  problem: {p}", fg=typer.colors.RED, err=True)
+        typer.echo("all shards verified" if r.ok else f"{len(r.problems)} problem(s)")
+    raise typer.Exit(0 if r.ok else 1)
 
 
 @app.command(help="Write a tiny random model (Qwen3-Next GDN hybrid by default) for demos and tests.")

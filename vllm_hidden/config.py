@@ -66,8 +66,11 @@ class ShardConfig:
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
     prefix: str = "shard"
     writer_threads: int = DEFAULT_WRITER_THREADS
+    first_index: int = 0  # the next shard's number (a resumed run continues the numbering)
 
     def __post_init__(self) -> None:
+        if isinstance(self.first_index, bool) or not isinstance(self.first_index, int) or self.first_index < 0:
+            raise ValueError(f"first_index must be a non-negative int, got {self.first_index!r}")
         if isinstance(self.writer_threads, bool) or not isinstance(self.writer_threads, int) or not 1 <= self.writer_threads <= 64:
             raise ValueError(f"writer_threads must be an int in 1..64, got {self.writer_threads!r}")
         if not self.output_dir:
@@ -98,6 +101,7 @@ class ExtractConfig:
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
     writer_threads: int = DEFAULT_WRITER_THREADS
     ring_slots: int = 2
+    resume: bool = False
     progress: bool = True
     engine_args: list[str] = field(default_factory=list)
 

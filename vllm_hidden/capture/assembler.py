@@ -113,18 +113,18 @@ class Assembler:
         self.wait_copy_s = 0.0  # waiting for D2H copies to land
 
     def process(self, rec: StepRecord) -> None:
-        self._pending.update(rec.new)
-        for rid in rec.finished:
-            # finished/aborted before its prompt was complete (normal completions left already)
-            part = self._partial.pop(rid, None)
-            if part is not None:
-                self.sink.drop(part.slot)
-            if part is not None or self._pending.pop(rid, None) is not None:
-                self.dropped.append(rid)
-        t0 = time.perf_counter()
-        host = self.transfer.wait(rec.slot)
-        self.wait_copy_s += time.perf_counter() - t0
-        try:
+        try:  # the ring slot goes back whatever happens, or the engine would wait for it forever
+            self._pending.update(rec.new)
+            for rid in rec.finished:
+                # finished/aborted before its prompt was complete (normal completions left already)
+                part = self._partial.pop(rid, None)
+                if part is not None:
+                    self.sink.drop(part.slot)
+                if part is not None or self._pending.pop(rid, None) is not None:
+                    self.dropped.append(rid)
+            t0 = time.perf_counter()
+            host = self.transfer.wait(rec.slot)
+            self.wait_copy_s += time.perf_counter() - t0
             for seg in rec.segments:
                 self._take(seg, host)
         finally:

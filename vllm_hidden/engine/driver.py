@@ -14,8 +14,9 @@ from vllm_hidden import __version__
 from vllm_hidden.config import CaptureConfig, ExtractConfig, ShardConfig
 from vllm_hidden.inputs import BadLine, PromptReader, count_lines
 from vllm_hidden.layers import SEMANTICS, resolve_layer_ids
+from vllm_hidden.storage.journal import RUN, prepare_resume, write_json_atomic
 from vllm_hidden.storage.manifest import ERRORS, Manifest
-from vllm_hidden.storage.shards import ShardInfo
+from vllm_hidden.storage.shards import FORMAT, ShardInfo
 
 log = logging.getLogger("vllm_hidden")
 WORKER_EXTENSION = "vllm_hidden.engine.worker_ext.HiddenStatesWorkerExtension"
@@ -45,15 +46,21 @@ def model_info(model: str) -> ModelInfo:
     )
 
 
-def check_paths(model: str, input_path: str, output_dir: str) -> None:
+def check_paths(model: str, input_path: str, output_dir: str, resume: bool = False) -> None:
     """Fail before the (slow) engine start on anything we can check up front."""
     if not Path(input_path).is_file():
         raise ValueError(f"--input: no such file {input_path!r}")
     if (model.startswith((".", "/", "~")) or Path(model).exists()) and not Path(model).expanduser().is_dir():
         raise ValueError(f"--model: no such model directory {model!r}")
     out = Path(output_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"--output: {output_dir!r} exists and is not empty; choose a new directory")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output: {output_dir!r} is not a directory")
+    if out.exists() and any(out.iterdir()):
+        if not resume:
+            raise ValueError(f"--output: {output_dir!r} exists and is not empty; pass --resume to continue the "
+                             "run that wrote it, or choose a new directory")
+        if not (out / RUN).is_file():
+            raise ValueError(f"--resume: {output_dir!r} is not empty and has no {RUN}; it is not a vllm-hidden output")
 
 
 def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: CaptureConfig | None = None, *,
@@ -94,6 +101,7 @@ class Summary:
     samples: int = 0
     tokens: int = 0
     errors: int = 0
+    resumed: int = 0  # samples already done by an earlier attempt (--resume), skipped
     shards: list[ShardInfo] = field(default_factory=list)
     seconds: float = 0.0
     engine_init_seconds: float = 0.0
@@ -103,7 +111,7 @@ class Summary:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "samples": self.samples, "tokens": self.tokens, "errors": self.errors,
+            "samples": self.samples, "tokens": self.tokens, "errors": self.errors, "resumed": self.resumed,
             "shards": len(self.shards), "bytes": sum(s.bytes for s in self.shards),
             "seconds": round(self.seconds, 3), "engine_init_seconds": round(self.engine_init_seconds, 3),
             "flush_seconds": round(self.flush_seconds, 3),
@@ -149,7 +157,7 @@ class Extractor:
 
     def __init__(self, cfg: ExtractConfig) -> None:
         self.engine = None
-        check_paths(cfg.model, cfg.input_path, cfg.output_dir)
+        check_paths(cfg.model, cfg.input_path, cfg.output_dir, cfg.resume)
         self.cfg = cfg
         self.info = info = model_info(cfg.model)
         self.layer_ids = resolve_layer_ids(info.num_layers, cfg.layers, cfg.aux_layers, cfg.layers_from)
@@ -192,21 +200,48 @@ class Extractor:
 
         return AutoTokenizer.from_pretrained(self.cfg.model)
 
-    def run(self, input_path: str, output_dir: str, progress: bool | None = None) -> Summary:
+    def _identity(self) -> dict[str, Any]:
+        m = self.cfg.model
+        model = str(Path(m).expanduser().resolve()) if Path(m).expanduser().is_dir() else m
+        return {"format": FORMAT, "model": model, "layer_ids": list(self.layer_ids),
+                "hidden_size": self.info.hidden_size}
+
+    def _start_output(self, out: Path, resume: bool):
+        """A new output gets run.json first; a resumed one is checked against it and cleaned
+        of what the interrupted attempt left half-done. Returns the resume state or None."""
+        ident = self._identity()
+        if resume and (out / RUN).is_file():
+            prev = json.loads((out / RUN).read_text())
+            for k in ("format", "model", "layer_ids", "hidden_size"):
+                if prev.get(k) != ident[k]:
+                    raise ValueError(f"--resume: {str(out)!r} was written with {k}={prev.get(k)!r}, "
+                                     f"this run has {k}={ident[k]!r}")
+            state = prepare_resume(out)
+            if state.removed:
+                log.info("vllm-hidden: resume removed %d unfinished files: %s", len(state.removed), state.removed[:5])
+            return state
+        out.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out / RUN, ident)
+        return None
+
+    def run(self, input_path: str, output_dir: str, progress: bool | None = None,
+            resume: bool | None = None) -> Summary:
         from vllm_hidden.engine import compat
         from vllm_hidden.engine.runner import REQUEST_KEY
 
         cfg, engine = self.cfg, self.engine
+        resume = cfg.resume if resume is None else resume
         if engine is None:
             raise RuntimeError("the extractor is closed")
-        check_paths(cfg.model, input_path, output_dir)
+        check_paths(cfg.model, input_path, output_dir, resume)
+        out = Path(output_dir)
+        state = self._start_output(out, resume)
+        done_ids = state.done_ids if state else set()
         shard_cfg = ShardConfig(output_dir=str(output_dir), max_shard_bytes=cfg.max_shard_bytes,
-                                writer_threads=cfg.writer_threads)
+                                writer_threads=cfg.writer_threads, first_index=state.next_index if state else 0)
         reader = PromptReader(input_path, vocab_size=self.info.vocab_size, max_prompt_len=self.max_prompt_len,
                               tokenizer_loader=self._tokenizer)
         total = count_lines(input_path)
-        out = Path(output_dir)
-        out.mkdir(parents=True, exist_ok=True)
         summary = Summary(engine_init_seconds=self.engine_init_seconds, output_dir=str(out))
         errors_f = None
 
@@ -219,12 +254,12 @@ class Extractor:
 
         bar = _Progress(total, cfg.progress if progress is None else progress)
         opened = False
+        inflight: dict[str, int] = {}
         try:
             opened = any(engine.collective_rpc("vllm_hidden_open", args=(shard_cfg.to_dict(),)))
             if not opened:
                 raise RuntimeError("no worker opened a capture sink")
             max_inflight = 2 * engine.vllm_config.scheduler_config.max_num_seqs
-            inflight: dict[str, int] = {}
             prompts = iter(reader)
             exhausted = False
             t1 = time.perf_counter()
@@ -236,6 +271,9 @@ class Extractor:
                         break
                     if isinstance(item, BadLine):
                         record_error(item)
+                        continue
+                    if item.id in done_ids:  # in a durable shard of an earlier attempt
+                        summary.resumed += 1
                         continue
                     rid = str(item.line)
                     params = compat.prefill_sampling_params({REQUEST_KEY: item.id})
@@ -253,7 +291,7 @@ class Extractor:
                     if o.finished and o.request_id in inflight:
                         summary.tokens += inflight.pop(o.request_id)
                         summary.samples += 1
-                bar.update(summary.samples, summary.tokens, summary.errors)
+                bar.update(summary.samples + summary.resumed, summary.tokens, summary.errors)
             t2 = time.perf_counter()
             opened = False
             result = engine.collective_rpc("vllm_hidden_close")
@@ -263,8 +301,10 @@ class Extractor:
             bar.close()
             if errors_f is not None:
                 errors_f.close()
-            if opened:  # failed mid-run: stop the writer threads, keep the engine usable
+            if opened:  # failed mid-run: drop its requests, stop the writer threads, keep the engine usable
                 try:
+                    if inflight:
+                        engine.abort_request(list(inflight))
                     engine.collective_rpc("vllm_hidden_close")
                 except Exception:  # noqa: BLE001 - the original error is what matters
                     log.exception("vllm-hidden: closing the capture sink after a failure")
@@ -277,9 +317,10 @@ class Extractor:
                                f"(incomplete: {res['incomplete'][:5]}, still assembling: {res['in_flight']})")
         mc = engine.vllm_config.model_config
         info = self.info
+        shards = sorted([*(state.shards if state else []), *summary.shards], key=lambda s: s.file)
         Manifest(
             model=cfg.model, layer_ids=self.layer_ids, layer_semantics=SEMANTICS, num_model_layers=info.num_layers,
-            hidden_size=info.hidden_size, dtype=str(mc.dtype).replace("torch.", ""), shards=summary.shards,
+            hidden_size=info.hidden_size, dtype=str(mc.dtype).replace("torch.", ""), shards=shards,
             num_errors=summary.errors, errors_file=ERRORS if summary.errors else None,
             versions={"vllm": compat.VLLM_VERSION, "vllm_hidden": __version__},
             engine={"max_model_len": self.max_prompt_len,

@@ -58,6 +58,7 @@ class Capture:
         self.thread = AssemblerThread(Assembler(self.transfer, self.writer),
                                       cpus=compat.cpus_off_the_forward(self.runner.device))
         self._stats = _StepStats()
+        self._tracked.clear()
         return True
 
     def close(self) -> dict[str, Any] | None:
@@ -71,7 +72,10 @@ class Capture:
         except BaseException as e:  # noqa: BLE001 - the writer must still be shut down
             error = e
         in_flight = thread.assembler.in_flight
-        thread.assembler.abandon()
+        try:
+            thread.assembler.abandon()
+        except BaseException as e:  # noqa: BLE001 - a failed writer refuses drops; close it anyway
+            error = error or e
         try:
             shards = writer.close()  # every shard durable
         except BaseException as e:  # noqa: BLE001

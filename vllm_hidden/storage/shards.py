@@ -28,7 +28,7 @@ import os
 import struct
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -166,7 +166,10 @@ class ShardWriter:
         self._current: _Arena | None = None
         self._open: list[_Arena] = []  # not yet handed over to be finished
         self._seq = 0
-        self._next_shard = 0
+        self._next_shard = cfg.first_index
+        from vllm_hidden.storage.journal import Journal
+
+        self._journal = Journal(self.dir)
         self._shards: list[tuple[int, ShardInfo]] = []
         self._error: BaseException | None = None
         self._closed = False
@@ -222,6 +225,7 @@ class ShardWriter:
             big.sealed = True
             return slot
         if a is None or a.rows + n > self.rows_per_shard or _HEADER_FIXED + a.index_bytes + entry > self.header_room:
+            self._current = None
             if a is not None:
                 self._seal(a)
             a = self._current = self._new_arena(self._take_buffer(), pooled=True)
@@ -231,7 +235,8 @@ class ShardWriter:
         self._resolve(slot, SampleSlot.COMMITTED)
 
     def drop(self, slot: SampleSlot) -> None:
-        slot.buf.zero_()  # the file's rows for it stay unwritten (zeros): keep memory equal for the checksum
+        if slot.state == SampleSlot.RESERVED:
+            slot.buf.zero_()  # its rows in the file stay unwritten (zeros): keep memory equal for the checksum
         self._resolve(slot, SampleSlot.DROPPED)
 
     def add(self, sample_id: Any, token_ids: torch.Tensor, hidden_states: torch.Tensor) -> None:
@@ -303,6 +308,7 @@ class ShardWriter:
         """Runs after the arena's row writes (queued before it, so running or done)."""
         t0 = time.perf_counter()
         try:
+            wait(a.writes)  # all of them, even if one failed: none may still touch fd or buffer below
             for w in a.writes:
                 w.result()
             done = [s for s in a.slots if s.state == SampleSlot.COMMITTED]
@@ -333,17 +339,33 @@ class ShardWriter:
             import blake3
 
             h = blake3.blake3(max_threads=blake3.blake3.AUTO)  # from memory, beside the fsync
-            hashing = threading.Thread(target=lambda: (h.update(head), h.update(_raw(a.buf[:rows])),
-                                                       h.update(_raw(tokens))))
+            failed: list[BaseException] = []
+
+            def digest() -> None:
+                try:
+                    for part in (memoryview(head), _raw(a.buf[:rows]), _raw(tokens)):
+                        h.update(part)
+                except BaseException as e:  # noqa: BLE001 - re-raised below
+                    failed.append(e)
+
+            hashing = threading.Thread(target=digest)
             hashing.start()
-            os.fsync(a.fd)
+            try:
+                os.fsync(a.fd)
+            finally:
+                hashing.join()
+            if failed:
+                raise failed[0]
             os.close(a.fd)
             a.fd = -1
-            hashing.join()
             name = f"{self.cfg.prefix}-{index:05d}.safetensors"
             os.replace(a.tmp, self.dir / name)
+            from vllm_hidden.storage.journal import fsync_dir
+
+            fsync_dir(self.dir)  # the rename is durable...
             info = ShardInfo(file=name, bytes=self.header_room + hs_bytes + rows * 8, blake3=h.hexdigest(),
                              num_samples=len(done), num_tokens=sum(int(s.token_ids.shape[0]) for s in done))
+            self._journal.record(info)  # ...before its samples count as done
             with self._cv:
                 self._shards.append((index, info))
         except BaseException as e:  # noqa: BLE001 - surfaced to the assembler thread
@@ -355,6 +377,7 @@ class ShardWriter:
             if a.fd >= 0:
                 os.close(a.fd)
                 a.fd = -1
+            a.tmp.unlink(missing_ok=True)  # renamed already if it succeeded
             with self._cv:
                 self._finishing -= 1
                 self._write_s += time.perf_counter() - t0
@@ -392,5 +415,6 @@ class ShardWriter:
             for f in list(self._futures):
                 f.exception()  # wait; errors were recorded where they happened
             self._pool.shutdown(wait=True)
+            self._journal.close()
         self._raise_error()
         return self.shards

@@ -1,0 +1,131 @@
+"""Durable progress of a run, for crash safety and exactly-once resume.
+
+- `run.json` (written first): what the output is (model, layer ids, hidden size), so a resume
+  with other settings is refused instead of mixing shards.
+- `shards.jsonl`: one line per shard, appended and fsynced after the shard file is durable
+  under its final name. A sample is done exactly when its shard has a line here; a shard file
+  without a line (a crash between rename and append) is not done, and is removed on resume.
+- `manifest.json` is written last, from the journal, when a run completes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_hidden.storage.shards import ShardInfo
+
+JOURNAL = "shards.jsonl"
+RUN = "run.json"
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make a rename or a new file in `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+class Journal:
+    """Appends one fsynced line per durable shard (thread-safe: writer threads call it)."""
+
+    def __init__(self, out_dir: str | os.PathLike[str]) -> None:
+        self.path = Path(out_dir) / JOURNAL
+        self._lock = threading.Lock()
+        self._f = open(self.path, "a")
+
+    def record(self, info: ShardInfo) -> None:
+        line = json.dumps(info.to_dict(), separators=(",", ":")) + "\n"
+        with self._lock:
+            self._f.write(line)
+            self._f.flush()
+            os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        with self._lock:
+            self._f.close()
+
+
+def read_journal(out_dir: str | os.PathLike[str]) -> list[ShardInfo]:
+    """Shards recorded as durable. A last line cut short by a crash is ignored; anything else
+    that does not parse is an error naming the line."""
+    path = Path(out_dir) / JOURNAL
+    if not path.is_file():
+        return []
+    lines = path.read_text().split("\n")
+    shards = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            shards.append(ShardInfo(**{k: d[k] for k in ShardInfo.__dataclass_fields__}))
+        except (ValueError, KeyError, TypeError) as e:
+            if i == len(lines) - 1:  # torn final append: that shard was never reported done
+                break
+            raise ValueError(f"{path}: line {i + 1} is not a shard record ({e}): {line[:120]!r}") from None
+    return shards
+
+
+@dataclass
+class ResumeState:
+    shards: list[ShardInfo]  # durable shards of earlier attempts
+    done_ids: set[Any] = field(default_factory=set)
+    next_index: int = 0
+    removed: list[str] = field(default_factory=list)  # leftovers of the crashed attempt
+
+
+def prepare_resume(out_dir: str | os.PathLike[str], prefix: str = "shard") -> ResumeState:
+    """Read what earlier attempts made durable, check it is all there, and remove what they
+    left half-done (temporary files, shards never journaled, the manifest and error records,
+    which the resumed run writes again)."""
+    from safetensors import safe_open
+
+    out = Path(out_dir)
+    shards = read_journal(out)
+    state = ResumeState(shards=shards)
+    names = set()
+    for s in shards:
+        p = out / s.file
+        if not p.is_file() or p.stat().st_size != s.bytes:
+            have = p.stat().st_size if p.is_file() else "missing"
+            raise ValueError(f"{p}: recorded as done with {s.bytes} bytes, found {have}; the output is damaged")
+        with safe_open(str(p), framework="pt") as f:
+            for entry in json.loads(f.metadata()["samples"]):
+                sid = entry[0]
+                if sid in state.done_ids:
+                    raise ValueError(f"sample id {sid!r} is in two shards of {str(out)!r}; the output is damaged")
+                state.done_ids.add(sid)
+        names.add(s.file)
+    pat = re.compile(rf"^{re.escape(prefix)}-(\d+)\.safetensors$")
+    for p in sorted(out.iterdir()):
+        m = pat.match(p.name)
+        if m and p.name not in names:
+            state.removed.append(p.name)  # renamed but never journaled: not done
+            p.unlink()
+        elif p.name.startswith(f".{prefix}-") and p.name.endswith(".tmp"):
+            state.removed.append(p.name)
+            p.unlink()
+    for name in ("manifest.json", "errors.jsonl"):
+        if (out / name).exists():
+            (out / name).unlink()
+    indices = [int(pat.match(s.file).group(1)) for s in shards if pat.match(s.file)]
+    state.next_index = max(indices, default=-1) + 1
+    return state

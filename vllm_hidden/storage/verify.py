@@ -1,0 +1,87 @@
+"""Check an extract output: every shard present with its recorded size and BLAKE3, a valid
+safetensors header, and an index that agrees with the manifest (`vllm-hidden inspect`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_hidden.storage.journal import JOURNAL, RUN, read_journal
+from vllm_hidden.storage.manifest import MANIFEST, Manifest
+from vllm_hidden.storage.shards import ShardInfo, file_checksum
+
+
+@dataclass
+class Report:
+    path: str
+    complete: bool  # manifest.json present (the run finished)
+    summary: dict[str, Any]
+    shards: list[ShardInfo]
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _check_shard(root: Path, s: ShardInfo, layers: int | None) -> list[str]:
+    from safetensors import safe_open
+
+    p = root / s.file
+    if not p.is_file():
+        return [f"{s.file}: missing"]
+    size = p.stat().st_size
+    if size != s.bytes:
+        return [f"{s.file}: {size} bytes, recorded {s.bytes}"]
+    out = []
+    if file_checksum(p) != s.blake3:
+        out.append(f"{s.file}: BLAKE3 does not match the recorded {s.blake3[:16]}... (corrupted)")
+    try:
+        with safe_open(str(p), framework="pt") as f:
+            index = json.loads(f.metadata()["samples"])
+            hs = f.get_slice("hidden_states").get_shape()
+            tok = f.get_slice("token_ids").get_shape()
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        return [*out, f"{s.file}: not a readable shard ({e})"]
+    if len(index) != s.num_samples or sum(e[2] for e in index) != s.num_tokens:
+        out.append(f"{s.file}: index lists {len(index)} samples / {sum(e[2] for e in index)} tokens, "
+                   f"recorded {s.num_samples} / {s.num_tokens}")
+    if hs[0] != tok[0] or any(e[1] < 0 or e[1] + e[2] > hs[0] for e in index):
+        out.append(f"{s.file}: index rows fall outside hidden_states {hs} / token_ids {tok}")
+    if layers is not None and hs[1] != layers:
+        out.append(f"{s.file}: {hs[1]} layers, the manifest lists {layers}")
+    return out
+
+
+def verify_output(path: str | os.PathLike[str], threads: int = 8) -> Report:
+    root = Path(path)
+    if not root.is_dir():
+        raise ValueError(f"no such output directory {str(path)!r}")
+    if (root / MANIFEST).is_file():
+        m = Manifest.read(root)
+        shards, complete = m.shards, True
+        summary = {"model": m.model, "layer_ids": m.layer_ids, "hidden_size": m.hidden_size, "dtype": m.dtype,
+                   "samples": m.num_samples, "tokens": m.num_tokens, "shards": len(m.shards),
+                   "bytes": sum(s.bytes for s in m.shards), "errors": m.num_errors}
+        layers = len(m.layer_ids)
+    elif (root / RUN).is_file():
+        run = json.loads((root / RUN).read_text())
+        shards, complete = read_journal(root), False
+        summary = {"model": run.get("model"), "layer_ids": run.get("layer_ids"), "hidden_size": run.get("hidden_size"),
+                   "samples": sum(s.num_samples for s in shards), "tokens": sum(s.num_tokens for s in shards),
+                   "shards": len(shards), "bytes": sum(s.bytes for s in shards)}
+        layers = len(run["layer_ids"]) if run.get("layer_ids") else None
+    else:
+        raise ValueError(f"{str(path)!r} has neither {MANIFEST} nor {RUN}: not a vllm-hidden output")
+    report = Report(path=str(root), complete=complete, summary=summary, shards=shards)
+    with ThreadPoolExecutor(threads) as pool:
+        for probs in pool.map(lambda s: _check_shard(root, s, layers), shards):
+            report.problems.extend(probs)
+    if not complete:
+        report.problems.append(f"incomplete: no {MANIFEST} (the run stopped; {JOURNAL} lists {len(shards)} durable "
+                               "shards); `vllm-hidden extract --resume` finishes it")
+    return report
