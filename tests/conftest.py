@@ -23,3 +23,20 @@ def tiny_models(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture
+def s3(tmp_path):
+    """A fresh moto S3 server on 127.0.0.1 with a bucket; yields (endpoint_url, bucket, client)."""
+    import boto3
+
+    from tests.s3_server import MotoServer, set_s3_env
+
+    set_s3_env()
+    server = MotoServer()
+    client = boto3.client("s3", endpoint_url=server.url)
+    client.create_bucket(Bucket="hidden")
+    try:
+        yield server.url, "hidden", client
+    finally:
+        server.stop()

@@ -29,7 +29,7 @@ def extract(
     ctx: typer.Context,
     model: Annotated[str, typer.Option("--model", "-m", help="HF model directory or id.")],
     input: Annotated[Path, typer.Option("--input", "-i", help="JSONL: token_ids | text | messages per line, optional id.")],
-    output: Annotated[str, typer.Option("--output", "-o", help="Output directory (new or empty).")],
+    output: Annotated[str, typer.Option("--output", "-o", help="Output directory or s3://bucket/prefix (new or empty, or --resume).")],
     layers: Annotated[Optional[str], typer.Option(help="Layer ids, output of decoder layer i (0-based), e.g. 1,16,31.")] = None,
     aux_layers: Annotated[Optional[str], typer.Option(help="vLLM/EAGLE-3 aux ids (input of layer j = layer id j-1).")] = None,
     layers_from: Annotated[Optional[Path], typer.Option(help="Drafter config.json (DFlash target_layer_ids or EAGLE-3 aux ids).")] = None,
@@ -42,6 +42,8 @@ def extract(
     ring_slots: Annotated[int, typer.Option(help="Host ring depth (steps in flight between GPU and writer).")] = 2,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run in --output: samples in its "
                                          "durable shards are skipped, the rest are extracted (each exactly once).")] = False,
+    s3_endpoint_url: Annotated[Optional[str], typer.Option(help="S3 endpoint (default: boto3's chain, e.g. AWS_ENDPOINT_URL).")] = None,
+    staging_dir: Annotated[Optional[Path], typer.Option(help="S3 output: local directory shards are written to before upload (e.g. /dev/shm/x).")] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     from vllm_hidden.config import ExtractConfig
@@ -52,10 +54,9 @@ def extract(
             model=model, input_path=str(input), output_dir=output, layers=layers, aux_layers=aux_layers,
             layers_from=str(layers_from) if layers_from else None, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, dtype=dtype,
-            max_shard_bytes=max_shard_bytes, writer_threads=writer_threads, ring_slots=ring_slots, resume=resume, progress=progress, engine_args=list(ctx.args),
+            max_shard_bytes=max_shard_bytes, writer_threads=writer_threads, ring_slots=ring_slots, resume=resume,
+            s3_endpoint_url=s3_endpoint_url, staging_dir=str(staging_dir) if staging_dir else None, progress=progress, engine_args=list(ctx.args),
         )
-        if output.startswith("s3://"):
-            _fail(f"--output {output!r}: S3 output is not supported yet; write to a local directory")
         from vllm_hidden.engine.driver import run_extract
 
         summary = run_extract(cfg)
@@ -74,13 +75,14 @@ def extract(
 @app.command(help="Summarize an extract output and verify every shard (size, BLAKE3, header, index). "
              "Exits 1 if anything is wrong or the run is incomplete.")
 def inspect(
-    output: Annotated[Path, typer.Argument(help="Extract output directory.")],
+    output: Annotated[str, typer.Argument(help="Extract output directory or s3://bucket/prefix.")],
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    s3_endpoint_url: Annotated[Optional[str], typer.Option(help="S3 endpoint (default: boto3's chain).")] = None,
 ) -> None:
     from vllm_hidden.storage.verify import verify_output
 
     try:
-        r = verify_output(output)
+        r = verify_output(output, s3_endpoint_url=s3_endpoint_url)
     except ValueError as e:
         _fail(str(e))
     if json_out:

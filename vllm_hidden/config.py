@@ -67,8 +67,15 @@ class ShardConfig:
     prefix: str = "shard"
     writer_threads: int = DEFAULT_WRITER_THREADS
     first_index: int = 0  # the next shard's number (a resumed run continues the numbering)
+    upload_uri: str | None = None  # s3://bucket/prefix: upload each shard once durable, then evict it
+    s3_endpoint_url: str | None = None
+    upload_pending: int = 4  # shards queued or uploading before the writers wait (backpressure)
 
     def __post_init__(self) -> None:
+        if self.upload_uri is not None and not self.upload_uri.startswith("s3://"):
+            raise ValueError(f"upload_uri must be s3://bucket/prefix, got {self.upload_uri!r}")
+        if isinstance(self.upload_pending, bool) or not isinstance(self.upload_pending, int) or self.upload_pending < 1:
+            raise ValueError(f"upload_pending must be a positive int, got {self.upload_pending!r}")
         if isinstance(self.first_index, bool) or not isinstance(self.first_index, int) or self.first_index < 0:
             raise ValueError(f"first_index must be a non-negative int, got {self.first_index!r}")
         if isinstance(self.writer_threads, bool) or not isinstance(self.writer_threads, int) or not 1 <= self.writer_threads <= 64:
@@ -102,6 +109,8 @@ class ExtractConfig:
     writer_threads: int = DEFAULT_WRITER_THREADS
     ring_slots: int = 2
     resume: bool = False
+    s3_endpoint_url: str | None = None
+    staging_dir: str | None = None  # local directory shards are written to before their upload (S3 output)
     progress: bool = True
     engine_args: list[str] = field(default_factory=list)
 

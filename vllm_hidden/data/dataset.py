@@ -1,4 +1,5 @@
-"""PyTorch Dataset over an extract output directory (memory-mapped, lazy)."""
+"""PyTorch Dataset over an extract output: a local directory (memory-mapped, lazy) or
+s3://bucket/prefix (each sample read with ranged GETs; shard headers cached per process)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from vllm_hidden.storage.manifest import Manifest
+from vllm_hidden.storage.manifest import MANIFEST, Manifest
+
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64}
 
 
 class HiddenStatesDataset(torch.utils.data.Dataset):
@@ -19,12 +22,22 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
     `ds.layer_ids` order. Shards are opened lazily per process, so the dataset can be
     handed to DataLoader workers."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], s3_endpoint_url: str | None = None) -> None:
         path = str(path)
+        self._s3 = None
         if path.startswith("s3://"):
-            raise NotImplementedError(f"reading from S3 is not supported yet: {path!r}")
-        self.root = Path(path)
-        self.manifest = Manifest.read(self.root)
+            from vllm_hidden.storage.s3 import S3Location
+
+            self._s3 = S3Location(path, s3_endpoint_url)
+            self.root = Path(self._s3.prefix or ".")
+            try:
+                self.manifest = Manifest.from_dict(self._s3.get_json(MANIFEST))
+            except self._s3.client.exceptions.NoSuchKey:
+                raise FileNotFoundError(f"no {MANIFEST} under {path!r} (not an extract output, or the run "
+                                        "did not finish)") from None
+        else:
+            self.root = Path(path)
+            self.manifest = Manifest.read(self.root)
         self.layer_ids: list[int] = list(self.manifest.layer_ids)
         self._starts: list[int] = []
         n = 0
@@ -42,10 +55,17 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
         if self._pid != os.getpid():  # forked into a DataLoader worker: reopen there
             self._open.clear()
             self._pid = os.getpid()
+            if self._s3 is not None:
+                self._s3._client = None  # boto3 clients are not fork-safe
         if k not in self._open:
             info = self.manifest.shards[k]
-            f = safe_open(str(self.root / info.file), framework="pt")
-            index = json.loads(f.metadata()["samples"])
+            if self._s3 is not None:
+                f, data_start = self._s3.safetensors_header(info.file)
+                f["__data_start__"] = data_start
+                index = json.loads(f["__metadata__"]["samples"])
+            else:
+                f = safe_open(str(self.root / info.file), framework="pt")
+                index = json.loads(f.metadata()["samples"])
             if len(index) != info.num_samples:
                 raise ValueError(f"shard {info.file!r}: index has {len(index)} samples, manifest says {info.num_samples}")
             self._open[k] = (f, index)
@@ -58,13 +78,31 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
         k = bisect.bisect_right(self._starts, i) - 1
         f, index = self._shard(k)
         sid, row, count = index[i - self._starts[k]]
+        if self._s3 is not None:
+            name = self.manifest.shards[k].file
+            return {"id": sid, "token_ids": self._s3_rows(name, f, "token_ids", row, count),
+                    "hidden_states": self._s3_rows(name, f, "hidden_states", row, count)}
         return {
             "id": sid,
             "token_ids": f.get_slice("token_ids")[row : row + count],
             "hidden_states": f.get_slice("hidden_states")[row : row + count],
         }
 
+    def _s3_rows(self, name: str, header: dict[str, Any], tensor: str, row: int, count: int) -> torch.Tensor:
+        t = header[tensor]
+        dtype, tail = _DTYPES[t["dtype"]], t["shape"][1:]
+        row_bytes = dtype.itemsize
+        for d in tail:
+            row_bytes *= d
+        start = header["__data_start__"] + t["data_offsets"][0] + row * row_bytes
+        raw = self._s3.read_range(name, start, start + count * row_bytes)
+        return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(count, *tail)
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_open"] = {}
+        if state.get("_s3") is not None:  # a boto3 client does not cross processes: a fresh one there
+            from vllm_hidden.storage.s3 import S3Location
+
+            state["_s3"] = S3Location(self._s3.uri, self._s3.endpoint_url)
         return state

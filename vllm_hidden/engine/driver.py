@@ -14,8 +14,9 @@ from vllm_hidden import __version__
 from vllm_hidden.config import CaptureConfig, ExtractConfig, ShardConfig
 from vllm_hidden.inputs import BadLine, PromptReader, count_lines
 from vllm_hidden.layers import SEMANTICS, resolve_layer_ids
-from vllm_hidden.storage.journal import RUN, prepare_resume, write_json_atomic
-from vllm_hidden.storage.manifest import ERRORS, Manifest
+from vllm_hidden.storage.journal import RUN, ResumeState, prepare_resume, write_json_atomic
+from vllm_hidden.storage.manifest import ERRORS, MANIFEST, Manifest
+from vllm_hidden.storage.s3 import S3Location, is_s3, read_done_ids
 from vllm_hidden.storage.shards import FORMAT, ShardInfo
 
 log = logging.getLogger("vllm_hidden")
@@ -46,12 +47,25 @@ def model_info(model: str) -> ModelInfo:
     )
 
 
-def check_paths(model: str, input_path: str, output_dir: str, resume: bool = False) -> None:
+def check_paths(model: str, input_path: str, output_dir: str, resume: bool = False,
+                s3_endpoint_url: str | None = None) -> None:
     """Fail before the (slow) engine start on anything we can check up front."""
     if not Path(input_path).is_file():
         raise ValueError(f"--input: no such file {input_path!r}")
     if (model.startswith((".", "/", "~")) or Path(model).exists()) and not Path(model).expanduser().is_dir():
         raise ValueError(f"--model: no such model directory {model!r}")
+    if is_s3(output_dir):
+        loc = S3Location(output_dir, s3_endpoint_url)
+        try:
+            names = loc.names()
+        except Exception as e:  # noqa: BLE001 - re-raised with the location named
+            raise ValueError(f"--output: cannot list {loc.uri!r}: {e}") from None
+        if names and not resume:
+            raise ValueError(f"--output: {loc.uri!r} is not empty; pass --resume to continue the run that wrote it, "
+                             "or choose a new prefix")
+        if names and RUN not in names:
+            raise ValueError(f"--resume: {loc.uri!r} is not empty and has no {RUN}; it is not a vllm-hidden output")
+        return
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--output: {output_dir!r} is not a directory")
@@ -157,7 +171,7 @@ class Extractor:
 
     def __init__(self, cfg: ExtractConfig) -> None:
         self.engine = None
-        check_paths(cfg.model, cfg.input_path, cfg.output_dir, cfg.resume)
+        check_paths(cfg.model, cfg.input_path, cfg.output_dir, cfg.resume, cfg.s3_endpoint_url)
         self.cfg = cfg
         self.info = info = model_info(cfg.model)
         self.layer_ids = resolve_layer_ids(info.num_layers, cfg.layers, cfg.aux_layers, cfg.layers_from)
@@ -224,6 +238,43 @@ class Extractor:
         write_json_atomic(out / RUN, ident)
         return None
 
+    def _check_identity(self, prev: dict[str, Any], where: str) -> None:
+        ident = self._identity()
+        for k in ("format", "model", "layer_ids", "hidden_size"):
+            if prev.get(k) != ident[k]:
+                raise ValueError(f"--resume: {where!r} was written with {k}={prev.get(k)!r}, this run has {k}={ident[k]!r}")
+
+    def _start_s3_output(self, loc: S3Location, staging: Path, resume: bool) -> ResumeState | None:
+        """S3 twin of _start_output: the shard objects under the prefix are what is done (an
+        object exists only once its upload completed); the staging directory starts empty."""
+        import shutil
+
+        names = loc.names()
+        state = None
+        if names and resume:
+            self._check_identity(loc.get_json(RUN), loc.uri)
+            aborted = loc.abort_stale_uploads()
+            shards = loc.shard_infos()
+            state = ResumeState(shards=shards, done_ids=read_done_ids(loc, shards))
+            state.next_index = max((int(s.file.split("-")[-1].split(".")[0]) for s in shards), default=-1) + 1
+            for name in (MANIFEST, ERRORS):  # rewritten by this run
+                if name in names:
+                    loc.client.delete_object(Bucket=loc.bucket, Key=loc.key(name))
+            if aborted:
+                log.info("vllm-hidden: resume aborted %d unfinished multipart uploads under %s", aborted, loc.uri)
+        elif not names:
+            loc.put_json(RUN, self._identity())
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        return state
+
+    def _staging(self, loc: S3Location) -> Path:
+        import tempfile
+
+        if self.cfg.staging_dir:
+            return Path(self.cfg.staging_dir)
+        return Path(tempfile.gettempdir()) / "vllm-hidden-staging" / loc.bucket / (loc.prefix or "_")
+
     def run(self, input_path: str, output_dir: str, progress: bool | None = None,
             resume: bool | None = None) -> Summary:
         from vllm_hidden.engine import compat
@@ -233,16 +284,22 @@ class Extractor:
         resume = cfg.resume if resume is None else resume
         if engine is None:
             raise RuntimeError("the extractor is closed")
-        check_paths(cfg.model, input_path, output_dir, resume)
-        out = Path(output_dir)
-        state = self._start_output(out, resume)
+        check_paths(cfg.model, input_path, output_dir, resume, cfg.s3_endpoint_url)
+        loc = S3Location(output_dir, cfg.s3_endpoint_url) if is_s3(output_dir) else None
+        if loc is not None:
+            out = self._staging(loc)  # shards are written here, then uploaded and evicted
+            state = self._start_s3_output(loc, out, resume)
+        else:
+            out = Path(output_dir)
+            state = self._start_output(out, resume)
         done_ids = state.done_ids if state else set()
-        shard_cfg = ShardConfig(output_dir=str(output_dir), max_shard_bytes=cfg.max_shard_bytes,
-                                writer_threads=cfg.writer_threads, first_index=state.next_index if state else 0)
+        shard_cfg = ShardConfig(output_dir=str(out), max_shard_bytes=cfg.max_shard_bytes,
+                                writer_threads=cfg.writer_threads, first_index=state.next_index if state else 0,
+                                upload_uri=loc.uri if loc else None, s3_endpoint_url=cfg.s3_endpoint_url)
         reader = PromptReader(input_path, vocab_size=self.info.vocab_size, max_prompt_len=self.max_prompt_len,
                               tokenizer_loader=self._tokenizer)
         total = count_lines(input_path)
-        summary = Summary(engine_init_seconds=self.engine_init_seconds, output_dir=str(out))
+        summary = Summary(engine_init_seconds=self.engine_init_seconds, output_dir=loc.uri if loc else str(out))
         errors_f = None
 
         def record_error(bad: BadLine) -> None:
@@ -327,6 +384,13 @@ class Extractor:
                     "max_num_batched_tokens": engine.vllm_config.scheduler_config.max_num_batched_tokens,
                     "max_num_seqs": engine.vllm_config.scheduler_config.max_num_seqs, "enforce_eager": mc.enforce_eager},
         ).write(out)
+        if loc is not None:  # errors, then the manifest last; then the staging directory goes
+            import shutil
+
+            if summary.errors:
+                loc.put_file(out / ERRORS, ERRORS)
+            loc.put_file(out / MANIFEST, MANIFEST)
+            shutil.rmtree(out, ignore_errors=True)
         return summary
 
 

@@ -170,6 +170,11 @@ class ShardWriter:
         from vllm_hidden.storage.journal import Journal
 
         self._journal = Journal(self.dir)
+        self._uploader = None
+        if cfg.upload_uri:
+            from vllm_hidden.storage.s3 import S3Location, S3Uploader
+
+            self._uploader = S3Uploader(S3Location(cfg.upload_uri, cfg.s3_endpoint_url), max_pending=cfg.upload_pending)
         self._shards: list[tuple[int, ShardInfo]] = []
         self._error: BaseException | None = None
         self._closed = False
@@ -368,6 +373,8 @@ class ShardWriter:
             self._journal.record(info)  # ...before its samples count as done
             with self._cv:
                 self._shards.append((index, info))
+            if self._uploader is not None:
+                self._uploader.submit(self.dir / name, info)  # waits while too many are uploading
         except BaseException as e:  # noqa: BLE001 - surfaced to the assembler thread
             log.exception("vllm-hidden: writing a shard failed")
             with self._cv:
@@ -391,8 +398,11 @@ class ShardWriter:
 
     def stats(self) -> dict[str, Any]:
         with self._cv:
-            return {"writer_threads": self.cfg.writer_threads, "arenas": self._allocated,
-                    "writer_busy_s": round(self._write_s, 3), "arena_wait_s": round(self._reserve_wait_s, 3)}
+            d = {"writer_threads": self.cfg.writer_threads, "arenas": self._allocated,
+                 "writer_busy_s": round(self._write_s, 3), "arena_wait_s": round(self._reserve_wait_s, 3)}
+        if self._uploader is not None:
+            d.update(upload_busy_s=round(self._uploader.busy_s, 3), uploaded_bytes=self._uploader.bytes)
+        return d
 
     @property
     def shards(self) -> list[ShardInfo]:
@@ -417,4 +427,6 @@ class ShardWriter:
             self._pool.shutdown(wait=True)
             self._journal.close()
         self._raise_error()
+        if self._uploader is not None:
+            return self._uploader.close()  # only what S3 confirmed counts as written
         return self.shards

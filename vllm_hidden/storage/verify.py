@@ -47,17 +47,74 @@ def _check_shard(root: Path, s: ShardInfo, layers: int | None) -> list[str]:
             tok = f.get_slice("token_ids").get_shape()
     except Exception as e:  # noqa: BLE001 - reported, not raised
         return [*out, f"{s.file}: not a readable shard ({e})"]
+    return out + _index_problems(s, index, hs, tok, layers)
+
+
+def _check_s3_shard(loc, s: ShardInfo, layers: int | None) -> list[str]:
+    import blake3
+
+    try:
+        obj = loc.client.get_object(Bucket=loc.bucket, Key=loc.key(s.file))
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        return [f"{s.file}: cannot read it ({e})"]
+    h, size = blake3.blake3(max_threads=blake3.blake3.AUTO), 0
+    for chunk in obj["Body"].iter_chunks(8 << 20):
+        h.update(chunk)
+        size += len(chunk)
+    if size != s.bytes:
+        return [f"{s.file}: {size} bytes, recorded {s.bytes}"]
+    out = [] if h.hexdigest() == s.blake3 else [f"{s.file}: BLAKE3 does not match the recorded {s.blake3[:16]}... (corrupted)"]
+    header, _ = loc.safetensors_header(s.file)
+    index = json.loads(header["__metadata__"]["samples"])
+    hs, tok = header["hidden_states"]["shape"], header["token_ids"]["shape"]
+    return out + _index_problems(s, index, hs, tok, layers)
+
+
+def _index_problems(s: ShardInfo, index, hs, tok, layers: int | None) -> list[str]:
+    out = []
     if len(index) != s.num_samples or sum(e[2] for e in index) != s.num_tokens:
         out.append(f"{s.file}: index lists {len(index)} samples / {sum(e[2] for e in index)} tokens, "
                    f"recorded {s.num_samples} / {s.num_tokens}")
     if hs[0] != tok[0] or any(e[1] < 0 or e[1] + e[2] > hs[0] for e in index):
-        out.append(f"{s.file}: index rows fall outside hidden_states {hs} / token_ids {tok}")
+        out.append(f"{s.file}: index rows fall outside hidden_states {list(hs)} / token_ids {list(tok)}")
     if layers is not None and hs[1] != layers:
         out.append(f"{s.file}: {hs[1]} layers, the manifest lists {layers}")
     return out
 
 
-def verify_output(path: str | os.PathLike[str], threads: int = 8) -> Report:
+def _verify_s3(uri: str, endpoint_url: str | None, threads: int) -> Report:
+    from vllm_hidden.storage.s3 import S3Location
+
+    loc = S3Location(uri, endpoint_url)
+    names = set(loc.names())
+    if MANIFEST in names:
+        m = Manifest.from_dict(loc.get_json(MANIFEST))
+        shards, complete, layers = m.shards, True, len(m.layer_ids)
+        summary = {"model": m.model, "layer_ids": m.layer_ids, "hidden_size": m.hidden_size, "dtype": m.dtype,
+                   "samples": m.num_samples, "tokens": m.num_tokens, "shards": len(shards),
+                   "bytes": sum(s.bytes for s in shards), "errors": m.num_errors}
+    elif RUN in names:
+        run = loc.get_json(RUN)
+        shards, complete = loc.shard_infos(), False
+        layers = len(run["layer_ids"]) if run.get("layer_ids") else None
+        summary = {"model": run.get("model"), "layer_ids": run.get("layer_ids"), "hidden_size": run.get("hidden_size"),
+                   "samples": sum(s.num_samples for s in shards), "tokens": sum(s.num_tokens for s in shards),
+                   "shards": len(shards), "bytes": sum(s.bytes for s in shards)}
+    else:
+        raise ValueError(f"{uri!r} has neither {MANIFEST} nor {RUN}: not a vllm-hidden output")
+    report = Report(path=loc.uri, complete=complete, summary=summary, shards=shards)
+    with ThreadPoolExecutor(threads) as pool:
+        for probs in pool.map(lambda s: _check_s3_shard(loc, s, layers), shards):
+            report.problems.extend(probs)
+    if not complete:
+        report.problems.append(f"incomplete: no {MANIFEST} ({len(shards)} shards uploaded); "
+                               "`vllm-hidden extract --resume` finishes it")
+    return report
+
+
+def verify_output(path: str | os.PathLike[str], threads: int = 8, s3_endpoint_url: str | None = None) -> Report:
+    if str(path).startswith("s3://"):
+        return _verify_s3(str(path), s3_endpoint_url, threads)
     root = Path(path)
     if not root.is_dir():
         raise ValueError(f"no such output directory {str(path)!r}")

@@ -1,0 +1,128 @@
+"""S3 output and reader against a real local S3 endpoint (moto's server mode), with faults
+injected by a proxy in front of it: 503s, slow answers, connections cut mid-upload."""
+
+import json
+
+import blake3
+import pytest
+import torch
+
+from tests.s3_server import FaultyProxy
+from vllm_hidden.config import ShardConfig
+from vllm_hidden.data import HiddenStatesDataset
+from vllm_hidden.storage.manifest import Manifest
+from vllm_hidden.storage.s3 import S3Location, read_done_ids
+from vllm_hidden.storage.shards import ShardWriter
+
+K, H = 2, 64  # 256 B per row
+
+
+def _data(n=30):
+    out = {}
+    for i in range(n):
+        g = torch.Generator().manual_seed(i)
+        t = 5 + i % 17
+        out[f"s{i}"] = (torch.randint(0, 99, (t,), generator=g), torch.randn(t, K, H, generator=g).to(torch.bfloat16))
+    return out
+
+
+def _write(staging, uri, endpoint, data, rows=40, pending=2):
+    w = ShardWriter(ShardConfig(output_dir=str(staging), max_shard_bytes=rows * (K * H * 2 + 8), writer_threads=2,
+                                upload_uri=uri, s3_endpoint_url=endpoint, upload_pending=pending),
+                    [3, 5], H, torch.bfloat16)
+    try:
+        for sid, (tok, hs) in data.items():
+            w.add(sid, tok, hs)
+    finally:
+        shards = w.close()
+    loc = S3Location(uri, endpoint)
+    Manifest(model="m", layer_ids=[3, 5], layer_semantics="s", num_model_layers=8, hidden_size=H,
+             dtype="bfloat16", shards=shards).write(staging)
+    loc.put_file(staging / "manifest.json", "manifest.json")
+    return shards, loc
+
+
+def test_shards_upload_evict_and_read_back_over_s3(s3, tmp_path):
+    url, bucket, client = s3
+    data = _data()
+    shards, loc = _write(tmp_path / "stage", f"s3://{bucket}/run/a", url, data)
+    assert len(shards) > 3
+    assert not list((tmp_path / "stage").glob("shard-*"))  # evicted once S3 confirmed each
+    assert loc.shard_infos() == shards  # size, BLAKE3 and counts live on the objects
+    for s in shards:
+        body = client.get_object(Bucket=bucket, Key=f"run/a/{s.file}")["Body"].read()
+        assert blake3.blake3(body).hexdigest() == s.blake3
+    assert read_done_ids(loc, shards) == set(data)
+    ds = HiddenStatesDataset(f"s3://{bucket}/run/a", s3_endpoint_url=url)
+    assert len(ds) == len(data) and ds.layer_ids == [3, 5]
+    for i in range(len(ds)):
+        s = ds[i]
+        tok, hs = data[s["id"]]
+        assert torch.equal(s["token_ids"], tok) and torch.equal(s["hidden_states"], hs)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+    assert sorted(s["id"] for s in loader) == sorted(data)
+
+
+def test_reader_names_a_missing_manifest(s3):
+    url, bucket, _ = s3
+    with pytest.raises(FileNotFoundError, match="no manifest.json under 's3://hidden/nothing'"):
+        HiddenStatesDataset(f"s3://{bucket}/nothing", s3_endpoint_url=url)
+
+
+def test_transient_faults_are_retried_and_nothing_is_lost(s3, tmp_path):
+    """Every 3rd request to a shard key is answered 503, one upload is cut mid-body, one is
+    slow: boto3's retries carry every shard through."""
+    url, bucket, _ = s3
+    port = int(url.rsplit(":", 1)[1])
+    cut = []
+
+    def rule(method, path, n):
+        if ".safetensors" not in path:
+            return None
+        if method == "PUT" and not cut:
+            cut.append(n)
+            return ("cut",)
+        if n % 3 == 0:
+            return ("status", 503)
+        if n % 7 == 0:
+            return ("slow", 0.5)
+        return None
+
+    proxy = FaultyProxy(port, rule)
+    try:
+        data = _data()
+        shards, _ = _write(tmp_path / "stage", f"s3://{bucket}/faulty", proxy.url, data)
+    finally:
+        proxy.stop()
+    kinds = {a[0] for _, _, a in proxy.injected}
+    assert kinds == {"cut", "status", "slow"}
+    ds = HiddenStatesDataset(f"s3://{bucket}/faulty", s3_endpoint_url=url)
+    assert sorted(ds[i]["id"] for i in range(len(ds))) == sorted(data)
+
+
+def test_an_upload_that_exhausts_its_retries_stops_the_run_naming_the_shard(s3, tmp_path):
+    url, bucket, client = s3
+    port = int(url.rsplit(":", 1)[1])
+    proxy = FaultyProxy(port, lambda m, p, n: ("status", 500) if "shard-00001" in p else None)
+    try:
+        with pytest.raises(OSError, match="shard shard-00001.safetensors was not uploaded"):
+            _write(tmp_path / "stage", f"s3://{bucket}/broken", proxy.url, _data())
+    finally:
+        proxy.stop()
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="broken/").get("Contents", [])]
+    assert "broken/shard-00001.safetensors" not in keys and "broken/manifest.json" not in keys
+    assert (tmp_path / "stage" / "shard-00001.safetensors").exists()  # the staged copy is kept
+
+
+def test_inspect_over_s3_names_a_corrupted_object(s3, tmp_path):
+    from vllm_hidden.storage.verify import verify_output
+
+    url, bucket, client = s3
+    shards, _ = _write(tmp_path / "stage", f"s3://{bucket}/insp", url, _data(12))
+    assert verify_output(f"s3://{bucket}/insp", s3_endpoint_url=url).ok
+    key = f"insp/{shards[0].file}"
+    body = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[-3] ^= 0x01
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    r = verify_output(f"s3://{bucket}/insp", s3_endpoint_url=url)
+    assert r.problems == [f"{shards[0].file}: BLAKE3 does not match the recorded {shards[0].blake3[:16]}... (corrupted)"]

@@ -1,0 +1,209 @@
+"""S3 output: shards uploaded as they close (boto3's transfer manager: multipart, concurrent
+parts, retries with backoff), the local staging copy evicted once S3 confirms it, the
+manifest uploaded last. Credentials and endpoint come from boto3's usual chain (env, config
+files, instance roles; `AWS_ENDPOINT_URL`), or `--s3-endpoint-url`.
+
+On S3 a shard object exists only once its upload completed (multipart uploads are atomic),
+and carries its BLAKE3 and counts as object metadata: the objects under the prefix are the
+durable record a resumed run starts from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from vllm_hidden.storage.shards import ShardInfo
+
+log = logging.getLogger("vllm_hidden")
+
+_URI = re.compile(r"^s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])(?:/(.*))?$")
+
+
+def is_s3(path: str | Path) -> bool:
+    return str(path).startswith("s3://")
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    """'s3://bucket/a/b/' -> ('bucket', 'a/b'); the prefix has no trailing slash."""
+    m = _URI.match(uri)
+    if not m:
+        raise ValueError(f"not an s3://bucket/prefix URI: {uri!r}")
+    return m.group(1), (m.group(2) or "").strip("/")
+
+
+def make_client(endpoint_url: str | None = None):
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError:
+        raise ImportError("S3 needs boto3: pip install 'vllm-hidden[s3]' (or pip install boto3)") from None
+    # standard retry mode: exponential backoff with jitter on throttling, 5xx and dropped connections
+    cfg = Config(retries={"max_attempts": 8, "mode": "standard"}, connect_timeout=10, read_timeout=120,
+                 max_pool_connections=32)
+    return boto3.client("s3", endpoint_url=endpoint_url or None, config=cfg)
+
+
+class S3Location:
+    """A bucket + prefix and the few operations the run needs on it."""
+
+    def __init__(self, uri: str, endpoint_url: str | None = None) -> None:
+        self.uri = uri.rstrip("/")
+        self.bucket, self.prefix = parse_s3_uri(uri)
+        self.endpoint_url = endpoint_url
+        self._client = None
+
+    @property
+    def client(self):
+        if self._client is None:
+            self._client = make_client(self.endpoint_url)
+        return self._client
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def names(self) -> list[str]:
+        """Object names directly under the prefix."""
+        out, token = [], None
+        base = self.key("")
+        while True:
+            kw = {"Bucket": self.bucket, "Prefix": base}
+            if token:
+                kw["ContinuationToken"] = token
+            r = self.client.list_objects_v2(**kw)
+            out += [o["Key"][len(base):] for o in r.get("Contents", []) if "/" not in o["Key"][len(base):]]
+            if not r.get("IsTruncated"):
+                return out
+            token = r["NextContinuationToken"]
+
+    def get_json(self, name: str) -> Any:
+        return json.loads(self.client.get_object(Bucket=self.bucket, Key=self.key(name))["Body"].read())
+
+    def put_json(self, name: str, obj: Any) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=self.key(name), Body=json.dumps(obj, indent=1).encode(),
+                               ContentType="application/json")
+
+    def put_file(self, local: Path, name: str) -> None:
+        self.client.upload_file(str(local), self.bucket, self.key(name))
+
+    def read_range(self, name: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of an object."""
+        r = self.client.get_object(Bucket=self.bucket, Key=self.key(name), Range=f"bytes={start}-{end - 1}")
+        return r["Body"].read()
+
+    def safetensors_header(self, name: str) -> tuple[dict[str, Any], int]:
+        """(header dict, offset of the data section) read with two ranged GETs."""
+        n = int.from_bytes(self.read_range(name, 0, 8), "little")
+        return json.loads(self.read_range(name, 8, 8 + n)), 8 + n
+
+    def abort_stale_uploads(self) -> int:
+        """Multipart uploads a killed run left open under the prefix (invisible, but billed)."""
+        r = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=self.key(""))
+        n = 0
+        for u in r.get("Uploads", []):
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"])
+            n += 1
+        return n
+
+    def shard_infos(self, prefix: str = "shard") -> list[ShardInfo]:
+        """The shards that completed their upload, from their object metadata."""
+        pat = re.compile(rf"^{re.escape(prefix)}-\d+\.safetensors$")
+        infos = []
+        for name in sorted(n for n in self.names() if pat.match(n)):
+            h = self.client.head_object(Bucket=self.bucket, Key=self.key(name))
+            meta = h.get("Metadata", {})
+            if "blake3" not in meta:
+                raise ValueError(f"{self.uri}/{name} has no blake3 metadata: not written by vllm-hidden")
+            infos.append(ShardInfo(file=name, bytes=int(h["ContentLength"]), blake3=meta["blake3"],
+                                   num_samples=int(meta["num-samples"]), num_tokens=int(meta["num-tokens"])))
+        return infos
+
+
+class S3Uploader:
+    """Uploads closed shards in the background. `submit` blocks while `max_pending` uploads
+    are queued or running (backpressure all the way to the engine); a confirmed upload
+    (size checked with a HEAD) evicts the staged file; the first failure (after boto3's
+    retries) is kept and raised, naming the shard, on the next submit or at close."""
+
+    def __init__(self, loc: S3Location, max_pending: int = 4, part_concurrency: int = 8,
+                 on_uploaded: Callable[[ShardInfo], None] | None = None) -> None:
+        from boto3.s3.transfer import TransferConfig
+
+        self.loc = loc
+        self.transfer = TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=64 << 20,
+                                       max_concurrency=part_concurrency, use_threads=True)
+        self._slots = threading.BoundedSemaphore(max_pending)
+        self._pool = ThreadPoolExecutor(max_pending, thread_name_prefix="vllm-hidden-s3")
+        self._futures: list[Future] = []
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self.uploaded: list[ShardInfo] = []
+        self.on_uploaded = on_uploaded
+        self.bytes = 0
+        self.busy_s = 0.0
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise OSError(f"uploading to {self.loc.uri} failed: {self._error}") from self._error
+
+    def submit(self, local: Path, info: ShardInfo) -> None:
+        self._raise()
+        self._slots.acquire()
+        try:
+            self._futures.append(self._pool.submit(self._upload, local, info))
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def _upload(self, local: Path, info: ShardInfo) -> None:
+        import time
+
+        t0 = time.perf_counter()
+        try:
+            key = self.loc.key(info.file)
+            meta = {"blake3": info.blake3, "num-samples": str(info.num_samples), "num-tokens": str(info.num_tokens)}
+            self.loc.client.upload_file(str(local), self.loc.bucket, key, ExtraArgs={"Metadata": meta},
+                                        Config=self.transfer)
+            size = self.loc.client.head_object(Bucket=self.loc.bucket, Key=key)["ContentLength"]
+            if size != info.bytes:
+                raise OSError(f"{info.file}: S3 holds {size} bytes, the shard has {info.bytes}")
+            local.unlink()  # confirmed on S3: evict the staged copy
+            with self._lock:
+                self.uploaded.append(info)
+                self.bytes += info.bytes
+            if self.on_uploaded is not None:
+                self.on_uploaded(info)
+        except BaseException as e:  # noqa: BLE001 - kept, raised on the producer side
+            log.error("vllm-hidden: upload of %s to %s failed: %r", info.file, self.loc.uri, e)
+            with self._lock:
+                if self._error is None:
+                    self._error = OSError(f"shard {info.file} was not uploaded: {e!r}")
+        finally:
+            with self._lock:
+                self.busy_s += time.perf_counter() - t0
+            self._slots.release()
+
+    def close(self) -> list[ShardInfo]:
+        for f in list(self._futures):
+            f.exception()
+        self._pool.shutdown(wait=True)
+        self._raise()
+        return sorted(self.uploaded, key=lambda s: s.file)
+
+
+def read_done_ids(loc: S3Location, shards: list[ShardInfo]) -> set[Any]:
+    """Sample ids in the uploaded shards (their safetensors headers, ranged GETs)."""
+    done: set[Any] = set()
+    for s in shards:
+        header, _ = loc.safetensors_header(s.file)
+        for entry in json.loads(header["__metadata__"]["samples"]):
+            if entry[0] in done:
+                raise ValueError(f"sample id {entry[0]!r} is in two shards under {loc.uri}; the output is damaged")
+            done.add(entry[0])
+    return done
