@@ -1,0 +1,158 @@
+"""Shard writer throughput vs one-thread `safetensors.torch.save_file`, on the same data.
+
+    python scripts/bench_writer.py --dir /dev/shm/wb --dir .bench/wb          # tmpfs and disk
+    python scripts/bench_writer.py --dir /dev/shm/wb --s3                     # + upload to a local S3 (moto)
+
+Data: samples of 27B-shaped rows ([T, 5, 5120] bf16, 51.2 KB per token). `save_file` gets each
+shard's tensors already concatenated (its concatenation is not timed) and writes them one
+shard after another on one thread. The shard writer gets the samples one by one, as the
+assembler hands them over (one copy into its arena), and writes with --threads threads;
+its time runs until every shard is durable (and, with --s3, uploaded). Peak RSS is sampled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+class Peak:
+    def __enter__(self):
+        import psutil
+
+        me, self.peak, self._stop = psutil.Process(), 0, threading.Event()
+
+        def run():
+            while not self._stop.wait(0.05):
+                self.peak = max(self.peak, me.memory_info().rss)
+
+        self._t = threading.Thread(target=run, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *a):
+        self._stop.set()
+        self._t.join()
+
+
+def samples(total_bytes: int, k: int, h: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randn(4096, k, h, generator=g).to(torch.bfloat16)  # rows are views into this
+    out, n, i = [], 0, 0
+    while n < total_bytes:
+        t = int(torch.randint(64, 2048, (1,), generator=g))
+        out.append((i, torch.arange(t, dtype=torch.int64), src[:t]))
+        n += t * k * h * 2
+        i += 1
+    return out
+
+
+def bench_save_file(data, d: Path, shard_bytes: int) -> dict:
+    from safetensors.torch import save_file
+
+    groups, cur, size = [], [], 0
+    for s in data:
+        cur.append(s)
+        size += s[2].numel() * 2
+        if size >= shard_bytes:
+            groups.append(cur)
+            cur, size = [], 0
+    if cur:
+        groups.append(cur)
+    tensors = [{"hidden_states": torch.cat([s[2] for s in g]), "token_ids": torch.cat([s[1] for s in g])} for g in groups]
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    nbytes = sum(t["hidden_states"].numel() * 2 + t["token_ids"].numel() * 8 for t in tensors)
+    t0 = time.perf_counter()
+    for i, t in enumerate(tensors):
+        p = d / f"s{i}.safetensors"
+        save_file(t, str(p))
+        with open(p, "rb+") as f:  # durable, as the shard writer's are
+            os.fsync(f.fileno())
+    dt = time.perf_counter() - t0
+    shutil.rmtree(d)
+    return {"seconds": dt, "bytes": nbytes, "gb_per_s": nbytes / dt / 1e9, "shards": len(tensors)}
+
+
+def bench_writer(data, d: Path, shard_bytes: int, threads: int, k: int, h: int, upload: str | None = None,
+                 endpoint: str | None = None) -> dict:
+    from vllm_hidden.config import ShardConfig
+    from vllm_hidden.storage.shards import ShardWriter
+
+    shutil.rmtree(d, ignore_errors=True)
+    cfg = ShardConfig(output_dir=str(d), max_shard_bytes=shard_bytes, writer_threads=threads,
+                      upload_uri=upload, s3_endpoint_url=endpoint)
+    with Peak() as rss:
+        w = ShardWriter(cfg, list(range(k)), h, torch.bfloat16)
+        t0 = time.perf_counter()
+        for sid, tok, hs in data:
+            slot = w.reserve(sid, tok)
+            slot.buf.copy_(hs)
+            w.commit(slot)
+        t1 = time.perf_counter()
+        shards = w.close()
+        t2 = time.perf_counter()
+        dt = t2 - t0
+    nbytes = sum(s.bytes for s in shards)
+    shutil.rmtree(d, ignore_errors=True)
+    return {"seconds": dt, "bytes": nbytes, "gb_per_s": nbytes / dt / 1e9, "shards": len(shards),
+            "tail_seconds": t2 - t1, "peak_rss_bytes": rss.peak,
+            "stats": w.stats()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", action="append", required=True, help="target directory (repeat: tmpfs, disk)")
+    ap.add_argument("--gb", type=float, default=3.0, help="data volume per measurement")
+    ap.add_argument("--shard-bytes", type=int, default=1 << 30)
+    ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--s3", action="store_true", help="also upload to a local S3 endpoint (moto server)")
+    ap.add_argument("--result", default=None)
+    a = ap.parse_args()
+    k, h = 5, 5120
+    data = samples(int(a.gb * 1e9), k, h)
+    res = {"command": " ".join(["python", "scripts/bench_writer.py", *sys.argv[1:]]), "cpus": os.cpu_count(),
+           "data_bytes": sum(s[2].numel() * 2 for s in data), "samples": len(data), "shard_bytes": a.shard_bytes,
+           "threads": a.threads, "targets": {}}
+    for d in a.dir:
+        base = bench_save_file(data, Path(d) / "save_file", a.shard_bytes)
+        ours = bench_writer(data, Path(d) / "writer", a.shard_bytes, a.threads, k, h)
+        res["targets"][d] = {"save_file_1_thread": base, "shard_writer": ours,
+                             "speedup": round(ours["gb_per_s"] / base["gb_per_s"], 3)}
+        print(f"{d}: save_file {base['gb_per_s']:.2f} GB/s, shard writer ({a.threads} threads) "
+              f"{ours['gb_per_s']:.2f} GB/s = {ours['gb_per_s'] / base['gb_per_s']:.2f}x", flush=True)
+    if a.s3:
+        import boto3
+
+        sys.path.insert(0, str(ROOT / "tests"))
+        from s3_server import MotoServer, set_s3_env
+
+        set_s3_env()
+        server = MotoServer()
+        try:
+            boto3.client("s3", endpoint_url=server.url).create_bucket(Bucket="bench")
+            d = Path(a.dir[0]) / "stage"
+            up = bench_writer(data, d, a.shard_bytes, a.threads, k, h, upload="s3://bench/run", endpoint=server.url)
+            res["s3_local_moto"] = {"staging": str(d), **up}
+            print(f"s3 (moto on 127.0.0.1, staging {d}): write + upload {up['gb_per_s']:.2f} GB/s", flush=True)
+        finally:
+            server.stop()
+    path = Path(a.result) if a.result else ROOT / "benchmarks" / "results" / f"writer-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
