@@ -426,7 +426,12 @@ class ShardWriter:
                 f.exception()  # wait; errors were recorded where they happened
             self._pool.shutdown(wait=True)
             self._journal.close()
-        self._raise_error()
+        uploaded = None
         if self._uploader is not None:
-            return self._uploader.close()  # only what S3 confirmed counts as written
-        return self.shards
+            try:
+                uploaded = self._uploader.close()  # only what S3 confirmed counts as written
+            except BaseException:
+                if self._error is None:
+                    raise
+        self._raise_error()  # a write failure first: the upload failure may only follow from it
+        return uploaded if uploaded is not None else self.shards
