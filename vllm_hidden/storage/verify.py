@@ -28,6 +28,21 @@ class Report:
         return not self.problems
 
 
+def _from_manifest(m: Manifest) -> tuple[dict[str, Any], list[ShardInfo], int]:
+    summary = {"model": m.model, "layer_ids": m.layer_ids, "hidden_size": m.hidden_size, "dtype": m.dtype,
+               "samples": m.num_samples, "tokens": m.num_tokens, "shards": len(m.shards),
+               "bytes": sum(s.bytes for s in m.shards), "errors": m.num_errors}
+    return summary, m.shards, len(m.layer_ids)
+
+
+def _from_run(run: dict[str, Any], shards: list[ShardInfo]) -> tuple[dict[str, Any], list[ShardInfo], int | None]:
+    """An interrupted run: what run.json says, and the shards recorded as durable so far."""
+    summary = {"model": run.get("model"), "layer_ids": run.get("layer_ids"), "hidden_size": run.get("hidden_size"),
+               "samples": sum(s.num_samples for s in shards), "tokens": sum(s.num_tokens for s in shards),
+               "shards": len(shards), "bytes": sum(s.bytes for s in shards)}
+    return summary, shards, len(run["layer_ids"]) if run.get("layer_ids") else None
+
+
 def _check_shard(root: Path, s: ShardInfo, layers: int | None) -> list[str]:
     from safetensors import safe_open
 
@@ -88,28 +103,15 @@ def _verify_s3(uri: str, endpoint_url: str | None, threads: int) -> Report:
     loc = S3Location(uri, endpoint_url)
     names = set(loc.names())
     if MANIFEST in names:
-        m = Manifest.from_dict(loc.get_json(MANIFEST))
-        shards, complete, layers = m.shards, True, len(m.layer_ids)
-        summary = {"model": m.model, "layer_ids": m.layer_ids, "hidden_size": m.hidden_size, "dtype": m.dtype,
-                   "samples": m.num_samples, "tokens": m.num_tokens, "shards": len(shards),
-                   "bytes": sum(s.bytes for s in shards), "errors": m.num_errors}
+        summary, shards, layers = _from_manifest(Manifest.from_dict(loc.get_json(MANIFEST)))
+        complete = True
     elif RUN in names:
-        run = loc.get_json(RUN)
-        shards, complete = loc.shard_infos(), False
-        layers = len(run["layer_ids"]) if run.get("layer_ids") else None
-        summary = {"model": run.get("model"), "layer_ids": run.get("layer_ids"), "hidden_size": run.get("hidden_size"),
-                   "samples": sum(s.num_samples for s in shards), "tokens": sum(s.num_tokens for s in shards),
-                   "shards": len(shards), "bytes": sum(s.bytes for s in shards)}
+        summary, shards, layers = _from_run(loc.get_json(RUN), loc.shard_infos())
+        complete = False
     else:
         raise ValueError(f"{uri!r} has neither {MANIFEST} nor {RUN}: not a vllm-hidden output")
-    report = Report(path=loc.uri, complete=complete, summary=summary, shards=shards)
-    with ThreadPoolExecutor(threads) as pool:
-        for probs in pool.map(lambda s: _check_s3_shard(loc, s, layers), shards):
-            report.problems.extend(probs)
-    if not complete:
-        report.problems.append(f"incomplete: no {MANIFEST} ({len(shards)} shards uploaded); "
-                               "`vllm-hidden extract --resume` finishes it")
-    return report
+    return _report(loc.uri, complete, summary, shards, lambda s: _check_s3_shard(loc, s, layers), threads,
+                   f"{len(shards)} shards uploaded")
 
 
 def verify_output(path: str | os.PathLike[str], threads: int = 8, s3_endpoint_url: str | None = None) -> Report:
@@ -119,26 +121,23 @@ def verify_output(path: str | os.PathLike[str], threads: int = 8, s3_endpoint_ur
     if not root.is_dir():
         raise ValueError(f"no such output directory {str(path)!r}")
     if (root / MANIFEST).is_file():
-        m = Manifest.read(root)
-        shards, complete = m.shards, True
-        summary = {"model": m.model, "layer_ids": m.layer_ids, "hidden_size": m.hidden_size, "dtype": m.dtype,
-                   "samples": m.num_samples, "tokens": m.num_tokens, "shards": len(m.shards),
-                   "bytes": sum(s.bytes for s in m.shards), "errors": m.num_errors}
-        layers = len(m.layer_ids)
+        summary, shards, layers = _from_manifest(Manifest.read(root))
+        complete = True
     elif (root / RUN).is_file():
-        run = json.loads((root / RUN).read_text())
-        shards, complete = read_journal(root), False
-        summary = {"model": run.get("model"), "layer_ids": run.get("layer_ids"), "hidden_size": run.get("hidden_size"),
-                   "samples": sum(s.num_samples for s in shards), "tokens": sum(s.num_tokens for s in shards),
-                   "shards": len(shards), "bytes": sum(s.bytes for s in shards)}
-        layers = len(run["layer_ids"]) if run.get("layer_ids") else None
+        summary, shards, layers = _from_run(json.loads((root / RUN).read_text()), read_journal(root))
+        complete = False
     else:
         raise ValueError(f"{str(path)!r} has neither {MANIFEST} nor {RUN}: not a vllm-hidden output")
-    report = Report(path=str(root), complete=complete, summary=summary, shards=shards)
+    return _report(str(root), complete, summary, shards, lambda s: _check_shard(root, s, layers), threads,
+                   f"the run stopped; {JOURNAL} lists {len(shards)} durable shards")
+
+
+def _report(path: str, complete: bool, summary: dict[str, Any], shards: list[ShardInfo], check, threads: int,
+            where: str) -> Report:
+    report = Report(path=path, complete=complete, summary=summary, shards=shards)
     with ThreadPoolExecutor(threads) as pool:
-        for probs in pool.map(lambda s: _check_shard(root, s, layers), shards):
+        for probs in pool.map(check, shards):
             report.problems.extend(probs)
     if not complete:
-        report.problems.append(f"incomplete: no {MANIFEST} (the run stopped; {JOURNAL} lists {len(shards)} durable "
-                               "shards); `vllm-hidden extract --resume` finishes it")
+        report.problems.append(f"incomplete: no {MANIFEST} ({where}); `vllm-hidden extract --resume` finishes it")
     return report
