@@ -28,6 +28,8 @@ if __name__ == "__main__":
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
 
+    subprocess.run(["vllm-hidden", "inspect", str(out)], check=True)  # every shard's size, BLAKE3, index
+
     from vllm_hidden.data import HiddenStatesDataset
 
     ds = HiddenStatesDataset(out)
