@@ -139,7 +139,7 @@ def verify_extract(out: Path, prompts: list[list[int]]) -> dict:
             return _check_finite(f.get_tensor("hidden_states"))
 
     with ThreadPoolExecutor(8) as pool:
-        sha = all(pool.map(sum_ok, m.shards))
+        sums = all(pool.map(sum_ok, m.shards))
         fin = all(pool.map(finite, m.shards))
     ds = HiddenStatesDataset(out)
     seen = {}
@@ -148,11 +148,12 @@ def verify_extract(out: Path, prompts: list[list[int]]) -> dict:
         seen.setdefault(s["id"], []).append(s["token_ids"].tolist())
     present = set(seen) == set(range(len(prompts))) and all(len(v) == 1 for v in seen.values())
     tokens_ok = present and all(seen[i][0] == p for i, p in enumerate(prompts))
-    return {"all_samples_present_once": present, "token_ids_match": tokens_ok, "checksums_ok": sha,
+    return {"all_samples_present_once": present, "token_ids_match": tokens_ok, "checksums_ok": sums,
             "finite": fin, "bytes": sum(s.bytes for s in m.shards), "shards": len(m.shards)}
 
 
-def run_plain(args: list[str], max_len: int, workloads: dict[str, list[list[int]]], save) -> dict:
+def _start_engine(args: list[str], max_len: int):
+    """A plain vLLM engine with extract's settings and runner; returns (engine, init seconds)."""
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from vllm_hidden.engine import compat
@@ -162,7 +163,13 @@ def run_plain(args: list[str], max_len: int, workloads: dict[str, list[list[int]
     compat.spawn_on_cuda()
     t0 = time.perf_counter()
     engine = LLMEngine.from_engine_args(engine_args(args[0], args[1:], max_len))
-    init = time.perf_counter() - t0
+    return engine, time.perf_counter() - t0
+
+
+def run_plain(args: list[str], max_len: int, workloads: dict[str, list[list[int]]], save) -> dict:
+    from vllm_hidden.engine import compat
+
+    engine, init = _start_engine(args, max_len)
     sp = compat.prefill_sampling_params({})  # the params extract uses, nothing marked for capture
     res = {"engine_init_seconds": init, "workloads": {}}
     save(res)
@@ -212,13 +219,9 @@ def run_upstream(args: list[str], max_len: int, workloads: dict[str, list[list[i
     import fcntl
 
     from safetensors.torch import load_file
-    from vllm.v1.engine.llm_engine import LLMEngine
 
     from vllm_hidden.engine import compat
-    from vllm_hidden.engine.driver import engine_args
 
-    compat.pin_v1_runner()
-    compat.spawn_on_cuda()
     shutil.rmtree(out_root, ignore_errors=True)
     out_root.mkdir(parents=True)
     aux = [i + 1 for i in layer_ids]  # EAGLE-3 aux id = input of layer i+1
@@ -226,10 +229,9 @@ def run_upstream(args: list[str], max_len: int, workloads: dict[str, list[list[i
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux}}}
     kv = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
           "kv_connector_extra_config": {"shared_storage_path": str(out_root)}}
-    t0 = time.perf_counter()
-    engine = LLMEngine.from_engine_args(engine_args(
-        args[0], [*args[1:], "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)], max_len))
-    res = {"engine_init_seconds": time.perf_counter() - t0, "aux_layer_ids": aux, "workloads": {}}
+    engine, init = _start_engine(
+        [*args, "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)], max_len)
+    res = {"engine_init_seconds": init, "aux_layer_ids": aux, "workloads": {}}
     save(res)
     sp = compat.prefill_sampling_params({})
     try:

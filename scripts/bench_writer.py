@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -25,25 +24,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
-
-class Peak:
-    def __enter__(self):
-        import psutil
-
-        me, self.peak, self._stop = psutil.Process(), 0, threading.Event()
-
-        def run():
-            while not self._stop.wait(0.05):
-                self.peak = max(self.peak, me.memory_info().rss)
-
-        self._t = threading.Thread(target=run, daemon=True)
-        self._t.start()
-        return self
-
-    def __exit__(self, *a):
-        self._stop.set()
-        self._t.join()
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench import RssPeak  # noqa: E402
 
 
 def samples(total_bytes: int, k: int, h: int, seed: int = 0):
@@ -93,7 +75,7 @@ def bench_writer(data, d: Path, shard_bytes: int, threads: int, k: int, h: int, 
     shutil.rmtree(d, ignore_errors=True)
     cfg = ShardConfig(output_dir=str(d), max_shard_bytes=shard_bytes, writer_threads=threads,
                       upload_uri=upload, s3_endpoint_url=endpoint)
-    with Peak() as rss:
+    with RssPeak() as rss:
         w = ShardWriter(cfg, list(range(k)), h, torch.bfloat16)
         t0 = time.perf_counter()
         for sid, tok, hs in data:

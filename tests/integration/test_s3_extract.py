@@ -13,7 +13,6 @@ import sys
 import time
 
 import blake3
-import torch
 
 from tests.integration.helpers import run_cli
 from vllm_hidden.data import HiddenStatesDataset

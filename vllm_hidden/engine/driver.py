@@ -17,7 +17,7 @@ from vllm_hidden.layers import SEMANTICS, resolve_layer_ids
 from vllm_hidden.storage.journal import RUN, ResumeState, prepare_resume, write_json_atomic
 from vllm_hidden.storage.manifest import ERRORS, MANIFEST, Manifest
 from vllm_hidden.storage.s3 import S3Location, is_s3, read_done_ids
-from vllm_hidden.storage.shards import FORMAT, ShardInfo
+from vllm_hidden.storage.shards import FORMAT, ShardInfo, shard_number
 
 log = logging.getLogger("vllm_hidden")
 WORKER_EXTENSION = "vllm_hidden.engine.worker_ext.HiddenStatesWorkerExtension"
@@ -223,19 +223,14 @@ class Extractor:
     def _start_output(self, out: Path, resume: bool):
         """A new output gets run.json first; a resumed one is checked against it and cleaned
         of what the interrupted attempt left half-done. Returns the resume state or None."""
-        ident = self._identity()
         if resume and (out / RUN).is_file():
-            prev = json.loads((out / RUN).read_text())
-            for k in ("format", "model", "layer_ids", "hidden_size"):
-                if prev.get(k) != ident[k]:
-                    raise ValueError(f"--resume: {str(out)!r} was written with {k}={prev.get(k)!r}, "
-                                     f"this run has {k}={ident[k]!r}")
+            self._check_identity(json.loads((out / RUN).read_text()), str(out))
             state = prepare_resume(out)
             if state.removed:
                 log.info("vllm-hidden: resume removed %d unfinished files: %s", len(state.removed), state.removed[:5])
             return state
         out.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(out / RUN, ident)
+        write_json_atomic(out / RUN, self._identity())
         return None
 
     def _check_identity(self, prev: dict[str, Any], where: str) -> None:
@@ -256,7 +251,7 @@ class Extractor:
             aborted = loc.abort_stale_uploads()
             shards = loc.shard_infos()
             state = ResumeState(shards=shards, done_ids=read_done_ids(loc, shards))
-            state.next_index = max((int(s.file.split("-")[-1].split(".")[0]) for s in shards), default=-1) + 1
+            state.next_index = max((shard_number(s.file) for s in shards), default=-1) + 1
             for name in (MANIFEST, ERRORS):  # rewritten by this run
                 if name in names:
                     loc.client.delete_object(Bucket=loc.bucket, Key=loc.key(name))

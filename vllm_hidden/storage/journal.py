@@ -12,25 +12,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_hidden.storage.shards import ShardInfo
+from vllm_hidden.storage.shards import ShardInfo, fsync_dir, shard_number
 
 JOURNAL = "shards.jsonl"
 RUN = "run.json"
-
-
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """Make a rename or a new file in `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -114,10 +104,8 @@ def prepare_resume(out_dir: str | os.PathLike[str], prefix: str = "shard") -> Re
                     raise ValueError(f"sample id {sid!r} is in two shards of {str(out)!r}; the output is damaged")
                 state.done_ids.add(sid)
         names.add(s.file)
-    pat = re.compile(rf"^{re.escape(prefix)}-(\d+)\.safetensors$")
     for p in sorted(out.iterdir()):
-        m = pat.match(p.name)
-        if m and p.name not in names:
+        if shard_number(p.name, prefix) is not None and p.name not in names:
             state.removed.append(p.name)  # renamed but never journaled: not done
             p.unlink()
         elif p.name.startswith(f".{prefix}-") and p.name.endswith(".tmp"):
@@ -126,6 +114,5 @@ def prepare_resume(out_dir: str | os.PathLike[str], prefix: str = "shard") -> Re
     for name in ("manifest.json", "errors.jsonl"):
         if (out / name).exists():
             (out / name).unlink()
-    indices = [int(pat.match(s.file).group(1)) for s in shards if pat.match(s.file)]
-    state.next_index = max(indices, default=-1) + 1
+    state.next_index = max((shard_number(s.file, prefix) or 0 for s in shards), default=-1) + 1
     return state

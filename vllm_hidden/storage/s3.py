@@ -14,12 +14,13 @@ import json
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from vllm_hidden.storage.shards import ShardInfo
+from vllm_hidden.storage.shards import ShardInfo, shard_number
 
 log = logging.getLogger("vllm_hidden")
 
@@ -113,9 +114,8 @@ class S3Location:
 
     def shard_infos(self, prefix: str = "shard") -> list[ShardInfo]:
         """The shards that completed their upload, from their object metadata."""
-        pat = re.compile(rf"^{re.escape(prefix)}-\d+\.safetensors$")
         infos = []
-        for name in sorted(n for n in self.names() if pat.match(n)):
+        for name in sorted(n for n in self.names() if shard_number(n, prefix) is not None):
             h = self.client.head_object(Bucket=self.bucket, Key=self.key(name))
             meta = h.get("Metadata", {})
             if "blake3" not in meta:
@@ -162,8 +162,6 @@ class S3Uploader:
             raise
 
     def _upload(self, local: Path, info: ShardInfo) -> None:
-        import time
-
         t0 = time.perf_counter()
         try:
             key = self.loc.key(info.file)

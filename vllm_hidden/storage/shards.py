@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import struct
 import threading
 import time
@@ -33,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import blake3
 import torch
 
 from vllm_hidden.config import ShardConfig
@@ -71,10 +73,27 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
+def shard_file(index: int, prefix: str = "shard") -> str:
+    return f"{prefix}-{index:05d}.safetensors"
+
+
+def shard_number(name: str, prefix: str = "shard") -> int | None:
+    """The index in a shard's file name, or None if `name` is not one."""
+    m = re.fullmatch(rf"{re.escape(prefix)}-(\d+)\.safetensors", name)
+    return int(m.group(1)) if m else None
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make a rename or a new file in `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def file_checksum(path: str | os.PathLike[str]) -> str:
     """BLAKE3 (hex) of a file, as recorded in the manifest (`b3sum` prints the same)."""
-    import blake3
-
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
     h.update_mmap(str(path))
     return h.hexdigest()
@@ -340,9 +359,6 @@ class ShardWriter:
             head = struct.pack("<Q", self.header_room - 8) + header + b" " * (self.header_room - 8 - len(header))
             _pwrite_all(a.fd, _raw(tokens), self.header_room + hs_bytes)
             _pwrite_all(a.fd, memoryview(head), 0)
-
-            import blake3
-
             h = blake3.blake3(max_threads=blake3.blake3.AUTO)  # from memory, beside the fsync
             failed: list[BaseException] = []
 
@@ -363,10 +379,8 @@ class ShardWriter:
                 raise failed[0]
             os.close(a.fd)
             a.fd = -1
-            name = f"{self.cfg.prefix}-{index:05d}.safetensors"
+            name = shard_file(index, self.cfg.prefix)
             os.replace(a.tmp, self.dir / name)
-            from vllm_hidden.storage.journal import fsync_dir
-
             fsync_dir(self.dir)  # the rename is durable...
             info = ShardInfo(file=name, bytes=self.header_room + hs_bytes + rows * 8, blake3=h.hexdigest(),
                              num_samples=len(done), num_tokens=sum(int(s.token_ids.shape[0]) for s in done))
