@@ -60,7 +60,7 @@ def extract(
         from vllm_hidden.engine.driver import run_extract
 
         summary = run_extract(cfg)
-    except ValueError as e:
+    except (ValueError, ImportError, OSError) as e:  # bad input, missing extra, storage failure: one line
         _fail(str(e))
     d = summary.to_dict()
     typer.echo(
@@ -83,7 +83,7 @@ def inspect(
 
     try:
         r = verify_output(output, s3_endpoint_url=s3_endpoint_url)
-    except ValueError as e:
+    except (ValueError, ImportError, OSError) as e:
         _fail(str(e))
     if json_out:
         typer.echo(json.dumps({"path": r.path, "complete": r.complete, "ok": r.ok, **r.summary, "problems": r.problems}))
