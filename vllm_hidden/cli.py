@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from vllm_hidden.config import DEFAULT_MAX_SHARD_BYTES, DEFAULT_WRITER_THREADS
+from vllm_hidden.config import DEFAULT_MAX_SHARD_BYTES, DEFAULT_WRITER_THREADS, ServeConfig
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Extract hidden states from vLLM for drafter training.")
 
@@ -70,6 +70,43 @@ def extract(
         f"{d['samples_per_s']:,.1f} samples/s; engine start {d['engine_init_seconds']:.1f} s)"
     )
     typer.echo(json.dumps(d))
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    help="Run vLLM's OpenAI-compatible server with hidden-state capture. /v1/completions and "
+    "/v1/chat/completions accept \"hidden_states\": true or {\"layers\": [...], \"tokens\": \"prompt\"|\"all\"} "
+    "and then return the states inline (base64 safetensors). Unknown options go to `vllm serve` "
+    "(e.g. --port 8000 --api-key KEY --tensor-parallel-size 2).",
+)
+def serve(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Argument(help="HF model directory or id.")],
+    layers: Annotated[Optional[str], typer.Option(help="Layer ids to capture, output of decoder layer i (0-based); requests may ask for a subset.")] = None,
+    aux_layers: Annotated[Optional[str], typer.Option(help="vLLM/EAGLE-3 aux ids (input of layer j = layer id j-1).")] = None,
+    layers_from: Annotated[Optional[Path], typer.Option(help="Drafter config.json (DFlash target_layer_ids or EAGLE-3 aux ids).")] = None,
+    max_hidden_tokens: Annotated[int, typer.Option(help="Most hidden-state rows (tokens) one response may carry; more is HTTP 400.")] = ServeConfig.max_hidden_tokens,
+    max_request_bytes: Annotated[int, typer.Option(help="Largest request body on the two endpoints; more is HTTP 413.")] = ServeConfig.max_request_bytes,
+    max_concurrent: Annotated[int, typer.Option(help="Hidden-state requests in flight at once (more wait); bounds the memory they hold.")] = ServeConfig.max_concurrent,
+    hidden_states_timeout: Annotated[float, typer.Option(help="Seconds a finished response waits for its hidden states.")] = ServeConfig.timeout_s,
+) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        limits = ServeConfig(max_hidden_tokens=max_hidden_tokens, max_request_bytes=max_request_bytes,
+                             max_concurrent=max_concurrent, timeout_s=hidden_states_timeout)
+        from vllm_hidden.engine.driver import model_info
+        from vllm_hidden.engine.serving import prepare_environment, run_vllm_serve, serve_argv
+        from vllm_hidden.layers import resolve_layer_ids
+
+        ids = resolve_layer_ids(model_info(model).num_layers, layers, aux_layers, str(layers_from) if layers_from else None)
+        argv = serve_argv(model, ids, list(ctx.args))
+        prepare_environment(limits.to_env())
+    except (ValueError, ImportError, OSError) as e:
+        _fail(str(e))
+    try:
+        run_vllm_serve(argv)
+    except ValueError as e:
+        _fail(str(e))
 
 
 @app.command(help="Summarize an extract output and verify every shard (size, BLAKE3, header, index). "

@@ -125,3 +125,51 @@ class ExtractConfig:
             raise ValueError(f"--ring-slots must be >= 2, got {self.ring_slots!r}")
         if not 1 <= self.writer_threads <= 64:
             raise ValueError(f"--writer-threads must be in 1..64, got {self.writer_threads!r}")
+
+
+def _positive_int(name: str, v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    """Limits of the hidden-states server. Passed to the API server process in the
+    environment (`vllm-hidden serve` sets it from its flags), not in `additional_config`,
+    which vLLM hashes into its compile-cache key: changing a limit must not recompile."""
+
+    # Rows one response may carry: 8192 tokens x 5 layers of a 27B model is ~420 MB raw,
+    # ~560 MB as base64 JSON.
+    max_hidden_tokens: int = 8192
+    # Largest request body accepted on /v1/completions and /v1/chat/completions.
+    max_request_bytes: int = 32 << 20
+    # Hidden-state requests in flight at once; more wait (bounds the memory they hold).
+    max_concurrent: int = 64
+    # Seconds a finished response waits for its hidden states.
+    timeout_s: float = 120.0
+
+    ENV = {"max_hidden_tokens": "VHIDDEN_MAX_TOKENS", "max_request_bytes": "VHIDDEN_MAX_REQUEST_BYTES",
+           "max_concurrent": "VHIDDEN_MAX_CONCURRENT", "timeout_s": "VHIDDEN_TIMEOUT"}
+
+    def __post_init__(self) -> None:
+        for name in ("max_hidden_tokens", "max_request_bytes", "max_concurrent"):
+            _positive_int(f"{name} ({self.ENV[name]})", getattr(self, name))
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ValueError(f"timeout_s ({self.ENV['timeout_s']}) must be a positive number, got {self.timeout_s!r}")
+
+    @classmethod
+    def from_env(cls, env: dict[str, str]) -> "ServeConfig":
+        kw: dict[str, Any] = {}
+        for name, var in cls.ENV.items():
+            raw = env.get(var)
+            if raw is None or raw == "":
+                continue
+            try:
+                kw[name] = float(raw) if name == "timeout_s" else int(raw)
+            except ValueError:
+                raise ValueError(f"{var} must be a number, got {raw!r}") from None
+        return cls(**kw)
+
+    def to_env(self) -> dict[str, str]:
+        return {var: str(getattr(self, name)) for name, var in self.ENV.items()}

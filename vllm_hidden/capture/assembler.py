@@ -36,11 +36,18 @@ class Segment:
 class NewRequest:
     sample_id: Any
     token_ids: list[int]
+    # Open-ended capture (server, prompt + generated tokens): room for `rows` rows, and the
+    # sample is complete when the request finishes, with the rows captured by then.
+    rows: int | None = None
+
+    @property
+    def until_finished(self) -> bool:
+        return self.rows is not None
 
 
 @dataclass(slots=True)
 class StepRecord:
-    slot: int
+    slot: int | None  # None: no rows this step, only request bookkeeping
     num_tokens: int
     segments: list[Segment]
     new: dict[str, NewRequest] = field(default_factory=dict)
@@ -76,13 +83,18 @@ class _MemSlot:
 
 
 class MemorySink:
-    """Each sample in its own host tensor, handed to `on_sample` when complete."""
+    """Each sample in its own host tensor, handed to `on_sample` when complete. With
+    `on_failure`, a request whose rows cannot be assembled is reported there and the others
+    go on (a server must not stop for one request); without it the failure is raised."""
 
-    def __init__(self, row_shape: tuple[int, int], dtype: torch.dtype, on_sample: Callable[[Sample], None]) -> None:
+    def __init__(self, row_shape: tuple[int, int], dtype: torch.dtype, on_sample: Callable[[Sample], None],
+                 on_failure: Callable[[Any, str], None] | None = None) -> None:
         self.row_shape, self.dtype, self.on_sample = tuple(row_shape), dtype, on_sample
+        self.on_failure = on_failure
 
-    def reserve(self, sample_id: Any, token_ids: list[int]) -> _MemSlot:
-        return _MemSlot(sample_id, token_ids, torch.empty((len(token_ids), *self.row_shape), dtype=self.dtype))
+    def reserve(self, sample_id: Any, token_ids: list[int], rows: int | None = None) -> _MemSlot:
+        n = len(token_ids) if rows is None else rows
+        return _MemSlot(sample_id, token_ids, torch.empty((n, *self.row_shape), dtype=self.dtype))
 
     def commit(self, slot: _MemSlot) -> None:
         self.on_sample(Sample(slot.sample_id, torch.tensor(slot.token_ids, dtype=torch.int64), slot.buf))
@@ -97,7 +109,7 @@ class _Partial:
     def __init__(self, req: NewRequest, slot: Slot) -> None:
         self.req = req
         self.slot = slot
-        self.total = len(req.token_ids)
+        self.total = len(req.token_ids) if req.rows is None else req.rows
         self.filled = 0  # rows [0, filled) are valid
 
 
@@ -116,40 +128,62 @@ class Assembler:
         try:  # the ring slot goes back whatever happens, or the engine would wait for it forever
             self._pending.update(rec.new)
             for rid in rec.finished:
-                # finished/aborted before its prompt was complete (normal completions left already)
+                # All of a finished request's rows came in earlier records. An open-ended
+                # capture is complete now; anything else still here was aborted before its
+                # prompt was complete (normal completions left already).
                 part = self._partial.pop(rid, None)
+                if part is not None and part.req.until_finished:
+                    part.slot.buf = part.slot.buf[: part.filled]
+                    self.sink.commit(part.slot)
+                    continue
                 if part is not None:
                     self.sink.drop(part.slot)
                 if part is not None or self._pending.pop(rid, None) is not None:
                     self.dropped.append(rid)
+            if rec.slot is None:
+                return
             t0 = time.perf_counter()
             host = self.transfer.wait(rec.slot)
             self.wait_copy_s += time.perf_counter() - t0
             for seg in rec.segments:
-                self._take(seg, host)
+                try:
+                    self._take(seg, host)
+                except CaptureError as e:
+                    on_failure = getattr(self.sink, "on_failure", None)
+                    part = self._partial.pop(seg.req_id, None)
+                    if on_failure is None or part is None:
+                        raise
+                    self.sink.drop(part.slot)
+                    self.dropped.append(seg.req_id)
+                    on_failure(part.req.sample_id, str(e))
         finally:
-            self.transfer.release(rec.slot)
+            if rec.slot is not None:
+                self.transfer.release(rec.slot)
 
     def _take(self, seg: Segment, host: torch.Tensor) -> None:
         part = self._partial.get(seg.req_id)
         if part is None:
             req = self._pending.pop(seg.req_id, None)
             if req is None:
-                return  # a request we were not asked to capture
-            part = self._partial[seg.req_id] = _Partial(req, self.sink.reserve(req.sample_id, req.token_ids))
+                return  # a request we were not asked to capture, or one already complete
+            slot = (self.sink.reserve(req.sample_id, req.token_ids) if req.rows is None
+                    else self.sink.reserve(req.sample_id, req.token_ids, rows=req.rows))
+            part = self._partial[seg.req_id] = _Partial(req, slot)
         total = part.total
         if seg.pos == 0:
             part.filled = 0  # first chunk, or recomputation after preemption
+        elif part.filled >= total:
+            return  # an open-ended capture is full: later rows were not asked for
         elif seg.pos != part.filled:
             raise CaptureError(
                 f"request {part.req.sample_id!r}: rows arrive at position {seg.pos} but "
                 f"{part.filled} rows were captured; were prompt tokens skipped (prefix cache)?"
             )
-        keep = min(seg.count, total - seg.pos)  # rows past the prompt are generated tokens
+        keep = min(seg.count, total - seg.pos)  # rows past `total`: tokens nobody asked for
         if keep > 0:
             part.slot.buf[seg.pos : seg.pos + keep].copy_(host[seg.row : seg.row + keep])
             part.filled = seg.pos + keep
-        if part.filled >= total:
+        if part.filled >= total and not part.req.until_finished:
             del self._partial[seg.req_id]
             self.sink.commit(part.slot)
 
@@ -189,7 +223,8 @@ class AssemblerThread:
             if rec is None:
                 return
             if self.error is not None:
-                self.assembler.transfer.release(rec.slot)
+                if rec.slot is not None:
+                    self.assembler.transfer.release(rec.slot)
                 continue
             t0 = time.perf_counter()
             try:

@@ -65,13 +65,15 @@ class StepTransfer:
             self._free.append(slot)
             self._cv.notify()
 
-    def submit(self, layers: Sequence[torch.Tensor], num_tokens: int, slot: int) -> None:
-        """Gather rows [0, num_tokens) of each layer tensor into the device buffer, then copy
-        them to host slot `slot` in one transfer. Stream-ordered after the forward, so it is
-        safe with CUDA-graph outputs that the next replay overwrites."""
+    def submit(self, layers: Sequence[torch.Tensor], num_tokens: int, slot: int, start: int = 0) -> None:
+        """Gather rows [start, start + num_tokens) of each layer tensor into the device buffer,
+        then copy them to host slot `slot` in one transfer. Stream-ordered after the forward,
+        so it is safe with CUDA-graph outputs that the next replay overwrites."""
         n = num_tokens
         if not 0 < n <= self.shape[0]:
             raise ValueError(f"step has {n} tokens; the capture buffer holds {self.shape[0]}")
+        if start:
+            layers = [t[start:] for t in layers]  # a view: still one gather
         if self.cuda:
             compute = torch.cuda.current_stream(self.device)
             if self._last_copy is not None:

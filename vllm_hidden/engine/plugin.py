@@ -3,7 +3,8 @@
 It wraps one runner method, `_setup_eagle3_aux_hidden_state_outputs` (called from
 `load_model` on GPU and CPU, before torch.compile and CUDA-graph capture). The wrapper is a
 pass-through unless the engine's `additional_config` carries a `vllm_hidden` capture config,
-so installing the package does not change plain vLLM.
+so installing the package does not change plain vLLM. It also puts the server's result
+channel address in the environment (a string; nothing is opened) for the engine processes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ def register() -> None:
         return
     _registered = True
     from vllm_hidden.engine import compat
+    from vllm_hidden.server.channel import ensure_address
+
+    # vLLM registers plugins while parsing its arguments, before it starts the engine's
+    # processes: a `vllm serve --middleware ...` server gets its result channel here.
+    ensure_address()
 
     runner_cls = compat.model_runner_class()
     original = runner_cls._setup_eagle3_aux_hidden_state_outputs

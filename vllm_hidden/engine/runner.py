@@ -13,10 +13,13 @@ import logging
 import time
 from typing import Any
 
-from vllm_hidden.capture.assembler import Assembler, AssemblerThread, CaptureError, NewRequest, Segment, StepRecord
+from vllm_hidden.capture.assembler import (Assembler, AssemblerThread, CaptureError, MemorySink, NewRequest, Segment,
+                                           StepRecord)
 from vllm_hidden.capture.ring import StepTransfer
 from vllm_hidden.config import CaptureConfig, ShardConfig
 from vllm_hidden.engine import compat
+from vllm_hidden.server.channel import channel_key
+from vllm_hidden.server.protocol import WORKER_KEY
 from vllm_hidden.storage.shards import ShardWriter
 
 log = logging.getLogger("vllm_hidden")
@@ -42,9 +45,11 @@ class Capture:
                 runner.device,
                 cfg.ring_slots,
             )
+        self.max_model_len = mc.max_model_len
         self.thread: AssemblerThread | None = None
         self.writer: ShardWriter | None = None
-        self._tracked: set[str] = set()
+        self.sink_kind: str | None = None  # "shards" (extract, opened by RPC) or "publish" (server, on demand)
+        self._tracked: dict[str, int] = {}
         self.order = cfg.emit_order
         self._stats = _StepStats()
 
@@ -53,19 +58,21 @@ class Capture:
         if not self.writer_rank:
             return False
         if self.thread is not None:
-            raise RuntimeError("a capture sink is already open on this worker")
+            raise RuntimeError(f"a capture sink ({self.sink_kind}) is already open on this worker")
         self.writer = ShardWriter(shard_cfg, list(self.cfg.layer_ids), self.hidden_size, self.transfer.device_buf.dtype)
         self.thread = AssemblerThread(Assembler(self.transfer, self.writer),
                                       cpus=compat.cpus_off_the_forward(self.runner.device))
+        self.sink_kind = "shards"
         self._stats = _StepStats()
         self._tracked.clear()
         return True
 
     def close(self) -> dict[str, Any] | None:
-        if self.thread is None:
+        if self.thread is None or self.sink_kind != "shards":
             return None
         thread, writer = self.thread, self.writer
         self.thread = self.writer = None
+        self.sink_kind = None
         error: BaseException | None = None
         try:
             thread.close()  # every queued step assembled
@@ -92,55 +99,100 @@ class Capture:
             "stats": stats,
         }
 
+    def _open_publisher(self) -> bool:
+        """A server's requests: samples go back to the API server over its channel."""
+        from vllm_hidden.server.channel import Publisher, channel_address
+
+        address = channel_address()
+        if address is None:
+            log.error("vllm-hidden: a request asked for hidden states but no result channel is configured; "
+                      "start the server with `vllm-hidden serve`")
+            return False
+        pub = Publisher(address)
+        sink = MemorySink(self.transfer.shape[1:], self.transfer.device_buf.dtype, pub.send_sample, pub.send_failure)
+        self.thread = AssemblerThread(Assembler(self.transfer, sink), cpus=compat.cpus_off_the_forward(self.runner.device))
+        self.sink_kind = "publish"
+        log.info("vllm-hidden: sending hidden states to the API server at %s", address)
+        return True
+
+    def _new_request(self, extra: dict[str, Any], prompt: list[int] | None) -> NewRequest | None:
+        if REQUEST_KEY in extra:
+            return NewRequest(extra[REQUEST_KEY], prompt) if self.sink_kind == "shards" and prompt else None
+        spec = extra.get(WORKER_KEY)
+        if not isinstance(spec, dict) or not prompt or self.sink_kind == "shards":
+            return None
+        if spec.get("key") is None or spec.get("key") != channel_key():
+            log.warning("vllm-hidden: ignoring a capture request without the server's key")
+            return None
+        if self.sink_kind is None and not self._open_publisher():
+            return None
+        rows = spec.get("rows") if spec.get("all") else None
+        if rows is not None:  # the API server checked it; never trust it with memory
+            rows = max(1, min(int(rows), self.max_model_len))
+        return NewRequest(str(spec["id"]), prompt, rows)
+
     # -- per step ------------------------------------------------------------------
     def on_step(self, scheduler_output: Any) -> None:
-        thread = self.thread
-        if thread is None:
+        if not self.writer_rank:
             return
-        thread.check()
-        tracked = self._tracked
+        tracked = self._tracked  # req id -> rows wanted (positions below it are captured)
         new: dict[str, NewRequest] = {}
         start: dict[str, int] = {}
         for r in scheduler_output.scheduled_new_reqs:
             start[r.req_id] = r.num_computed_tokens
             extra = r.sampling_params.extra_args if r.sampling_params is not None else None
-            if extra and REQUEST_KEY in extra:
-                new[r.req_id] = NewRequest(extra[REQUEST_KEY], r.prompt_token_ids)
-                tracked.add(r.req_id)
+            if extra:
+                req = self._new_request(extra, r.prompt_token_ids)
+                if req is not None:
+                    new[r.req_id] = req
+                    tracked[r.req_id] = req.rows if req.rows is not None else len(req.token_ids)
+        thread = self.thread
+        if thread is None:
+            return
+        thread.check()
         cached = scheduler_output.scheduled_cached_reqs
         for rid, k in zip(cached.req_ids, cached.num_computed_tokens):
             start[rid] = k
-        finished = scheduler_output.finished_req_ids
-        tracked.difference_update(finished)
-        if not tracked and not new:
-            return
-        state = self.runner.execute_model_state
-        aux = getattr(state, "aux_hidden_states", None)
-        if aux is None:
+        ended = [rid for rid in scheduler_output.finished_req_ids if rid in tracked]
+        for rid in ended:
+            del tracked[rid]
+        if not tracked and not new and not ended:
             return
         n = scheduler_output.total_num_scheduled_tokens
         counts = scheduler_output.num_scheduled_tokens
         segments: list[Segment] = []
         row = 0
-        any_tracked = False
+        lo = hi = 0
         for rid in self.runner.input_batch.req_ids:  # row order of the step's tokens
             c = counts.get(rid, 0)
-            if c and rid in tracked:
-                segments.append(Segment(rid, row, c, start[rid]))
-                any_tracked = True
+            if c:
+                want = tracked.get(rid)
+                if want is not None and start[rid] < want:
+                    if not segments:
+                        lo = row
+                    segments.append(Segment(rid, row, c, start[rid]))
+                    hi = row + c
             row += c
         if row != n:
             raise CaptureError(f"step rows {row} != scheduled tokens {n}; cannot map rows to requests")
-        if not any_tracked:
+        if not segments:
+            if new or ended:  # e.g. an open-ended capture finished: its sample is complete
+                thread.put(StepRecord(None, 0, [], new, frozenset(ended)))
             return
+        state = self.runner.execute_model_state
+        aux = getattr(state, "aux_hidden_states", None)
+        if aux is None:
+            raise CaptureError("the model returned no aux hidden states for a step with captured requests")
+        if lo:  # copy only the span holding captured rows (a server's batch mixes requests)
+            segments = [Segment(s.req_id, s.row - lo, s.count, s.pos) for s in segments]
         st = self._stats
         t0 = time.perf_counter()
         slot = self.transfer.acquire()  # blocks while the host side is behind (backpressure)
         t1 = time.perf_counter()
-        self.transfer.submit([aux[i] for i in self.order], n, slot)  # gathered in layer_ids order
-        thread.put(StepRecord(slot, n, segments, new, frozenset(finished)))
+        self.transfer.submit([aux[i] for i in self.order], hi - lo, slot, lo)  # gathered in layer_ids order
+        thread.put(StepRecord(slot, hi - lo, segments, new, frozenset(ended)))
         st.steps += 1
-        st.rows += n
+        st.rows += hi - lo
         st.acquire_wait_s += t1 - t0
         st.submit_s += time.perf_counter() - t1
 

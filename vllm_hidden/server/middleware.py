@@ -1,0 +1,328 @@
+"""ASGI middleware that adds hidden states to vLLM's own OpenAI server.
+
+Loaded with vLLM's `--middleware vllm_hidden.server.HiddenStatesMiddleware` (what
+`vllm-hidden serve` passes). On POST /v1/completions and /v1/chat/completions:
+- a request without the `hidden_states` field goes to vLLM untouched (its body bytes too,
+  unless it smuggles one of our reserved `vllm_xargs` keys, which are removed);
+- a request with it is checked (vLLM's own --api-key check first), the field is replaced by a
+  server-made token in `vllm_xargs`, and vLLM serves it as usual; the engine hook
+  (`engine/serving.py`) turns the token into capture settings for the worker. The response
+  JSON (or, streaming, the last event before `[DONE]`) gets a `hidden_states` object spliced
+  in, built from the rows the worker sent over the channel and the token ids vLLM returned.
+Nothing in a request names a file or socket: the channel address comes from the environment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+from typing import Any
+
+from vllm_hidden.config import ServeConfig
+from vllm_hidden.server.protocol import (FIELD, RESERVED_PREFIX, TOKEN_KEY, RequestError, encode, parse_field,
+                                         returned_token_ids)
+from vllm_hidden.server.registry import REGISTRY, Pending
+
+log = logging.getLogger("vllm_hidden")
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+_MARKERS = (FIELD.encode(), RESERVED_PREFIX.encode())
+
+
+def _path(scope: dict[str, Any]) -> str:
+    return scope["path"].removeprefix(scope.get("root_path", "") or "")
+
+
+async def _read_body(receive, limit: int) -> bytes:
+    chunks, size = [], 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise ConnectionResetError("client disconnected while sending the request")
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(f"request body is over the server's limit of {limit} bytes "
+                               f"({ServeConfig.ENV['max_request_bytes']})", status=413, param=None)
+        chunks.append(chunk)
+        if not msg.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    """A `receive` that hands the (already read) body over once, then the client's events
+    (vLLM listens for a disconnect)."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def _with_length(scope: dict[str, Any], n: int) -> dict[str, Any]:
+    headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+    headers.append((b"content-length", str(n).encode()))
+    return {**scope, "headers": headers}
+
+
+def _strip_reserved(req: dict[str, Any]) -> bool:
+    xargs = req.get("vllm_xargs")
+    if not isinstance(xargs, dict):
+        return False
+    ours = [k for k in xargs if isinstance(k, str) and k.startswith(RESERVED_PREFIX)]
+    for k in ours:
+        del xargs[k]
+    return bool(ours)
+
+
+def _check_shape(req: dict[str, Any], path: str) -> None:
+    """One engine request per HTTP request: one set of states per response."""
+    n = req.get("n")
+    if n not in (None, 1):
+        raise RequestError(f"hidden_states needs n=1 (one sequence per response), got n={n!r}", param="n")
+    if req.get("use_beam_search"):
+        raise RequestError("hidden_states cannot be combined with use_beam_search", param="use_beam_search")
+    if path == "/v1/completions":
+        p = req.get("prompt")
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)) and len(p) > 1:
+            raise RequestError(f"hidden_states needs a single prompt per request, got a list of {len(p)}", param="prompt")
+
+
+def _splice(obj_json: bytes, key: bytes, value: bytes) -> bytes:
+    """Add `"key": value` to a JSON object's bytes without re-serializing it."""
+    end = obj_json.rstrip()
+    if not end.endswith(b"}"):
+        raise ValueError("response is not a JSON object")
+    body = end[:-1].rstrip()
+    sep = b"" if body.endswith(b"{") else b","
+    return body + sep + b'"' + key + b'":' + value + b"}"
+
+
+async def _send_json(send, status: int, payload: dict[str, Any]) -> None:
+    body = json.dumps(payload).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class HiddenStatesMiddleware:
+    def __init__(self, app) -> None:
+        from vllm_hidden.engine.serving import install_generate_hook
+
+        self.app = app
+        self.cfg = ServeConfig.from_env(os.environ)
+        self._layers: tuple[int, ...] | None = None
+        self._auth: tuple[type, tuple, dict] | None = None
+        self._receiver = None
+        self._slots: asyncio.Semaphore | None = None
+        install_generate_hook()
+
+    # -- setup (first request; vLLM builds the app's state before serving) --------------
+    def _setup(self, scope: dict[str, Any]) -> None:
+        if self._layers is not None:
+            return
+        from vllm_hidden.config import CaptureConfig
+        from vllm_hidden.server.channel import Receiver, channel_address
+
+        app = scope["app"]
+        client = getattr(app.state, "engine_client", None)
+        cap = CaptureConfig.from_additional_config(client.vllm_config.additional_config) if client else None
+        if cap is None:
+            raise RequestError("this server does not capture hidden states: start it with `vllm-hidden serve MODEL "
+                               "--layers ...` (or additional_config {\"vllm_hidden\": {\"layer_ids\": [...]}})")
+        address = channel_address()
+        if address is None:
+            raise RequestError("the hidden-states channel is not configured (VHIDDEN_CHANNEL is unset)", status=500)
+        for m in getattr(app, "user_middleware", []):  # vLLM's --api-key check, to run before ours
+            if getattr(m.cls, "__name__", "") == "AuthenticationMiddleware":
+                self._auth = (m.cls, tuple(m.args), dict(m.kwargs))
+        self._receiver = Receiver(address, REGISTRY.deliver)
+        self._receiver.start()
+        self._slots = asyncio.Semaphore(self.cfg.max_concurrent)
+        self._layers = tuple(cap.layer_ids)
+        log.info("vllm-hidden: serving hidden states of layers %s on %s", list(cap.layer_ids), ", ".join(ENDPOINTS))
+
+    def _guarded(self, handler):
+        if self._auth is None:
+            return handler
+        cls, args, kwargs = self._auth
+        return cls(handler, *args, **kwargs)
+
+    # -- ASGI ------------------------------------------------------------------------
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST" or _path(scope) not in ENDPOINTS:
+            return await self.app(scope, receive, send)
+        try:
+            body = await _read_body(receive, self.cfg.max_request_bytes)
+        except RequestError as e:
+            return await self._guarded(self._error_app(e))(scope, receive, send)
+        except ConnectionResetError:
+            return None
+        if not any(m in body for m in _MARKERS):
+            return await self.app(scope, _replay(body, receive), send)
+        try:
+            req = json.loads(body)
+        except ValueError:
+            req = None
+        if not isinstance(req, dict):  # vLLM answers malformed JSON itself
+            return await self.app(scope, _replay(body, receive), send)
+        stripped = _strip_reserved(req)
+        if FIELD not in req:
+            if stripped:
+                body = json.dumps(req).encode()
+                scope = _with_length(scope, len(body))
+            return await self.app(scope, _replay(body, receive), send)
+        value = req.pop(FIELD)
+
+        async def handler(scope, receive_, send_):
+            try:
+                self._setup(scope)
+                spec = parse_field(value, self._layers)
+                if spec is not None:
+                    _check_shape(req, _path(scope))
+            except RequestError as e:
+                return await _send_json(send_, e.status, e.body())
+            if spec is None:  # "hidden_states": false / null
+                b = json.dumps(req).encode()
+                return await self.app(_with_length(scope, len(b)), _replay(b, receive), send_)
+            async with self._slots:
+                await self._serve(scope, receive, send_, req, spec)
+
+        return await self._guarded(handler)(scope, receive, send)
+
+    @staticmethod
+    def _error_app(err: RequestError):
+        async def app(scope, receive, send):
+            await _send_json(send, err.status, err.body())
+
+        return app
+
+    async def _serve(self, scope, receive, send, req: dict[str, Any], spec) -> None:
+        token = secrets.token_urlsafe(18)
+        pending = REGISTRY.add(token, spec, self.cfg.max_hidden_tokens)
+        try:
+            xargs = req.get("vllm_xargs")
+            req["vllm_xargs"] = {**(xargs if isinstance(xargs, dict) else {}), TOKEN_KEY: token}
+            body = json.dumps(req).encode()
+            scope = _with_length(scope, len(body))
+            if req.get("stream"):
+                await self.app(scope, _replay(body, receive), _StreamSplicer(send, pending, self))
+            else:
+                await self._serve_json(scope, _replay(body, receive), send, pending)
+        finally:
+            REGISTRY.remove(token)
+
+    async def _serve_json(self, scope, receive, send, pending: Pending) -> None:
+        start: dict[str, Any] | None = None
+        chunks: list[bytes] = []
+
+        async def collect(msg):
+            nonlocal start
+            if msg["type"] == "http.response.start":
+                start = msg
+            elif msg["type"] == "http.response.body":
+                chunks.append(msg.get("body", b""))
+            else:
+                await send(msg)
+
+        await self.app(scope, receive, collect)
+        if pending.rejected is not None:
+            return await _send_json(send, 400, RequestError(pending.rejected, param="max_tokens").body())
+        body = b"".join(chunks)
+        if start is None:
+            return None
+        if start["status"] == 200:
+            try:
+                body = _splice(body, FIELD.encode(), await self.hidden_states_json(pending))
+            except RequestError as e:
+                return await _send_json(send, e.status, e.body())
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({**start, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def hidden_states_json(self, pending: Pending) -> bytes:
+        """Wait for the worker's rows, then encode them (off the event loop: it is MBs)."""
+        try:
+            rows, error = await asyncio.wait_for(asyncio.shield(pending.future), self.cfg.timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestError(f"hidden states did not arrive within {self.cfg.timeout_s:g} s "
+                               f"({ServeConfig.ENV['timeout_s']})", status=500) from None
+        if error is not None:
+            raise RequestError(f"hidden-state capture failed: {error}", status=500)
+        if pending.prompt_ids is None:
+            raise RequestError("the engine returned no prompt token ids", status=500)
+        ids = returned_token_ids(pending.spec, pending.prompt_ids, pending.generated)
+        return await asyncio.to_thread(encode, pending.spec, rows, ids)
+
+
+class _StreamSplicer:
+    """`send` for a streaming (SSE) response: passes events through one behind, and adds
+    `hidden_states` to the last event before `data: [DONE]`."""
+
+    def __init__(self, send, pending: Pending, mw: HiddenStatesMiddleware) -> None:
+        self.send, self.pending, self.mw = send, pending, mw
+        self.start: dict[str, Any] | None = None
+        self.started = self.dropped = self.passthrough = False
+        self.buf = b""
+        self.held: bytes | None = None
+
+    async def _emit(self, data: bytes, more: bool = True) -> None:
+        await self.send({"type": "http.response.body", "body": data, "more_body": more})
+
+    async def __call__(self, msg) -> None:
+        if self.dropped:
+            return
+        if msg["type"] == "http.response.start":
+            self.start = msg  # held until the first event: a rejected request gets a 400 instead
+            return
+        if msg["type"] != "http.response.body":
+            return await self.send(msg)
+        if not self.started:
+            if self.pending.rejected is not None:
+                self.dropped = True
+                return await _send_json(self.send, 400, RequestError(self.pending.rejected, param="max_tokens").body())
+            self.started = True
+            await self.send(self.start)
+            self.passthrough = self.start.get("status") != 200
+        if self.passthrough:
+            return await self.send(msg)
+        self.buf += msg.get("body", b"")
+        out = b""
+        while b"\n\n" in self.buf:
+            event, self.buf = self.buf.split(b"\n\n", 1)
+            event += b"\n\n"
+            if event.strip() == b"data: [DONE]":
+                if self.held is not None:
+                    out += await self._finish(self.held)
+                    self.held = None
+                out += event
+            else:
+                if self.held is not None:
+                    out += self.held
+                self.held = event
+        more = msg.get("more_body", False)
+        if not more:
+            out += (self.held or b"") + self.buf
+            self.held, self.buf = None, b""
+        if out or not more:
+            await self._emit(out, more)
+
+    async def _finish(self, event: bytes) -> bytes:
+        head, _, data = event.partition(b"data: ")
+        data = data.rstrip(b"\n")
+        try:
+            if b'"error"' in data and "error" in json.loads(data):
+                return event  # vLLM reported an error in the stream: no states to add
+            value = await self.mw.hidden_states_json(self.pending)
+        except RequestError as e:
+            value = json.dumps(e.body()).encode()
+        return head + b"data: " + _splice(data, FIELD.encode(), value) + b"\n\n"

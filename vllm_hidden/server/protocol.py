@@ -1,0 +1,118 @@
+"""The server's request field and response object (pure; no vLLM).
+
+Request: `"hidden_states": true` (the server's layers, prompt tokens) or
+`{"layers": [ids], "tokens": "prompt" | "all"}`. Response: `"hidden_states": {"format":
+"safetensors", "encoding": "base64", "data": ..., "layer_ids": [...], "num_tokens": T, ...}`,
+the decoded safetensors holding `hidden_states` [T, K, H] and `token_ids` [T].
+
+With `"tokens": "all"` the rows are the prompt's and then the generated tokens' except the
+last one: a sampled token is only run through the model at the next step, and the last one
+never is. `token_ids` lists exactly the tokens whose states are returned.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+FIELD = "hidden_states"
+TOKENS_MODES = ("prompt", "all")
+# vllm_xargs key the middleware sets: a server-made token naming the request's capture.
+TOKEN_KEY = "vllm_hidden_request"
+# SamplingParams.extra_args key the engine hook sets for the worker: {"id", "rows", "all"}.
+WORKER_KEY = "vllm_hidden_serve"
+# Every extra_args key with this prefix is ours; one sent by a client is removed.
+RESERVED_PREFIX = "vllm_hidden"
+
+
+class RequestError(ValueError):
+    """A bad request: answered with HTTP `status` and this message."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = FIELD) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        kind = {400: "BadRequestError", 413: "RequestEntityTooLarge"}.get(self.status, "InternalServerError")
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.status}}
+
+
+@dataclass(frozen=True, kw_only=True)
+class HiddenStatesSpec:
+    """One request's ask, resolved against the server's captured layers."""
+
+    layer_ids: tuple[int, ...]
+    columns: tuple[int, ...]  # index of each requested layer among the server's layers
+    tokens: str = "prompt"
+
+    @property
+    def all_tokens(self) -> bool:
+        return self.tokens == "all"
+
+
+def parse_field(value: Any, server_layers: tuple[int, ...]) -> HiddenStatesSpec | None:
+    """The request's `hidden_states` value -> spec; None/false -> None (not asked)."""
+    if value is None or value is False:
+        return None
+    allowed = list(server_layers)
+    if value is True:
+        return HiddenStatesSpec(layer_ids=tuple(server_layers), columns=tuple(range(len(server_layers))))
+    if not isinstance(value, dict):
+        raise RequestError(f"'hidden_states' must be true or an object like {{\"layers\": {allowed}}}, got {value!r}")
+    unknown = sorted(set(value) - {"layers", "tokens"})
+    if unknown:
+        raise RequestError(f"'hidden_states' has unknown keys {unknown}; allowed: 'layers', 'tokens'")
+    tokens = value.get("tokens", "prompt")
+    if tokens not in TOKENS_MODES:
+        raise RequestError(f"'hidden_states.tokens' must be one of {list(TOKENS_MODES)}, got {tokens!r}")
+    layers = value.get("layers")
+    if layers is None:
+        layers = allowed
+    if not isinstance(layers, list) or not layers:
+        raise RequestError(f"'hidden_states.layers' must be a non-empty list of layer ids from {allowed}, got {layers!r}")
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
+        raise RequestError(f"'hidden_states.layers' must hold integer layer ids, got {layers!r}")
+    if len(set(layers)) != len(layers):
+        raise RequestError(f"'hidden_states.layers' has duplicate ids: {layers!r}")
+    bad = [i for i in layers if i not in server_layers]
+    if bad:
+        raise RequestError(f"layer ids {bad} are not captured by this server; allowed layer ids: {allowed}")
+    return HiddenStatesSpec(layer_ids=tuple(layers), columns=tuple(allowed.index(i) for i in layers), tokens=tokens)
+
+
+def returned_token_ids(spec: HiddenStatesSpec, prompt: list[int], generated: list[int]) -> list[int]:
+    """The tokens whose states a response carries (see the module doc for "all")."""
+    return list(prompt) + list(generated[:-1]) if spec.all_tokens else list(prompt)
+
+
+def encode(spec: HiddenStatesSpec, rows: torch.Tensor, token_ids: list[int]) -> bytes:
+    """The response's `hidden_states` object as JSON bytes. `rows` [R, K_server, H] holds at
+    least one row per returned token (a worker may have computed a row or two past the end)."""
+    from safetensors.torch import save
+
+    t = len(token_ids)
+    if rows.shape[0] < t:
+        raise RequestError(f"hidden states incomplete: {rows.shape[0]} rows captured for {t} tokens", status=500)
+    hs = rows[:t].index_select(1, torch.tensor(spec.columns)) if list(spec.columns) != list(range(rows.shape[1])) \
+        else rows[:t]
+    data = base64.b64encode(save({"hidden_states": hs.contiguous(), "token_ids": torch.tensor(token_ids, dtype=torch.int64)}))
+    ids = ",".join(str(i) for i in spec.layer_ids)
+    dtype = str(rows.dtype).replace("torch.", "")
+    return (b'{"format":"safetensors","encoding":"base64","data":"' + data + b'","layer_ids":[' + ids.encode()
+            + b'],"num_tokens":' + str(t).encode() + b',"tokens":"' + spec.tokens.encode() + b'","dtype":"'
+            + dtype.encode() + b'","shape":[' + ",".join(str(d) for d in (t, len(spec.columns), rows.shape[2])).encode()
+            + b"]}")
+
+
+def decode(obj: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A response's `hidden_states` object -> {"hidden_states": [T, K, H], "token_ids": [T]}."""
+    from safetensors.torch import load
+
+    if obj.get("format") != "safetensors" or obj.get("encoding") != "base64":
+        raise ValueError(f"not a vllm-hidden hidden_states object: format={obj.get('format')!r} "
+                         f"encoding={obj.get('encoding')!r}")
+    return load(base64.b64decode(obj["data"]))
