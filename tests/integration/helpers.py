@@ -124,15 +124,28 @@ class Server:
             return r.status_code, r.text
 
     def rss_bytes(self) -> int:
-        """Resident memory of the server and every process under it."""
-        import psutil
-
-        p = psutil.Process(self.proc.pid)
+        """Resident memory of the server and every process under it (from /proc)."""
+        parent: dict[int, int] = {}
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    stat = Path(f"/proc/{d}/stat").read_text()
+                except OSError:
+                    continue
+                parent[int(d)] = int(stat.rsplit(")", 1)[1].split()[1])
+        tree, frontier = {self.proc.pid}, [self.proc.pid]
+        while frontier:
+            top = frontier.pop()
+            kids = [p for p, pp in parent.items() if pp == top and p not in tree]
+            tree.update(kids)
+            frontier += kids
         total = 0
-        for q in [p, *p.children(recursive=True)]:
+        for pid in tree:
             try:
-                total += q.memory_info().rss
-            except psutil.NoSuchProcess:
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+            except OSError:
                 pass
         return total
 
