@@ -65,7 +65,7 @@ def _load(server: Server, name: str, mode: str, clients: int = 64, per_client: i
                     if want and len(keep) < 6:
                         keep.append((p, list(r.choices[0].token_ids), obj))
         except Exception as e:  # noqa: BLE001 - reported by the caller
-            errors.append(repr(e))
+            errors.append(f"{e!r} <- {e.__cause__!r} <- {getattr(e.__cause__, '__cause__', None)!r}")
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
     t0 = time.perf_counter()
@@ -121,6 +121,10 @@ def test_gpu_server_states_match_hf_and_load(tmp_path):
         rss = server.rss_bytes()
     finally:
         server.stop()
+        if os.environ.get("OUT"):  # the server's own log, for whatever failed
+            import shutil
+
+            shutil.copy(tmp_path / "server.log", os.path.join(os.environ["OUT"], "gpu-server.log"))
 
     hf = Qwen3_5ForConditionalGeneration.from_pretrained(str(model), dtype=torch.float32).cuda().eval()
     decoder = hf.model.language_model.layers
