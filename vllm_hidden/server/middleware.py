@@ -22,7 +22,7 @@ import secrets
 from typing import Any
 
 from vllm_hidden.config import ServeConfig
-from vllm_hidden.server.protocol import (FIELD, RESERVED_PREFIX, TOKEN_KEY, RequestError, encode, parse_field,
+from vllm_hidden.server.protocol import (FIELD, RESERVED_PREFIX, TOKEN_KEY, RequestError, encode_parts, parse_field,
                                          returned_token_ids)
 from vllm_hidden.server.registry import REGISTRY, Pending
 
@@ -96,14 +96,33 @@ def _check_shape(req: dict[str, Any], path: str) -> None:
             raise RequestError(f"hidden_states needs a single prompt per request, got a list of {len(p)}", param="prompt")
 
 
-def _splice(obj_json: bytes, key: bytes, value: bytes) -> bytes:
-    """Add `"key": value` to a JSON object's bytes without re-serializing it."""
+def _splice_parts(obj_json: bytes, key: bytes, value: list) -> list:
+    """Byte pieces of a JSON object's bytes with `"key": <value pieces>` added, without
+    re-serializing it or copying the value."""
     end = obj_json.rstrip()
     if not end.endswith(b"}"):
         raise ValueError("response is not a JSON object")
     body = end[:-1].rstrip()
     sep = b"" if body.endswith(b"{") else b","
-    return body + sep + b'"' + key + b'":' + value + b"}"
+    return [body, sep + b'"' + key + b'":', *value, b"}"]
+
+
+def _splice(obj_json: bytes, key: bytes, value: bytes) -> bytes:
+    return b"".join(_splice_parts(obj_json, key, [value]))
+
+
+_SEND_CHUNK = 1 << 20
+
+
+async def _send_body(send, parts: list, more: bool) -> None:
+    """Send byte pieces as body messages of at most 1 MiB: a response of hundreds of MB is
+    never joined into one more copy, and the server's write buffer stays small (each send
+    waits for the socket to drain)."""
+    chunks = [memoryview(p)[i : i + _SEND_CHUNK] for p in parts for i in range(0, len(p), _SEND_CHUNK)]
+    if not chunks:
+        chunks = [b""]
+    for i, c in enumerate(chunks):
+        await send({"type": "http.response.body", "body": c, "more_body": more or i < len(chunks) - 1})
 
 
 async def _send_json(send, status: int, payload: dict[str, Any]) -> None:
@@ -239,18 +258,20 @@ class HiddenStatesMiddleware:
         body = b"".join(chunks)
         if start is None:
             return None
+        parts = [body]
         if start["status"] == 200:
             try:
-                body = _splice(body, FIELD.encode(), await self.hidden_states_json(pending))
+                parts = _splice_parts(body, FIELD.encode(), await self.hidden_states_json(pending))
             except RequestError as e:
                 return await _send_json(send, e.status, e.body())
         headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
-        headers.append((b"content-length", str(len(body)).encode()))
+        headers.append((b"content-length", str(sum(len(p) for p in parts)).encode()))
         await send({**start, "headers": headers})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        await _send_body(send, parts, more=False)
 
-    async def hidden_states_json(self, pending: Pending) -> bytes:
-        """Wait for the worker's rows, then encode them (off the event loop: it is MBs)."""
+    async def hidden_states_json(self, pending: Pending) -> list:
+        """Wait for the worker's rows, then encode them (off the event loop: it is MBs) into
+        JSON byte pieces."""
         try:
             rows, error = await asyncio.wait_for(asyncio.shield(pending.future), self.cfg.timeout_s)
         except asyncio.TimeoutError:
@@ -261,7 +282,7 @@ class HiddenStatesMiddleware:
         if pending.prompt_ids is None:
             raise RequestError("the engine returned no prompt token ids", status=500)
         ids = returned_token_ids(pending.spec, pending.prompt_ids, pending.generated)
-        return await asyncio.to_thread(encode, pending.spec, rows, ids)
+        return await asyncio.to_thread(encode_parts, pending.spec, rows, ids)
 
 
 class _StreamSplicer:
@@ -275,8 +296,8 @@ class _StreamSplicer:
         self.buf = b""
         self.held: bytes | None = None
 
-    async def _emit(self, data: bytes, more: bool = True) -> None:
-        await self.send({"type": "http.response.body", "body": data, "more_body": more})
+    async def _emit(self, data, more: bool = True) -> None:
+        await _send_body(self.send, [data], more)
 
     async def __call__(self, msg) -> None:
         if self.dropped:
@@ -296,7 +317,7 @@ class _StreamSplicer:
         if self.passthrough:
             return await self.send(msg)
         self.buf += msg.get("body", b"")
-        out = b""
+        out: list = []
         while b"\n\n" in self.buf:
             event, self.buf = self.buf.split(b"\n\n", 1)
             event += b"\n\n"
@@ -304,25 +325,28 @@ class _StreamSplicer:
                 if self.held is not None:
                     out += await self._finish(self.held)
                     self.held = None
-                out += event
+                out.append(event)
             else:
                 if self.held is not None:
-                    out += self.held
+                    out.append(self.held)
                 self.held = event
         more = msg.get("more_body", False)
         if not more:
-            out += (self.held or b"") + self.buf
+            out += [self.held or b"", self.buf]
             self.held, self.buf = None, b""
-        if out or not more:
-            await self._emit(out, more)
+        out = [p for p in out if len(p)]
+        for i, p in enumerate(out):
+            await self._emit(p, more or i < len(out) - 1)
+        if not out and not more:
+            await self._emit(b"", False)
 
-    async def _finish(self, event: bytes) -> bytes:
+    async def _finish(self, event: bytes) -> list:
         head, _, data = event.partition(b"data: ")
         data = data.rstrip(b"\n")
         try:
             if b'"error"' in data and "error" in json.loads(data):
-                return event  # vLLM reported an error in the stream: no states to add
+                return [event]  # vLLM reported an error in the stream: no states to add
             value = await self.mw.hidden_states_json(self.pending)
         except RequestError as e:
-            value = json.dumps(e.body()).encode()
-        return head + b"data: " + _splice(data, FIELD.encode(), value) + b"\n\n"
+            value = [json.dumps(e.body()).encode()]
+        return [head + b"data: ", *_splice_parts(data, FIELD.encode(), value), b"\n\n"]

@@ -13,6 +13,8 @@ never is. `token_ids` lists exactly the tokens whose states are returned.
 from __future__ import annotations
 
 import base64
+import binascii
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,23 +91,77 @@ def returned_token_ids(spec: HiddenStatesSpec, prompt: list[int], generated: lis
     return list(prompt) + list(generated[:-1]) if spec.all_tokens else list(prompt)
 
 
-def encode(spec: HiddenStatesSpec, rows: torch.Tensor, token_ids: list[int]) -> bytes:
-    """The response's `hidden_states` object as JSON bytes. `rows` [R, K_server, H] holds at
-    least one row per returned token (a worker may have computed a row or two past the end)."""
-    from safetensors.torch import save
+_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64"}
+_B64_CHUNK = 3 << 20  # a multiple of 3: chunks encode independently
 
+
+def _b64_into(pieces: list) -> bytearray:
+    """base64 of the concatenation of `pieces`, written into one preallocated buffer (no
+    concatenated copy of the input, no growing output: fresh host pages are slow to touch)."""
+    total = sum(len(p) for p in pieces)
+    out = bytearray(4 * ((total + 2) // 3))
+    o, carry = 0, b""
+    for p in pieces:
+        mv, i = memoryview(p).cast("B"), 0
+        if carry:
+            head = carry + bytes(mv[: 3 - len(carry)])
+            i = len(head) - len(carry)
+            if len(head) < 3:
+                carry = head
+                continue
+            out[o : o + 4] = binascii.b2a_base64(head, newline=False)
+            o, carry = o + 4, b""
+        n = (len(mv) - i) // 3 * 3
+        for j in range(i, i + n, _B64_CHUNK):
+            e = binascii.b2a_base64(mv[j : min(j + _B64_CHUNK, i + n)], newline=False)
+            out[o : o + len(e)] = e
+            o += len(e)
+        carry = bytes(mv[i + n :])
+    if carry:
+        e = binascii.b2a_base64(carry, newline=False)
+        out[o : o + len(e)] = e
+        o += len(e)
+    if o != len(out):
+        raise RuntimeError(f"base64 wrote {o} of {len(out)} bytes")
+    return out
+
+
+def _safetensors_pieces(tensors: dict[str, torch.Tensor]) -> list:
+    """A safetensors file as [header, raw bytes of each tensor] without copying the tensors.
+    The header is padded with spaces (allowed by the format) to a multiple of 24 bytes
+    with its length prefix: data stays 8-aligned, and base64 pieces split on whole groups."""
+    meta, offset, raws = {}, 0, []
+    for name, t in tensors.items():
+        t = t.contiguous()
+        n = t.numel() * t.element_size()
+        meta[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        raws.append(t.view(torch.uint8).reshape(-1).numpy() if n else b"")
+        offset += n
+    header = json.dumps(meta, separators=(",", ":")).encode()
+    header += b" " * (-(8 + len(header)) % 24)
+    return [len(header).to_bytes(8, "little") + header, *raws]
+
+
+def encode_parts(spec: HiddenStatesSpec, rows: torch.Tensor, token_ids: list[int]) -> list:
+    """The response's `hidden_states` object as JSON byte pieces (send them in order; their
+    concatenation is the object). `rows` [R, K_server, H] holds at least one row per returned
+    token (a worker may have computed a row or two past the end)."""
     t = len(token_ids)
     if rows.shape[0] < t:
         raise RequestError(f"hidden states incomplete: {rows.shape[0]} rows captured for {t} tokens", status=500)
-    hs = rows[:t].index_select(1, torch.tensor(spec.columns)) if list(spec.columns) != list(range(rows.shape[1])) \
-        else rows[:t]
-    data = base64.b64encode(save({"hidden_states": hs.contiguous(), "token_ids": torch.tensor(token_ids, dtype=torch.int64)}))
-    ids = ",".join(str(i) for i in spec.layer_ids)
-    dtype = str(rows.dtype).replace("torch.", "")
-    return (b'{"format":"safetensors","encoding":"base64","data":"' + data + b'","layer_ids":[' + ids.encode()
-            + b'],"num_tokens":' + str(t).encode() + b',"tokens":"' + spec.tokens.encode() + b'","dtype":"'
-            + dtype.encode() + b'","shape":[' + ",".join(str(d) for d in (t, len(spec.columns), rows.shape[2])).encode()
-            + b"]}")
+    hs = rows[:t]
+    if list(spec.columns) != list(range(rows.shape[1])):
+        hs = hs.index_select(1, torch.tensor(spec.columns))
+    data = _b64_into(_safetensors_pieces({"hidden_states": hs, "token_ids": torch.tensor(token_ids, dtype=torch.int64)}))
+    tail = {"layer_ids": list(spec.layer_ids), "num_tokens": t, "tokens": spec.tokens,
+            "dtype": str(rows.dtype).replace("torch.", ""), "shape": [t, len(spec.columns), rows.shape[2]]}
+    return [b'{"format":"safetensors","encoding":"base64","data":"', data,
+            b'",' + json.dumps(tail, separators=(",", ":")).encode()[1:]]
+
+
+def encode(spec: HiddenStatesSpec, rows: torch.Tensor, token_ids: list[int]) -> bytes:
+    """`encode_parts` joined: the `hidden_states` object as JSON bytes."""
+    return b"".join(encode_parts(spec, rows, token_ids))
 
 
 def decode(obj: dict[str, Any]) -> dict[str, torch.Tensor]:
