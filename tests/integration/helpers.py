@@ -84,6 +84,8 @@ class Server:
                     "run_vllm_serve(['serve', *sys.argv[1:]])")
             cmd = [sys.executable, "-c", code, str(model), *common]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+        for k in [k for k in env if k.startswith("VHIDDEN_")]:  # as from a shell: the server sets its own
+            del env[k]
         self.log = log
         self._log_f = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log_f, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -267,8 +267,12 @@ def test_concurrent_mixed_load(server, ref):
 
 @pytest.fixture(scope="module")
 def hybrid(tiny_models, tmp_path_factory):
+    """Started the `vllm serve` way (vLLM's flags alone, no `vllm-hidden serve`): the capture
+    config in --additional-config and the middleware by --middleware."""
     model = tiny_models("qwen3_next", 4)
-    s = Server(model, tmp_path_factory.mktemp("hybrid") / "server.log", "0,1,3", "--max-model-len", "1024")
+    s = Server(model, tmp_path_factory.mktemp("hybrid") / "server.log", None, "--max-model-len", "1024",
+               "--additional-config", json.dumps({"vllm_hidden": {"layer_ids": [0, 1, 3]}}),
+               "--middleware", "vllm_hidden.server.HiddenStatesMiddleware")
     yield s, model
     s.stop()
 
