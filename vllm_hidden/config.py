@@ -154,9 +154,15 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_hidden_tokens", "max_request_bytes", "max_concurrent"):
-            _positive_int(f"{name} ({self.ENV[name]})", getattr(self, name))
+            _positive_int(self._what(name), getattr(self, name))
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
-            raise ValueError(f"timeout_s ({self.ENV['timeout_s']}) must be a positive number, got {self.timeout_s!r}")
+            raise ValueError(f"{self._what('timeout_s')} must be a positive number, got {self.timeout_s!r}")
+
+    FLAGS = {"max_hidden_tokens": "--max-hidden-tokens", "max_request_bytes": "--max-request-bytes",
+             "max_concurrent": "--max-concurrent", "timeout_s": "--hidden-states-timeout"}
+
+    def _what(self, name: str) -> str:
+        return f"{self.FLAGS[name]} ({self.ENV[name]})"
 
     @classmethod
     def from_env(cls, env: dict[str, str]) -> "ServeConfig":

@@ -471,3 +471,17 @@ def test_spec_is_frozen():
     spec = HiddenStatesSpec(layer_ids=(4,), columns=(0,))
     with pytest.raises(Exception):
         spec.tokens = "all"
+
+
+def test_serve_config_from_env_and_bad_values_name_flag_and_variable():
+    from vllm_hidden.config import ServeConfig
+
+    cfg = ServeConfig.from_env({"VHIDDEN_MAX_TOKENS": "77", "VHIDDEN_TIMEOUT": "2.5", "OTHER": "x"})
+    assert (cfg.max_hidden_tokens, cfg.timeout_s, cfg.max_concurrent) == (77, 2.5, ServeConfig().max_concurrent)
+    assert ServeConfig.from_env(cfg.to_env()) == cfg
+    with pytest.raises(ValueError, match=r"--max-hidden-tokens \(VHIDDEN_MAX_TOKENS\).*got 0"):
+        ServeConfig(max_hidden_tokens=0)
+    with pytest.raises(ValueError, match=r"VHIDDEN_MAX_REQUEST_BYTES must be a number, got 'lots'"):
+        ServeConfig.from_env({"VHIDDEN_MAX_REQUEST_BYTES": "lots"})
+    with pytest.raises(ValueError, match=r"--hidden-states-timeout"):
+        ServeConfig(timeout_s=-1)
