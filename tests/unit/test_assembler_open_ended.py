@@ -222,3 +222,16 @@ def test_finishing_an_unknown_request_is_a_no_op():
     h = Harness()
     h.finish("nobody")
     assert h.out == [] and h.asm.dropped == []
+
+
+def test_step_transfer_copies_only_the_requested_span():
+    tr = StepTransfer(8, K, H, torch.float32, torch.device("cpu"), 2)
+    step = truth(0, 8)  # [8, K, H]
+    layers = [step[:, k].contiguous() for k in range(K)]
+    slot = tr.acquire(timeout=5)
+    tr.host[slot].fill_(-1)
+    tr.submit(layers, 3, slot, start=2)  # rows 2..4 only
+    host = tr.wait(slot)
+    assert torch.equal(host[:3], step[2:5])
+    assert bool((host[3:] == -1).all())  # nothing beyond the span was written
+    tr.release(slot)
