@@ -289,3 +289,21 @@ def test_gated_deltanet_hybrid_prompt_and_generated_states(hybrid):
         check_states(ref, r.model_extra["hidden_states"], [0, 1, 3], expect_ids=p + list(r.choices[0].token_ids)[:-1])
         r = c.completions.create(model=name, prompt=p, max_tokens=2, temperature=0, extra_body={"hidden_states": True})
         check_states(ref, r.model_extra["hidden_states"], [0, 1, 3], expect_ids=p)
+
+
+def test_client_disconnect_mid_stream_leaves_the_server_serving(server, ref):
+    import requests
+
+    model = server_model(server)
+    for _ in range(3):
+        r = requests.post(server.url + "/v1/completions", stream=True, timeout=120,
+                          headers={"Authorization": f"Bearer {KEY}"},
+                          json={"model": model, "prompt": prompt(30, 20), "max_tokens": 200, "temperature": 0,
+                                "ignore_eos": True, "stream": True, "hidden_states": {"tokens": "all"}})
+        assert r.status_code == 200
+        next(r.iter_lines())  # the first event, then hang up
+        r.close()
+    p = prompt(31, 15)
+    code, body = server.post("/v1/completions", {"model": model, "prompt": p, "max_tokens": 3, "hidden_states": True})
+    assert code == 200
+    check_states(ref, body["hidden_states"], LAYERS, expect_ids=p)
