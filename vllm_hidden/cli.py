@@ -86,7 +86,7 @@ def serve(
     aux_layers: Annotated[Optional[str], typer.Option(help="vLLM/EAGLE-3 aux ids (input of layer j = layer id j-1).")] = None,
     layers_from: Annotated[Optional[Path], typer.Option(help="Drafter config.json (DFlash target_layer_ids or EAGLE-3 aux ids).")] = None,
     max_hidden_tokens: Annotated[int, typer.Option(help="Most hidden-state rows (tokens) one response may carry; more is HTTP 400.")] = ServeConfig.max_hidden_tokens,
-    max_request_bytes: Annotated[int, typer.Option(help="Largest request body on the two endpoints; more is HTTP 413.")] = ServeConfig.max_request_bytes,
+    max_request_bytes: Annotated[int, typer.Option(help="Largest body of a request with hidden_states; more is HTTP 413.")] = ServeConfig.max_request_bytes,
     max_concurrent: Annotated[int, typer.Option(help="Hidden-state requests in flight at once (more wait); bounds the memory they hold.")] = ServeConfig.max_concurrent,
     hidden_states_timeout: Annotated[float, typer.Option(help="Seconds a finished response waits for its hidden states.")] = ServeConfig.timeout_s,
 ) -> None:

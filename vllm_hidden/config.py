@@ -142,7 +142,7 @@ class ServeConfig:
     # Rows one response may carry: 8192 tokens x 5 layers of a 27B model is ~420 MB raw,
     # ~560 MB as base64 JSON.
     max_hidden_tokens: int = 8192
-    # Largest request body accepted on /v1/completions and /v1/chat/completions.
+    # Largest body of a request with hidden_states (larger ones without it go to vLLM as they are).
     max_request_bytes: int = 32 << 20
     # Hidden-state requests in flight at once; more wait (bounds the memory they hold).
     max_concurrent: int = 64

@@ -206,6 +206,12 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, ref):
         assert code == 401, (auth, code, body)
     code, body = server.post("/v1/completions", json.dumps({**base, "hidden_states": True, "pad": "x" * MAX_BODY}).encode())
     assert code == 413 and str(MAX_BODY) in json.dumps(body)
+    # the field after the limit: found while the body streams on to vLLM, still a 413
+    code, body = server.post("/v1/completions", json.dumps({**base, "pad": "x" * 8 * MAX_BODY, "hidden_states": True}).encode())
+    assert code == 413 and str(MAX_BODY) in json.dumps(body)
+    # a large body without the field is vLLM's to answer, as on a plain server
+    code, body = server.post("/v1/completions", json.dumps({**base, "temperature": 0, "pad": "x" * 8 * MAX_BODY}).encode())
+    assert code == 200 and "hidden_states" not in body and body["choices"][0]["text"]
     code, body = server.post("/v1/completions", b'{"hidden_states": true, "prompt": [1, 2')  # malformed JSON
     assert 400 <= code < 500
     # still serving, with states

@@ -169,7 +169,7 @@ def test_skipped_position_reported_to_on_failure_and_others_go_on():
     sid, msg = failures[0]
     assert sid == "sa" and "position 4" in msg
     assert [s.sample_id for s in h.out] == ["sb"]  # same step, after the failing segment
-    assert "a" in h.asm.dropped
+    assert h.asm.dropped == []  # reported through on_failure instead: a server keeps no list
     h.step([("c", 2, 6, 2, 4), ("a", 0, 8, 0, 4)])  # later step; rows for "a" are no longer tracked
     assert [s.sample_id for s in h.out] == ["sb", "sc"]
     assert torch.equal(h.out[1].hidden_states, truth(2, 6))
@@ -235,3 +235,15 @@ def test_step_transfer_copies_only_the_requested_span():
     assert torch.equal(host[:3], step[2:5])
     assert bool((host[3:] == -1).all())  # nothing beyond the span was written
     tr.release(slot)
+
+
+def test_aborted_mid_prompt_is_reported_to_on_failure_at_once():
+    failures = []
+    h = Harness(on_failure=lambda sid, msg: failures.append((sid, msg)))
+    h.step([("r", 0, 10, 0, 4)], new={"r": NewRequest("s", list(range(10)))})
+    h.asm.process(StepRecord(None, 0, [], {"q": NewRequest("never", [1, 2])}, frozenset()))
+    h.finish("r", "q")  # aborted mid-prefill, and before its first row
+    assert h.out == []
+    assert sorted(sid for sid, _ in failures) == ["never", "s"]
+    assert all("before its prompt rows" in msg for _, msg in failures)
+    assert h.asm.dropped == [] and h.asm.in_flight == 0

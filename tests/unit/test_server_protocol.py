@@ -485,3 +485,57 @@ def test_serve_config_from_env_and_bad_values_name_flag_and_variable():
         ServeConfig.from_env({"VHIDDEN_MAX_REQUEST_BYTES": "lots"})
     with pytest.raises(ValueError, match=r"--hidden-states-timeout"):
         ServeConfig(timeout_s=-1)
+
+
+def _large_body_run(chunks: list[bytes], limit: int):
+    """Run the middleware's over-limit path against a fake vLLM app that reads the body in
+    pieces; returns (messages the client got, what the app saw)."""
+    from vllm_hidden.server.middleware import HiddenStatesMiddleware, _read_body, _ScanningReceive
+
+    seen = {"body": b"", "disconnect": False}
+
+    async def inner(scope, receive, send):
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                seen["disconnect"] = True
+                raise RuntimeError("client went away")
+            seen["body"] += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b'{"ok":1}', "more_body": False})
+
+    mw = HiddenStatesMiddleware.__new__(HiddenStatesMiddleware)
+    mw.app, mw._auth, mw._auth_checked = inner, None, True
+    msgs = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+    sent = []
+
+    async def receive():
+        return msgs.pop(0) if msgs else {"type": "http.disconnect"}
+
+    async def send(m):
+        sent.append(m)
+
+    async def go():
+        head, complete = await _read_body(receive, limit)
+        assert not complete
+        await mw._pass_large({"type": "http", "path": "/v1/completions"}, _ScanningReceive(head, receive), send, limit)
+
+    asyncio.run(go())
+    return sent, seen
+
+
+def test_an_over_limit_body_without_the_field_reaches_vllm_whole():
+    chunks = [b'{"prompt": "' + b"x" * 50, b"y" * 50, b"z" * 50 + b'"}']
+    sent, seen = _large_body_run(chunks, limit=60)
+    assert seen["body"] == b"".join(chunks) and not seen["disconnect"]
+    assert sent[0]["status"] == 200
+
+
+def test_the_field_found_after_the_limit_is_a_413_even_split_across_chunks():
+    chunks = [b'{"prompt": "' + b"x" * 70, b'", "hidden_', b'states": true}']
+    sent, seen = _large_body_run(chunks, limit=60)
+    assert seen["disconnect"]  # vLLM was told the client left, so it serves nothing
+    assert sent[0]["status"] == 413 and len(sent) == 2
+    assert b"at most 60 bytes" in bytes(sent[1]["body"])

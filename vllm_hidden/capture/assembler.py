@@ -138,8 +138,9 @@ class Assembler:
                     continue
                 if part is not None:
                     self.sink.drop(part.slot)
-                if part is not None or self._pending.pop(rid, None) is not None:
-                    self.dropped.append(rid)
+                req = part.req if part is not None else self._pending.pop(rid, None)
+                if req is not None:
+                    self._dropped(rid, req, "the request ended before its prompt rows were all computed")
             if rec.slot is None:
                 return
             t0 = time.perf_counter()
@@ -149,16 +150,23 @@ class Assembler:
                 try:
                     self._take(seg, host)
                 except CaptureError as e:
-                    on_failure = getattr(self.sink, "on_failure", None)
                     part = self._partial.pop(seg.req_id, None)
-                    if on_failure is None or part is None:
+                    if getattr(self.sink, "on_failure", None) is None or part is None:
                         raise
                     self.sink.drop(part.slot)
-                    self.dropped.append(seg.req_id)
-                    on_failure(part.req.sample_id, str(e))
+                    self._dropped(seg.req_id, part.req, str(e))
         finally:
             if rec.slot is not None:
                 self.transfer.release(rec.slot)
+
+    def _dropped(self, rid: str, req: NewRequest, why: str) -> None:
+        """A sink with `on_failure` (the server's) hears of it at once, so the waiting response
+        fails fast; otherwise the id is kept for the run's end-of-run check."""
+        on_failure = getattr(self.sink, "on_failure", None)
+        if on_failure is not None:
+            on_failure(req.sample_id, why)
+        else:
+            self.dropped.append(rid)
 
     def _take(self, seg: Segment, host: torch.Tensor) -> None:
         part = self._partial.get(seg.req_id)

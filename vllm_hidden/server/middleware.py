@@ -36,7 +36,8 @@ def _path(scope: dict[str, Any]) -> str:
     return scope["path"].removeprefix(scope.get("root_path", "") or "")
 
 
-async def _read_body(receive, limit: int) -> bytes:
+async def _read_body(receive, limit: int) -> tuple[bytes, bool]:
+    """The body, read up to `limit` bytes: (bytes, complete)."""
     chunks, size = [], 0
     while True:
         msg = await receive()
@@ -44,12 +45,40 @@ async def _read_body(receive, limit: int) -> bytes:
             raise ConnectionResetError("client disconnected while sending the request")
         chunk = msg.get("body", b"")
         size += len(chunk)
-        if size > limit:
-            raise RequestError(f"request body is over the server's limit of {limit} bytes "
-                               f"({ServeConfig.ENV['max_request_bytes']})", status=413, param=None)
         chunks.append(chunk)
         if not msg.get("more_body", False):
-            return b"".join(chunks)
+            return b"".join(chunks), True
+        if size > limit:
+            return b"".join(chunks), False
+
+
+def _too_large(limit: int) -> RequestError:
+    return RequestError(f"a request with hidden_states must be at most {limit} bytes "
+                        f"(--max-request-bytes / {ServeConfig.ENV['max_request_bytes']})", status=413, param=None)
+
+
+class _ScanningReceive:
+    """Passes an over-limit body through to vLLM untouched (vLLM decides about it) while
+    looking for our field; if it turns up, vLLM is told the client left, and we answer 413."""
+
+    _MARK = b'"' + FIELD.encode() + b'"'
+
+    def __init__(self, head: bytes, receive) -> None:
+        self.head, self.receive, self.found = head, receive, False
+        self.tail = head[-len(self._MARK):]
+
+    async def __call__(self):
+        if self.head is not None:
+            head, self.head = self.head, None
+            return {"type": "http.request", "body": head, "more_body": True}
+        msg = await self.receive()
+        if msg["type"] == "http.request" and not self.found:
+            chunk = msg.get("body", b"")
+            if self._MARK in self.tail + chunk:
+                self.found = True
+                return {"type": "http.disconnect"}
+            self.tail = (self.tail + chunk)[-len(self._MARK):]
+        return msg
 
 
 def _replay(body: bytes, receive):
@@ -140,6 +169,7 @@ class HiddenStatesMiddleware:
         self.cfg = ServeConfig.from_env(os.environ)
         self._layers: tuple[int, ...] | None = None
         self._auth: tuple[type, tuple, dict] | None = None
+        self._auth_checked = False
         self._receiver = None
         self._slots: asyncio.Semaphore | None = None
         install_generate_hook()
@@ -160,14 +190,21 @@ class HiddenStatesMiddleware:
         address = channel_address()
         if address is None:
             raise RequestError("the hidden-states channel is not configured (VHIDDEN_CHANNEL is unset)", status=500)
-        for m in getattr(app, "user_middleware", []):  # vLLM's --api-key check, to run before ours
-            if getattr(m.cls, "__name__", "") == "AuthenticationMiddleware":
-                self._auth = (m.cls, tuple(m.args), dict(m.kwargs))
         self._receiver = Receiver(address, REGISTRY.deliver)
         self._receiver.start()
         self._slots = asyncio.Semaphore(self.cfg.max_concurrent)
         self._layers = tuple(cap.layer_ids)
         log.info("vllm-hidden: serving hidden states of layers %s on %s", list(cap.layer_ids), ", ".join(ENDPOINTS))
+
+    def _find_auth(self, scope: dict[str, Any]) -> None:
+        """vLLM's --api-key check (its own middleware, which sits inside ours), to run before
+        anything of ours answers."""
+        if self._auth_checked:
+            return
+        for m in getattr(scope.get("app"), "user_middleware", []):
+            if getattr(m.cls, "__name__", "") == "AuthenticationMiddleware":
+                self._auth = (m.cls, tuple(m.args), dict(m.kwargs))
+        self._auth_checked = True
 
     def _guarded(self, handler):
         if self._auth is None:
@@ -179,12 +216,18 @@ class HiddenStatesMiddleware:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST" or _path(scope) not in ENDPOINTS:
             return await self.app(scope, receive, send)
+        self._find_auth(scope)
+        limit = self.cfg.max_request_bytes
         try:
-            body = await _read_body(receive, self.cfg.max_request_bytes)
-        except RequestError as e:
-            return await self._guarded(self._error_app(e))(scope, receive, send)
+            body, complete = await _read_body(receive, limit)
         except ConnectionResetError:
             return None
+        if len(body) > limit:
+            if FIELD.encode() in body:
+                return await self._guarded(self._error_app(_too_large(limit)))(scope, receive, send)
+            if complete:
+                return await self.app(scope, _replay(body, receive), send)
+            return await self._pass_large(scope, _ScanningReceive(body, receive), send, limit)
         if not any(m in body for m in _MARKERS):
             return await self.app(scope, _replay(body, receive), send)
         try:
@@ -216,6 +259,24 @@ class HiddenStatesMiddleware:
                 await self._serve(scope, receive, send_, req, spec)
 
         return await self._guarded(handler)(scope, receive, send)
+
+    async def _pass_large(self, scope, receive: _ScanningReceive, send, limit: int) -> None:
+        started = False
+
+        async def send_(msg):
+            nonlocal started
+            if receive.found:
+                return  # answered below
+            started = True
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, send_)
+        except Exception:  # noqa: BLE001 - vLLM saw a "disconnect"; it is our 413 to give
+            if not receive.found:
+                raise
+        if receive.found and not started:
+            await self._guarded(self._error_app(_too_large(limit)))(scope, receive, send)
 
     @staticmethod
     def _error_app(err: RequestError):
@@ -259,7 +320,7 @@ class HiddenStatesMiddleware:
         if start is None:
             return None
         parts = [body]
-        if start["status"] == 200:
+        if start["status"] == 200 and body.lstrip()[:1] == b"{":  # not e.g. `null` after a hang-up
             try:
                 parts = _splice_parts(body, FIELD.encode(), await self.hidden_states_json(pending))
             except RequestError as e:
@@ -326,6 +387,8 @@ class _StreamSplicer:
                     out += await self._finish(self.held)
                     self.held = None
                 out.append(event)
+            elif not event.startswith(b"data: {"):
+                out.append(event)  # a comment (keep-alive) or anything not a JSON event: as is
             else:
                 if self.held is not None:
                     out.append(self.held)
@@ -346,7 +409,13 @@ class _StreamSplicer:
         try:
             if b'"error"' in data and "error" in json.loads(data):
                 return [event]  # vLLM reported an error in the stream: no states to add
+        except ValueError:
+            return [event]
+        try:
             value = await self.mw.hidden_states_json(self.pending)
         except RequestError as e:
             value = [json.dumps(e.body()).encode()]
-        return [head + b"data: ", *_splice_parts(data, FIELD.encode(), value), b"\n\n"]
+        try:
+            return [head + b"data: ", *_splice_parts(data, FIELD.encode(), value), b"\n\n"]
+        except ValueError:
+            return [event]
