@@ -54,14 +54,6 @@ def verify_checksums(out: Path) -> None:
         assert blake3.blake3(raw).hexdigest() == s["blake3"], s
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """An OpenAI server in a subprocess on 127.0.0.1: `vllm-hidden serve` (layers given) or
     plain `vllm serve` (layers None). Output goes to `log`."""
@@ -70,6 +62,8 @@ class Server:
                  timeout: float = 600) -> None:
         import time
         import urllib.request
+
+        from tests.s3_server import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -126,28 +120,15 @@ class Server:
             return r.status_code, r.text
 
     def rss_bytes(self) -> int:
-        """Resident memory of the server and every process under it (from /proc)."""
-        parent: dict[int, int] = {}
-        for d in os.listdir("/proc"):
-            if d.isdigit():
-                try:
-                    stat = Path(f"/proc/{d}/stat").read_text()
-                except OSError:
-                    continue
-                parent[int(d)] = int(stat.rsplit(")", 1)[1].split()[1])
-        tree, frontier = {self.proc.pid}, [self.proc.pid]
-        while frontier:
-            top = frontier.pop()
-            kids = [p for p, pp in parent.items() if pp == top and p not in tree]
-            tree.update(kids)
-            frontier += kids
+        """Resident memory of the server and every process under it."""
+        import psutil
+
+        me = psutil.Process(self.proc.pid)
         total = 0
-        for pid in tree:
+        for p in [me, *me.children(recursive=True)]:
             try:
-                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
-            except OSError:
+                total += p.memory_info().rss
+            except psutil.Error:
                 pass
         return total
 

@@ -9,9 +9,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_hidden.server.middleware import _check_shape, _splice, _StreamSplicer, _strip_reserved
+from vllm_hidden.server.middleware import _check_shape, _splice_parts, _StreamSplicer, _strip_reserved
 from vllm_hidden.server.protocol import (HiddenStatesSpec, RequestError, decode, encode, parse_field,
                                          returned_token_ids)
+
+
+def _splice(obj_json: bytes, key: bytes, value: bytes) -> bytes:
+    return b"".join(bytes(p) for p in _splice_parts(obj_json, key, [value]))
+
 
 SERVER = (4, 8, 12, 20)  # the server's captured layers, in server order
 

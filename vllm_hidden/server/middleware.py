@@ -136,10 +136,6 @@ def _splice_parts(obj_json: bytes, key: bytes, value: list) -> list:
     return [body, sep + b'"' + key + b'":', *value, b"}"]
 
 
-def _splice(obj_json: bytes, key: bytes, value: bytes) -> bytes:
-    return b"".join(_splice_parts(obj_json, key, [value]))
-
-
 _SEND_CHUNK = 1 << 20
 
 
