@@ -18,7 +18,7 @@ from vllm_hidden.capture.assembler import (Assembler, AssemblerThread, CaptureEr
 from vllm_hidden.capture.ring import StepTransfer
 from vllm_hidden.config import CaptureConfig, ShardConfig
 from vllm_hidden.engine import compat
-from vllm_hidden.server.channel import channel_key
+from vllm_hidden.server.channel import Publisher, channel_address, channel_key
 from vllm_hidden.server.protocol import WORKER_KEY
 from vllm_hidden.storage.shards import ShardWriter
 
@@ -101,8 +101,6 @@ class Capture:
 
     def _open_publisher(self) -> bool:
         """A server's requests: samples go back to the API server over its channel."""
-        from vllm_hidden.server.channel import Publisher, channel_address
-
         address = channel_address()
         if address is None:
             log.error("vllm-hidden: a request asked for hidden states but no result channel is configured; "
