@@ -19,6 +19,20 @@ def _fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
+# Options shared by `extract` and `warmup` (a warmup must see the settings its extract will use).
+Model = Annotated[str, typer.Option("--model", "-m", help="HF model directory or id.")]
+Layers = Annotated[Optional[str], typer.Option(help="Layer ids, output of decoder layer i (0-based), e.g. 1,16,31.")]
+AuxLayers = Annotated[Optional[str], typer.Option(help="vLLM/EAGLE-3 aux ids (input of layer j = layer id j-1).")]
+LayersFrom = Annotated[Optional[Path], typer.Option(help="Drafter config.json (DFlash target_layer_ids or EAGLE-3 aux ids).")]
+MaxModelLen = Annotated[Optional[int], typer.Option(help="Longest prompt accepted (tokens); longer lines become error records.")]
+MaxBatched = Annotated[Optional[int], typer.Option(help="Tokens per scheduler step (also the capture buffer's rows).")]
+MaxSeqs = Annotated[Optional[int], typer.Option(help="Sequences per scheduler step.")]
+Dtype = Annotated[str, typer.Option(help="Model dtype (auto, bfloat16, float16).")]
+RingSlots = Annotated[int, typer.Option(help="Host ring depth (steps in flight between GPU and writer).")]
+CacheDir = Annotated[Optional[Path], typer.Option(help="Compile and kernel caches (vLLM, Inductor, Triton) "
+                                                  "(default: $VHIDDEN_CACHE_DIR or ~/.cache/vllm-hidden).")]
+
+
 @app.command(
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
     help="Run prefill over a JSONL prompt file and write the selected layers' hidden states as "
@@ -27,24 +41,25 @@ def _fail(msg: str) -> None:
 )
 def extract(
     ctx: typer.Context,
-    model: Annotated[str, typer.Option("--model", "-m", help="HF model directory or id.")],
+    model: Model,
     input: Annotated[Path, typer.Option("--input", "-i", help="JSONL: token_ids | text | messages per line, optional id.")],
     output: Annotated[str, typer.Option("--output", "-o", help="Output directory or s3://bucket/prefix (new or empty, or --resume).")],
-    layers: Annotated[Optional[str], typer.Option(help="Layer ids, output of decoder layer i (0-based), e.g. 1,16,31.")] = None,
-    aux_layers: Annotated[Optional[str], typer.Option(help="vLLM/EAGLE-3 aux ids (input of layer j = layer id j-1).")] = None,
-    layers_from: Annotated[Optional[Path], typer.Option(help="Drafter config.json (DFlash target_layer_ids or EAGLE-3 aux ids).")] = None,
-    max_model_len: Annotated[Optional[int], typer.Option(help="Longest prompt accepted (tokens); longer lines become error records.")] = None,
-    max_num_batched_tokens: Annotated[Optional[int], typer.Option(help="Tokens per scheduler step (also the capture buffer's rows).")] = None,
-    max_num_seqs: Annotated[Optional[int], typer.Option(help="Sequences per scheduler step.")] = None,
-    dtype: Annotated[str, typer.Option(help="Model dtype (auto, bfloat16, float16).")] = "auto",
+    layers: Layers = None,
+    aux_layers: AuxLayers = None,
+    layers_from: LayersFrom = None,
+    max_model_len: MaxModelLen = None,
+    max_num_batched_tokens: MaxBatched = None,
+    max_num_seqs: MaxSeqs = None,
+    dtype: Dtype = "auto",
     max_shard_bytes: Annotated[int, typer.Option(help="Largest shard (a longer sample gets a shard of its own).")] = DEFAULT_MAX_SHARD_BYTES,
     writer_threads: Annotated[int, typer.Option(help="Threads writing shards; host memory holds up to threads+1 shards.")] = DEFAULT_WRITER_THREADS,
-    ring_slots: Annotated[int, typer.Option(help="Host ring depth (steps in flight between GPU and writer).")] = 2,
+    ring_slots: RingSlots = 2,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run in --output: samples in its "
                                          "durable shards are skipped, the rest are extracted (each exactly once).")] = False,
     s3_endpoint_url: Annotated[Optional[str], typer.Option(help="S3 endpoint (default: boto3's chain, e.g. AWS_ENDPOINT_URL).")] = None,
     staging_dir: Annotated[Optional[Path], typer.Option(help="S3 output: local directory shards are written to before upload (e.g. /dev/shm/x).")] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    cache_dir: CacheDir = None,
 ) -> None:
     from vllm_hidden.config import ExtractConfig
 
@@ -55,7 +70,8 @@ def extract(
             layers_from=str(layers_from) if layers_from else None, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, dtype=dtype,
             max_shard_bytes=max_shard_bytes, writer_threads=writer_threads, ring_slots=ring_slots, resume=resume,
-            s3_endpoint_url=s3_endpoint_url, staging_dir=str(staging_dir) if staging_dir else None, progress=progress, engine_args=list(ctx.args),
+            s3_endpoint_url=s3_endpoint_url, staging_dir=str(staging_dir) if staging_dir else None, progress=progress,
+            engine_args=list(ctx.args), cache_dir=str(cache_dir) if cache_dir else None,
         )
         from vllm_hidden.engine.driver import run_extract
 
@@ -67,7 +83,9 @@ def extract(
         (f"resumed: {d['resumed']} samples were already done; " if d["resumed"] else "")
         + f"done: {d['samples']} samples, {d['tokens']} tokens, {d['errors']} errors -> {d['shards']} shards "
         f"({d['bytes'] / 1e6:.1f} MB) in {d['seconds']:.1f} s ({d['tokens_per_s']:,.0f} tok/s, "
-        f"{d['samples_per_s']:,.1f} samples/s; engine start {d['engine_init_seconds']:.1f} s)"
+        f"{d['samples_per_s']:,.1f} samples/s; engine start {d['engine_init_seconds']:.1f} s"
+        + (f", {'warm' if d['engine_start'].get('warm') else 'cold'}" if d["engine_start"] else "")
+        + f"; first sample {d['first_sample_seconds']:.1f} s after start)"
     )
     typer.echo(json.dumps(d))
 
@@ -89,9 +107,13 @@ def serve(
     max_request_bytes: Annotated[int, typer.Option(help="Largest body of a request with hidden_states; more is HTTP 413.")] = ServeConfig.max_request_bytes,
     max_concurrent: Annotated[int, typer.Option(help="Hidden-state requests in flight at once (more wait); bounds the memory they hold.")] = ServeConfig.max_concurrent,
     hidden_states_timeout: Annotated[float, typer.Option(help="Seconds a finished response waits for its hidden states.")] = ServeConfig.timeout_s,
+    cache_dir: CacheDir = None,
 ) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
+        from vllm_hidden.engine.caches import CacheDirs
+
+        CacheDirs.resolve(str(cache_dir) if cache_dir else None).apply()  # before vLLM is imported
         limits = ServeConfig(max_hidden_tokens=max_hidden_tokens, max_request_bytes=max_request_bytes,
                              max_concurrent=max_concurrent, timeout_s=hidden_states_timeout)
         from vllm_hidden.engine.driver import model_info
@@ -107,6 +129,91 @@ def serve(
         run_vllm_serve(argv)
     except ValueError as e:
         _fail(str(e))
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    help="Compile and tune everything an `extract` with the same model, layers and engine arguments "
+    "would compile at start or on its first prompts (torch.compile graphs, Inductor and Triton kernels, "
+    "Triton autotune results) into the cache directory, so that later starts, and several engines "
+    "started at once, are warm. A no-op when these settings are warm already (--force redoes it).",
+)
+def warmup(
+    ctx: typer.Context,
+    model: Model,
+    layers: Layers = None,
+    aux_layers: AuxLayers = None,
+    layers_from: LayersFrom = None,
+    max_model_len: MaxModelLen = None,
+    max_num_batched_tokens: MaxBatched = None,
+    max_num_seqs: MaxSeqs = None,
+    dtype: Dtype = "auto",
+    ring_slots: RingSlots = 2,
+    cache_dir: CacheDir = None,
+    force: Annotated[bool, typer.Option("--force", help="Warm up even if a stamp says these settings are warm.")] = False,
+    serve: Annotated[bool, typer.Option("--serve", help="Warm up for `vllm-hidden serve MODEL` with these layers and "
+                                        "vLLM arguments instead (starts that server on a local port, sends requests, stops it).")] = False,
+) -> None:
+    from vllm_hidden.config import ExtractConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if serve:
+        _warmup_serve(model, layers, aux_layers, layers_from, ctx.args, cache_dir, force,
+                      {"--max-model-len": max_model_len, "--max-num-batched-tokens": max_num_batched_tokens,
+                       "--max-num-seqs": max_num_seqs, "--dtype": None if dtype == "auto" else dtype})
+        return
+    try:
+        cfg = ExtractConfig(
+            model=model, input_path="", output_dir="-", layers=layers, aux_layers=aux_layers,
+            layers_from=str(layers_from) if layers_from else None, max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, dtype=dtype,
+            ring_slots=ring_slots, progress=False, engine_args=list(ctx.args),
+            cache_dir=str(cache_dir) if cache_dir else None,
+        )
+        from vllm_hidden.engine.warmup import run_warmup
+
+        r = run_warmup(cfg, force=force)
+    except (ValueError, ImportError, OSError) as e:
+        _fail(str(e))
+    _report_warmup(r)
+
+
+def _warmup_serve(model, layers, aux_layers, layers_from, args, cache_dir, force, flags) -> None:
+    try:
+        from vllm_hidden.engine.driver import model_info
+        from vllm_hidden.engine.warmup import run_serve_warmup
+        from vllm_hidden.layers import resolve_layer_ids
+
+        ids = resolve_layer_ids(model_info(model).num_layers, layers, aux_layers, str(layers_from) if layers_from else None)
+        vllm_args = [x for k, v in flags.items() if v is not None for x in (k, str(v))] + list(args)
+        r = run_serve_warmup(model, ids, vllm_args, cache_dir=str(cache_dir) if cache_dir else None, force=force)
+    except (ValueError, ImportError, OSError, RuntimeError) as e:
+        _fail(str(e))
+    _report_warmup(r)
+
+
+def _report_warmup(r) -> None:
+    if r.noop:
+        typer.echo(f"already warm: these settings were warmed up on {_when(r.warmed_at)} ({r.stamp}); "
+                   f"checked in {r.seconds:.1f} s. --force warms up again")
+    elif "samples" in r.workload:
+        w = r.workload
+        typer.echo(f"warmed up in {r.seconds:.1f} s: the engine started {'warm' if r.start.get('warm') else 'cold'}, "
+                   f"then {w['samples']} prompts ({w['tokens']} tokens, lengths {w['lengths'][0]}..{w['lengths'][-1]}) "
+                   f"in {w['seconds']:.1f} s compiled {w['kernels_compiled']} more kernels and stored "
+                   f"{w['autotune_results_stored']} autotune results; stamp {r.stamp}")
+    else:
+        w = r.workload
+        typer.echo(f"warmed up in {r.seconds:.1f} s: the server started in {w['server_start_seconds']:.1f} s "
+                   f"({r.start.get('log') or 'no start report in its log'}), then answered {w['requests']} requests "
+                   f"({w['tokens']} tokens) in {w['seconds']:.1f} s; stamp {r.stamp}")
+    typer.echo(json.dumps(r.to_dict()))
+
+
+def _when(t: float | None) -> str:
+    import datetime
+
+    return datetime.datetime.fromtimestamp(t).isoformat(timespec="seconds") if t else "?"
 
 
 @app.command(help="Summarize an extract output and verify every shard (size, BLAKE3, header, index). "

@@ -113,6 +113,7 @@ class ExtractConfig:
     staging_dir: str | None = None  # local directory shards are written to before their upload (S3 output)
     progress: bool = True
     engine_args: list[str] = field(default_factory=list)
+    cache_dir: str | None = None  # compile/kernel caches (default: $VHIDDEN_CACHE_DIR or ~/.cache/vllm-hidden)
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):

@@ -96,3 +96,38 @@ def is_writer_rank() -> bool:
     from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 
     return get_tensor_model_parallel_rank() == 0 and get_pp_group().is_last_rank
+
+
+def compile_counters() -> dict[str, int]:
+    """This process's counts of graphs vLLM loaded from its compile cache."""
+    from vllm.compilation.counter import compilation_counter as c
+
+    return {"compiled_artifacts_loaded": c.num_compiled_artifacts_loaded,
+            "aot_artifacts_loaded": getattr(c, "num_aot_artifacts_loaded", 0)}
+
+
+def worker_classes() -> list[type]:
+    """The Worker classes whose `compile_or_warm_up_model` ends an engine's start-up."""
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu_worker import Worker
+
+    classes: list[type] = [Worker]
+    if current_platform.is_cpu():
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        classes.append(CPUWorker)
+    return classes
+
+
+def device_name() -> str:
+    """The accelerator's name without initializing CUDA in this process (NVML on CUDA)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        import platform
+
+        return f"cpu:{platform.machine()}"
+    try:
+        return f"{current_platform.get_device_name(0)} x{current_platform.device_count()}"
+    except Exception:  # noqa: BLE001 - a name is only part of a cache key
+        return current_platform.device_name

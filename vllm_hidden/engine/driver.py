@@ -12,6 +12,7 @@ from typing import Any
 
 from vllm_hidden import __version__
 from vllm_hidden.config import CaptureConfig, ExtractConfig, ShardConfig
+from vllm_hidden.engine.caches import CacheDirs, fingerprint
 from vllm_hidden.inputs import BadLine, PromptReader, count_lines
 from vllm_hidden.layers import SEMANTICS, resolve_layer_ids
 from vllm_hidden.storage.journal import RUN, ResumeState, prepare_resume, write_json_atomic
@@ -119,6 +120,8 @@ class Summary:
     shards: list[ShardInfo] = field(default_factory=list)
     seconds: float = 0.0
     engine_init_seconds: float = 0.0
+    first_sample_seconds: float = 0.0  # from the extractor's creation to the first finished sample
+    engine_start: dict[str, Any] = field(default_factory=dict)  # warm or cold, what was compiled (caches.StartProbe)
     flush_seconds: float = 0.0  # from the last finished request to every shard durable
     output_dir: str = ""
     capture_stats: dict[str, Any] = field(default_factory=dict)
@@ -129,6 +132,7 @@ class Summary:
             "shards": len(self.shards), "bytes": sum(s.bytes for s in self.shards),
             "seconds": round(self.seconds, 3), "engine_init_seconds": round(self.engine_init_seconds, 3),
             "flush_seconds": round(self.flush_seconds, 3),
+            "first_sample_seconds": round(self.first_sample_seconds, 3), "engine_start": self.engine_start,
             "tokens_per_s": round(self.tokens / self.seconds, 1) if self.seconds else 0.0,
             "samples_per_s": round(self.samples / self.seconds, 2) if self.seconds else 0.0,
             "output_dir": self.output_dir,
@@ -169,8 +173,12 @@ class Extractor:
     """One engine with the capture path on; `run` any number of prompt files through it
     (each into its own output directory). `run_extract` is one Extractor, one run."""
 
-    def __init__(self, cfg: ExtractConfig) -> None:
+    def __init__(self, cfg: ExtractConfig, *, start: bool = True) -> None:
         self.engine = None
+        self.t_created = time.perf_counter()
+        self.first_sample_at: float | None = None
+        self.cache = CacheDirs.resolve(cfg.cache_dir)
+        self.cache.apply()  # before vLLM is imported: its processes inherit the cache locations
         check_paths(cfg.model, cfg.input_path, cfg.output_dir, cfg.resume, cfg.s3_endpoint_url)
         self.cfg = cfg
         self.info = info = model_info(cfg.model)
@@ -189,14 +197,37 @@ class Extractor:
         compat.spawn_on_cuda()
         if info.max_positions is not None and self.max_prompt_len + 1 > info.max_positions:
             compat.allow_long_max_model_len()
-        args = engine_args(cfg.model, cfg.engine_args, self.max_prompt_len, capture, dtype=cfg.dtype,
-                           max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs)
+        self.args = engine_args(cfg.model, cfg.engine_args, self.max_prompt_len, capture, dtype=cfg.dtype,
+                                max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs)
+        self.fingerprint, self.fingerprint_ident = fingerprint(
+            mode="extract", model=cfg.model, engine_args=cfg.engine_args, device=compat.device_name(),
+            settings={"layer_ids": list(self.layer_ids), "ring_slots": cfg.ring_slots, "max_model_len": self.max_prompt_len,
+                      "dtype": cfg.dtype, "max_num_batched_tokens": cfg.max_num_batched_tokens,
+                      "max_num_seqs": cfg.max_num_seqs})
+        if start:
+            self.start()
 
+    def start(self) -> None:
+        t0 = time.perf_counter()
+        self.engine = self._start_engine(self.args)
+        self.engine_init_seconds = time.perf_counter() - t0
+        self.start_report = next((r for r in self.engine.collective_rpc("vllm_hidden_start_report") if r), {})
+
+    def _start_engine(self, args):
+        """A start with settings no engine has started with before (no stamp) compiles: it
+        holds a lock so that engines started at the same time wait and then load what it
+        compiled, instead of all compiling the same kernels at once."""
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        t0 = time.perf_counter()
-        self.engine = LLMEngine.from_engine_args(args)
-        self.engine_init_seconds = time.perf_counter() - t0
+        cache, fp = self.cache, self.fingerprint
+        if cache.read_stamp(fp) is None:
+            with cache.start_lock(fp):
+                if cache.read_stamp(fp) is None:
+                    engine = LLMEngine.from_engine_args(args)
+                    cache.write_stamp(fp, {"kind": "start", "fingerprint": fp, "settings": self.fingerprint_ident,
+                                           "created": time.time()})
+                    return engine
+        return LLMEngine.from_engine_args(args)
 
     def __enter__(self) -> "Extractor":
         return self
@@ -294,7 +325,8 @@ class Extractor:
         reader = PromptReader(input_path, vocab_size=self.info.vocab_size, max_prompt_len=self.max_prompt_len,
                               tokenizer_loader=self._tokenizer)
         total = count_lines(input_path)
-        summary = Summary(engine_init_seconds=self.engine_init_seconds, output_dir=loc.uri if loc else str(out))
+        summary = Summary(engine_init_seconds=self.engine_init_seconds, output_dir=loc.uri if loc else str(out),
+                          engine_start=self.start_report)
         errors_f = None
 
         def record_error(bad: BadLine) -> None:
@@ -341,10 +373,13 @@ class Extractor:
                     continue
                 for o in engine.step():
                     if o.finished and o.request_id in inflight:
+                        if self.first_sample_at is None:
+                            self.first_sample_at = time.perf_counter() - self.t_created
                         summary.tokens += inflight.pop(o.request_id)
                         summary.samples += 1
                 bar.update(summary.samples + summary.resumed, summary.tokens, summary.errors)
             t2 = time.perf_counter()
+            summary.first_sample_seconds = self.first_sample_at or 0.0
             opened = False
             result = engine.collective_rpc("vllm_hidden_close")
             summary.seconds = time.perf_counter() - t1

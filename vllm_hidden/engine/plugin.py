@@ -3,8 +3,10 @@
 It wraps one runner method, `_setup_eagle3_aux_hidden_state_outputs` (called from
 `load_model` on GPU and CPU, before torch.compile and CUDA-graph capture). The wrapper is a
 pass-through unless the engine's `additional_config` carries a `vllm_hidden` capture config,
-so installing the package does not change plain vLLM. It also puts the server's result
-channel address in the environment (a string; nothing is opened) for the engine processes.
+so installing the package does not change plain vLLM. With capture on, it also wraps the
+worker's `compile_or_warm_up_model` (the end of an engine's start-up) to report whether the
+start was warm (`caches.StartProbe`). And it puts the server's result channel address in the
+environment (a string; nothing is opened) for the engine processes.
 """
 
 from __future__ import annotations
@@ -39,3 +41,18 @@ def register() -> None:
 
     _setup_aux_with_capture.__wrapped__ = original  # type: ignore[attr-defined]
     runner_cls._setup_eagle3_aux_hidden_state_outputs = _setup_aux_with_capture
+    for cls in compat.worker_classes():
+        if "compile_or_warm_up_model" in vars(cls):
+            cls.compile_or_warm_up_model = _report_start(cls.compile_or_warm_up_model)
+
+
+def _report_start(original):
+    def compile_or_warm_up_model(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        cap = getattr(getattr(self, "model_runner", None), "vllm_hidden_capture", None)
+        if cap is not None:
+            cap.finish_start(getattr(self.vllm_config.compilation_config, "compilation_time", None))
+        return out
+
+    compile_or_warm_up_model.__wrapped__ = original  # type: ignore[attr-defined]
+    return compile_or_warm_up_model

@@ -18,6 +18,7 @@ from vllm_hidden.capture.assembler import (Assembler, AssemblerThread, CaptureEr
 from vllm_hidden.capture.ring import StepTransfer
 from vllm_hidden.config import CaptureConfig, ShardConfig
 from vllm_hidden.engine import compat
+from vllm_hidden.engine.caches import StartProbe, describe
 from vllm_hidden.server.channel import Publisher, channel_address, channel_key
 from vllm_hidden.server.protocol import WORKER_KEY
 from vllm_hidden.storage.shards import ShardWriter
@@ -52,6 +53,17 @@ class Capture:
         self._tracked: dict[str, int] = {}
         self.order = cfg.emit_order
         self._stats = _StepStats()
+        self.start_probe: StartProbe | None = StartProbe()
+        self.start_report: dict[str, Any] | None = None
+
+    def finish_start(self, compilation_seconds: float | None) -> None:
+        """End of the engine's start-up (after vLLM's warm-up): say whether it was warm."""
+        if self.start_probe is None:
+            return
+        self.start_report = self.start_probe.finish(compilation_seconds)
+        self.start_probe = None
+        if self.writer_rank:  # through vLLM's logger: the worker's own output (extract and serve)
+            logging.getLogger("vllm.vllm_hidden").info("vllm-hidden: %s", describe(self.start_report))
 
     # -- control (via worker RPC) ---------------------------------------------------
     def open(self, shard_cfg: ShardConfig) -> bool:

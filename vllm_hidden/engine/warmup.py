@@ -1,0 +1,200 @@
+"""`vllm-hidden warmup`: start an engine with the settings a later `extract` (or `serve`) will
+use, run prompts of assorted lengths through it so that every kernel those runs need is
+compiled and tuned into the cache directory (`caches.CacheDirs`), and leave a warm stamp.
+A second warmup with the same settings finds the stamp and returns at once."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_hidden.config import ExtractConfig
+from vllm_hidden.engine.caches import cache_files, new_kernels, strip_flags
+
+log = logging.getLogger("vllm_hidden")
+
+# Prompt lengths around the powers of two: Triton specializes integer arguments on
+# divisibility by 16, and the GDN kernels work in chunks of 64 tokens.
+_LENGTHS = (1, 2, 3, 7, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 127, 128, 129, 255, 256, 257, 511, 512, 513,
+            1000, 1024, 2047, 4096, 8191)
+
+
+def warm_lengths(max_prompt_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> list[int]:
+    """Prompt lengths covering the shapes a run meets: short and odd lengths, a step's full
+    token budget, a prompt split over steps (chunked prefill carries the GDN state), and a
+    step of many short prompts at once."""
+    lengths = [n for n in _LENGTHS if n <= max_prompt_len]
+    # (a longer prompt only repeats the chunked steps: its kernels are the same)
+    lengths += [n for n in (max_num_batched_tokens - 1, max_num_batched_tokens, max_num_batched_tokens + 1,
+                            2 * max_num_batched_tokens + 7, min(max_prompt_len, 4 * max_num_batched_tokens))
+                if 1 <= n <= max_prompt_len]
+    lengths += [min(9, max_prompt_len)] * max_num_seqs
+    return lengths
+
+
+@dataclass
+class WarmupReport:
+    fingerprint: str
+    noop: bool  # the stamp was there: nothing was started
+    stamp: str
+    seconds: float = 0.0
+    start: dict[str, Any] = field(default_factory=dict)  # what the engine start compiled (caches.StartProbe)
+    workload: dict[str, Any] = field(default_factory=dict)
+    warmed_at: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def run_warmup(cfg: ExtractConfig, *, force: bool = False) -> WarmupReport:
+    """Warm the caches for `vllm-hidden extract` with these settings (cfg's input and output
+    are ignored)."""
+    from vllm_hidden.engine.driver import Extractor
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="vllm-hidden-warmup-") as tmp:
+        prompts = Path(tmp) / "prompts.jsonl"
+        prompts.touch()
+        cfg = ExtractConfig(**{**cfg.__dict__, "input_path": str(prompts), "output_dir": str(Path(tmp) / "out"),
+                               "resume": False, "s3_endpoint_url": None, "staging_dir": None})
+        ex = Extractor(cfg, start=False)
+        fp, stamp = ex.fingerprint, ex.cache.stamp_path(ex.fingerprint)
+        prev = ex.cache.read_stamp(fp)
+        if prev is not None and prev.get("kind") == "warmup" and not force:
+            return WarmupReport(fingerprint=fp, noop=True, stamp=str(stamp), seconds=time.perf_counter() - t0,
+                                warmed_at=prev.get("created"))
+        with ex:
+            ex.start()
+            sc = ex.engine.vllm_config.scheduler_config
+            lengths = warm_lengths(ex.max_prompt_len, sc.max_num_batched_tokens, sc.max_num_seqs)
+            rng = random.Random(0)
+            with open(prompts, "w") as f:
+                for i, n in enumerate(lengths):
+                    ids = [rng.randrange(ex.info.vocab_size) for _ in range(n)]
+                    f.write(json.dumps({"id": f"warmup-{i}", "token_ids": ids}) + "\n")
+            files = cache_files()
+            summary = ex.run(str(prompts), cfg.output_dir, progress=False, resume=False)
+            workload = {"samples": summary.samples, "tokens": summary.tokens, "seconds": round(summary.seconds, 2),
+                        **new_kernels(files, cache_files()),
+                        "lengths": sorted(set(lengths))}
+            report = WarmupReport(fingerprint=fp, noop=False, stamp=str(stamp), start=ex.start_report,
+                                  workload=workload)
+        report.seconds = round(time.perf_counter() - t0, 2)
+        ex.cache.write_stamp(fp, {"kind": "warmup", "fingerprint": fp, "settings": ex.fingerprint_ident,
+                                  "created": time.time(), "seconds": report.seconds, "start": report.start,
+                                  "workload": workload})
+        report.warmed_at = time.time()
+    return report
+
+
+# `vllm serve` flags that do not change what the engine compiles (left out of the key).
+SERVER_ONLY = frozenset({"--host", "--port", "--api-key", "--uvicorn-log-level", "--root-path", "--ssl-keyfile",
+                         "--ssl-certfile", "--allowed-origins"})
+
+
+def serve_fingerprint(model: str, layer_ids: list[int], vllm_args: list[str]) -> tuple[str, dict[str, Any]]:
+    from vllm_hidden.engine import compat
+    from vllm_hidden.engine.caches import fingerprint
+
+    return fingerprint(mode="serve", model=model, settings={"layer_ids": list(layer_ids)},
+                       engine_args=strip_flags(vllm_args, SERVER_ONLY), device=compat.device_name())
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http(url: str, body: dict | None = None, timeout: float = 600) -> dict:
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode() if body is not None else None,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read() or b"{}")
+
+
+def run_serve_warmup(model: str, layer_ids: list[int], vllm_args: list[str], *, cache_dir: str | None = None,
+                     force: bool = False, start_timeout: float = 3600) -> WarmupReport:
+    """Warm the caches for `vllm-hidden serve` with these arguments: start that server on a
+    free local port, send completions of assorted lengths (prompt and generated states,
+    several at once), stop it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import urllib.error
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vllm_hidden.engine.caches import CacheDirs
+
+    t0 = time.perf_counter()
+    cache = CacheDirs.resolve(cache_dir)
+    cache.apply()
+    fp, ident = serve_fingerprint(model, layer_ids, vllm_args)
+    stamp = cache.stamp_path(fp)
+    prev = cache.read_stamp(fp)
+    if prev is not None and prev.get("kind") == "warmup" and not force:
+        return WarmupReport(fingerprint=fp, noop=True, stamp=str(stamp), seconds=time.perf_counter() - t0,
+                            warmed_at=prev.get("created"))
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "vllm_hidden.cli", "serve", model, "--layers", ",".join(map(str, layer_ids)),
+           "--cache-dir", str(cache.root), *strip_flags(vllm_args, SERVER_ONLY), "--host", "127.0.0.1", "--port", str(port)]
+    with tempfile.TemporaryDirectory(prefix="vllm-hidden-warmup-") as tmp:
+        log_path = Path(tmp) / "server.log"
+        with open(log_path, "w") as log_f:
+            proc = subprocess.Popen(cmd, stdout=log_f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            while True:
+                if proc.poll() is not None:
+                    tail = log_path.read_text(errors="replace")[-3000:]
+                    raise RuntimeError(f"the server exited with {proc.returncode} during warmup:\n{tail}")
+                if time.perf_counter() - t0 > start_timeout:
+                    raise RuntimeError(f"the server did not start within {start_timeout:.0f} s")
+                try:
+                    _http(url + "/health", timeout=5)
+                    break
+                except (urllib.error.URLError, OSError, ValueError):
+                    time.sleep(2)
+            started = time.perf_counter() - t0
+            info = _http(url + "/v1/models")["data"][0]
+            name, max_len = info["id"], int(info.get("max_model_len") or 2048)
+            rng = random.Random(0)
+            lengths = [n for n in _LENGTHS if n + 8 <= max_len]
+
+            def one(n: int) -> int:
+                ids = [rng.randrange(1, 1000) for _ in range(n)]
+                body = {"model": name, "prompt": ids, "max_tokens": 8, "temperature": 0, "hidden_states": {"tokens": "all"}}
+                return _http(url + "/v1/completions", body)["usage"]["total_tokens"]
+
+            t1 = time.perf_counter()
+            tokens = sum(one(n) for n in lengths)  # one at a time: each prompt shape on its own
+            with ThreadPoolExecutor(16) as pool:  # then many at once: batched decode steps
+                tokens += sum(pool.map(one, [min(n, 64) for n in lengths] * 2))
+            workload = {"requests": 3 * len(lengths), "tokens": tokens, "seconds": round(time.perf_counter() - t1, 2),
+                        "lengths": lengths, "server_start_seconds": round(started, 2)}
+        finally:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        text = log_path.read_text(errors="replace")
+    start = {"log": next((ln.split("vllm-hidden: ", 1)[1] for ln in text.splitlines() if "engine started" in ln), "")}
+    start["warm"] = start["log"].startswith("engine started WARM")
+    report = WarmupReport(fingerprint=fp, noop=False, stamp=str(stamp), start=start, workload=workload,
+                          seconds=round(time.perf_counter() - t0, 2), warmed_at=time.time())
+    cache.write_stamp(fp, {"kind": "warmup", "fingerprint": fp, "settings": ident, "created": report.warmed_at,
+                           "seconds": report.seconds, "start": start, "workload": workload})
+    return report
