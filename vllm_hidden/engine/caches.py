@@ -37,6 +37,7 @@ CACHE_ENV = "VHIDDEN_CACHE_DIR"
 DEFAULT_ROOT = "~/.cache/vllm-hidden"
 # environment variable -> sub-directory of the root
 _DIRS = {"VLLM_CACHE_ROOT": "vllm", "TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+_APPLIED: dict[str, str] = {}  # what `apply` set in this process (a later `apply` may move it; a user's value stays)
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class CacheDirs:
         raw = cache_dir or os.environ.get(CACHE_ENV) or DEFAULT_ROOT
         root = Path(raw).expanduser()
         if root.exists() and not root.is_dir():
-            raise ValueError(f"--cache-dir: {raw!r} is not a directory")
+            raise ValueError(f"--cache-dir ({CACHE_ENV}): {raw!r} is not a directory")
         return cls(root.resolve())
 
     def apply(self) -> dict[str, str]:
@@ -57,10 +58,10 @@ class CacheDirs:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise ValueError(f"--cache-dir: cannot create {str(self.root)!r}: {e}") from None
-        for var, sub in _DIRS.items():
-            os.environ.setdefault(var, str(self.root / sub))
-        os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+            raise ValueError(f"--cache-dir ({CACHE_ENV}): cannot create {str(self.root)!r}: {e}") from None
+        for var, value in [*((v, str(self.root / sub)) for v, sub in _DIRS.items()), ("TRITON_CACHE_AUTOTUNING", "1")]:
+            if var not in os.environ or os.environ[var] == _APPLIED.get(var):  # the user's own wins, ours moves
+                os.environ[var] = _APPLIED[var] = value
         os.environ[CACHE_ENV] = str(self.root)
         return {var: os.environ[var] for var in _DIRS}
 
@@ -69,9 +70,10 @@ class CacheDirs:
 
     def read_stamp(self, fingerprint: str) -> dict[str, Any] | None:
         try:
-            return json.loads(self.stamp_path(fingerprint).read_text())
+            rec = json.loads(self.stamp_path(fingerprint).read_text())
         except (OSError, ValueError):
             return None
+        return rec if isinstance(rec, dict) else None
 
     def write_stamp(self, fingerprint: str, record: dict[str, Any]) -> Path:
         path = self.stamp_path(fingerprint)
@@ -132,14 +134,16 @@ NOT_COMPILED = frozenset({"--gpu-memory-utilization", "--kv-cache-memory-bytes",
 
 
 def strip_flags(args: list[str], names: frozenset[str]) -> list[str]:
-    """`args` without the named flags (each takes one value: `--flag value` or `--flag=value`)."""
-    out, skip = [], False
+    """`args` without the named flags and their values (`--flag=v`, or `--flag v1 [v2 ...]` up to
+    the next `--` option; vLLM's `--api-key` takes several). `--a_b` is `--a-b`, as for vLLM."""
+    out, skipping = [], False
     for a in args:
-        if skip:
-            skip = False
-            continue
-        if a.split("=", 1)[0] in names:
-            skip = "=" not in a
+        if a.startswith("--"):
+            name = "--" + a[2:].split("=", 1)[0].replace("_", "-")
+            skipping = name in names and "=" not in a
+            if name in names:
+                continue
+        elif skipping:
             continue
         out.append(a)
     return out

@@ -128,6 +128,6 @@ def device_name() -> str:
 
         return f"cpu:{platform.machine()}"
     try:
-        return f"{current_platform.get_device_name(0)} x{current_platform.device_count()}"
+        return current_platform.get_device_name(0)  # not the count: TP size is in the engine args
     except Exception:  # noqa: BLE001 - a name is only part of a cache key
         return current_platform.device_name

@@ -152,8 +152,9 @@ def run_serve_warmup(model: str, layer_ids: list[int], vllm_args: list[str], *, 
            "--cache-dir", str(cache.root), *strip_flags(vllm_args, SERVER_ONLY), "--host", "127.0.0.1", "--port", str(port)]
     with tempfile.TemporaryDirectory(prefix="vllm-hidden-warmup-") as tmp:
         log_path = Path(tmp) / "server.log"
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}  # a private server: no key to send
         with open(log_path, "w") as log_f:
-            proc = subprocess.Popen(cmd, stdout=log_f, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(cmd, stdout=log_f, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:
             while True:
                 if proc.poll() is not None:

@@ -1,0 +1,130 @@
+"""Warm starts, on the real CLI with compilation on (no --enforce-eager): `vllm-hidden warmup`
+fills a fresh cache directory; an extract and a server with the same settings then compile
+no kernel (counted from the cache directories by the worker, not timed); engines started at
+once on a cold cache compile once. The states a warm engine writes still match HF."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration.helpers import HFReference, Server, rel_l2, run_cli
+from vllm_hidden.data import HiddenStatesDataset
+
+pytestmark = pytest.mark.integration
+
+ENGINE = ["--dtype", "bfloat16", "--max-num-seqs", "8", "--max-num-batched-tokens", "256"]
+LAYERS = "0,2,3"
+MAX_LEN = "256"
+
+
+def last_json(proc: subprocess.CompletedProcess | str) -> dict:
+    text = proc if isinstance(proc, str) else proc.stdout
+    return json.loads([ln for ln in text.splitlines() if ln.startswith("{")][-1])
+
+
+def write_prompts(path, n: int, seed: int) -> dict[str, list[int]]:
+    rng = random.Random(seed)
+    prompts = {f"p{i}": [rng.randrange(10, 500) for _ in range(rng.randrange(5, 200))] for i in range(n)}
+    path.write_text("".join(json.dumps({"id": k, "token_ids": v}) + "\n" for k, v in prompts.items()))
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models):
+    return tiny_models("qwen3_next", 4)
+
+
+def test_warmup_then_extract_compiles_nothing(model, tmp_path):
+    cache = tmp_path / "cache"
+    args = ["-m", str(model), "--layers", LAYERS, "--max-model-len", MAX_LEN, "--cache-dir", str(cache), *ENGINE]
+
+    r = run_cli("warmup", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    w = last_json(r)
+    assert not w["noop"]
+    assert w["start"]["warm"] is False and w["start"]["kernels_compiled"] > 0, w["start"]  # a fresh cache is cold
+    assert w["workload"]["samples"] > 0 and w["workload"]["tokens"] > 0
+    stamp = json.loads(open(w["stamp"]).read())
+    assert stamp["kind"] == "warmup" and stamp["fingerprint"] == w["fingerprint"]
+
+    again = run_cli("warmup", *args)  # same settings: the stamp answers, no engine starts
+    assert again.returncode == 0, again.stderr[-3000:]
+    n = last_json(again)
+    assert n["noop"] and n["fingerprint"] == w["fingerprint"]
+    assert "Initializing a V1 LLM engine" not in again.stderr
+
+    prompts = write_prompts(tmp_path / "in.jsonl", 6, seed=1)
+    out = tmp_path / "out"
+    e = run_cli("extract", *args, "-i", str(tmp_path / "in.jsonl"), "-o", str(out), "--no-progress")
+    assert e.returncode == 0, e.stderr[-3000:]
+    start = last_json(e)["engine_start"]
+    assert start["warm"] is True, start
+    assert start["kernels_compiled"] == 0 and start["autotune_results_stored"] == 0, start
+    assert "engine started WARM" in e.stdout + e.stderr and ", warm;" in e.stdout
+    assert start["cache_dirs"]["VLLM_CACHE_ROOT"] == str(cache / "vllm")
+
+    # what a warm engine computes is still right
+    ds = HiddenStatesDataset(out)
+    ref = HFReference(model)
+    layer_ids = [int(x) for x in LAYERS.split(",")]
+    assert len(ds) == len(prompts)
+    for i in range(len(ds)):
+        s = ds[i]
+        states = ref.states(prompts[s["id"]])
+        for k, lid in enumerate(layer_ids):
+            assert rel_l2(s["hidden_states"][:, k], states[lid]) <= 1e-2, (s["id"], lid)
+
+    # other settings are another key: not warm, and said so
+    other = run_cli("warmup", "-m", str(model), "--layers", "1", "--max-model-len", MAX_LEN, "--cache-dir", str(cache),
+                    *ENGINE, "--force")
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert last_json(other)["fingerprint"] != w["fingerprint"]
+
+
+def test_engines_started_at_once_compile_once(model, tmp_path):
+    """Two extracts started together on an empty cache: one compiles while the other waits on
+    the start lock, then starts from what the first compiled."""
+    cache = tmp_path / "cache"
+    write_prompts(tmp_path / "in.jsonl", 4, seed=2)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    procs = [subprocess.Popen([sys.executable, "-m", "vllm_hidden.cli", "extract", "-m", str(model), "--layers", LAYERS,
+                               "--max-model-len", MAX_LEN, "--cache-dir", str(cache), *ENGINE,
+                               "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / f"out{i}"), "--no-progress"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    results = [p.communicate(timeout=900) for p in procs]
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0, err[-3000:]
+    starts = [last_json(out)["engine_start"] for out, _ in results]
+    compiled = sorted(s["kernels_compiled"] for s in starts)
+    assert compiled[0] == 0 and compiled[1] > 0, starts  # exactly one of them compiled
+    waited = [("waiting for it" in err) for _, err in results]
+    assert sum(waited) == 1, waited
+    warm = starts[waited.index(True)]
+    assert warm["warm"] is True, warm
+
+
+def test_serve_starts_warm_after_serve_warmup(tiny_models, tmp_path):
+    model = tiny_models("qwen3", 4)
+    cache = tmp_path / "cache"
+    r = run_cli("warmup", "--serve", "-m", str(model), "--layers", LAYERS, "--max-model-len", MAX_LEN,
+                "--cache-dir", str(cache))
+    assert r.returncode == 0, r.stderr[-3000:]
+    w = last_json(r)
+    assert not w["noop"] and w["workload"]["requests"] > 0
+    assert w["start"]["log"].startswith("engine started COLD"), w["start"]
+
+    srv = Server(model, tmp_path / "server.log", LAYERS, "--max-model-len", MAX_LEN, "--cache-dir", str(cache))
+    try:
+        status, body = srv.post("/v1/completions", {"model": str(model), "prompt": [5, 6, 7, 8], "max_tokens": 2,
+                                                    "hidden_states": True})
+        assert status == 200 and body["hidden_states"]["num_tokens"] == 4, body
+    finally:
+        srv.stop()
+    lines = [ln for ln in srv.log.read_text().splitlines() if "engine started" in ln]
+    assert len(lines) == 1 and "engine started WARM: 0 kernels compiled" in lines[0], lines
