@@ -78,7 +78,10 @@ def run_cli(argv: list[str], log: Path, gpu: str | None = None) -> subprocess.Po
 
 def finish(proc: subprocess.Popen, t0: float, log: Path) -> dict:
     out, _ = proc.communicate()
-    res = {"rc": proc.returncode, "wall_s": round(time.perf_counter() - t0, 2), "cli": _last_json(out)}
+    cli = _last_json(out)
+    res = {"rc": proc.returncode, "wall_s": round(time.perf_counter() - t0, 2), "cli": cli}
+    if cli.get("errors"):  # an extract must have run every prompt, or its first-sample time means nothing
+        res["rc"] = res["rc"] or 3
     if proc.returncode:
         res["log_tail"] = log.read_text(errors="replace")[-2000:]
     text = out + log.read_text(errors="replace")  # vLLM's processes log to stdout, ours to stderr
@@ -109,13 +112,16 @@ def main() -> None:
 
         model = str(write_qwen36_27b_config(work / "qwen36-27b"))
         engine = [*REFERENCE_27B, "--load-format", "dummy", "--language-model-only"]
-        desc, vocab, max_len = "Qwen3.6-27B text dims (64 layers), random weights", 248320, 4095
+        desc, max_len = "Qwen3.6-27B text dims (64 layers), random weights", 4095
     else:
         from vllm_hidden.demo import make_tiny_model
 
         model = str(make_tiny_model(work / "model"))
         engine = ["--dtype", "bfloat16", "--max-num-seqs", "8", "--max-num-batched-tokens", "256"]
-        desc, vocab, max_len = "tiny random Qwen3-Next", 4096, 1024
+        desc, max_len = "tiny random Qwen3-Next", 1024
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model).get_text_config().vocab_size
     spec = {**WORKLOADS["w-chat"], "samples": a.samples, "max": min(WORKLOADS["w-chat"]["max"], max_len)}
     inp = work / "start.jsonl"
     with open(inp, "w") as f:
