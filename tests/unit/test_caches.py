@@ -249,6 +249,13 @@ def test_strip_flags_drops_every_value_up_to_the_next_option():
     assert strip_flags(["--a", "-1", "--b"], frozenset({"--a"})) == ["--b"]  # a negative number is a value
 
 
+def test_strip_flags_keeps_short_options_after_a_stripped_flag():
+    # a short option ends the stripped flag's values: `-tp 2` / `-O3` must reach vLLM and the key
+    assert strip_flags(["--port", "8000", "-tp", "2", "--enforce-eager"], frozenset({"--port"})) == [
+        "-tp", "2", "--enforce-eager"]
+    assert strip_flags(["--seed", "0", "-O3"], frozenset({"--seed"})) == ["-O3"]
+
+
 def test_strip_flags_matches_underscore_spellings():
     names = frozenset({"--gpu-memory-utilization", "--api-key"})
     assert strip_flags(["--gpu_memory_utilization", "0.5", "--api_key=K", "--max_model_len", "9"], names) == [
@@ -266,9 +273,13 @@ def model_dir(tmp_path):
     return d
 
 
+DIRS = {"VLLM_CACHE_ROOT": "/c/vllm", "TRITON_CACHE_DIR": "/c/triton"}
+
+
 def _fp(model, **kw):
     args = {"mode": "extract", "model": str(model), "settings": {"layer_ids": [1, 2], "max_model_len": 256},
-            "engine_args": ["--enforce-eager", "--max-num-seqs", "8"], "device": "NVIDIA H200"}
+            "engine_args": ["--enforce-eager", "--max-num-seqs", "8"], "device": "NVIDIA H200",
+            "cache_dirs": DIRS, "env_digest": "e1"}
     args.update(kw)
     return fingerprint(**args)[0]
 
@@ -291,6 +302,9 @@ def test_fingerprint_is_stable_for_the_same_inputs(model_dir):
     {"engine_args": ["--enforce-eager", "--max-num-seqs", "16"]},
     {"engine_args": ["--max-num-seqs", "8"]},
     {"device": "NVIDIA H100 80GB HBM3"},
+    {"cache_dirs": {**DIRS, "TRITON_CACHE_DIR": "/elsewhere"}},  # a stamp belongs to the caches it filled
+    {"env_digest": "e2"},  # vLLM's compile-relevant environment
+    {"engine_args": ["--enforce-eager", "--max-num-seqs", "8", "-O3"]},
 ])
 def test_each_input_changes_the_fingerprint(model_dir, change):
     assert _fp(model_dir, **change) != _fp(model_dir)
@@ -325,7 +339,8 @@ def test_memory_sizing_flags_do_not_change_the_fingerprint(model_dir):
 
 def test_fingerprint_ident_says_what_was_keyed(model_dir):
     _, ident = fingerprint(mode="extract", model=str(model_dir), settings={"layer_ids": [1]},
-                           engine_args=["--gpu-memory-utilization", "0.5", "--enforce-eager"], device="cpu:x86_64")
+                           engine_args=["--gpu-memory-utilization", "0.5", "--enforce-eager"], device="cpu:x86_64",
+                           cache_dirs=DIRS)
     assert ident["engine_args"] == ["--enforce-eager"]
     assert ident["model"] == str(model_dir.resolve())
     assert ident["device"] == "cpu:x86_64" and ident["mode"] == "extract"
@@ -467,6 +482,7 @@ def fake_device(monkeypatch):
     name = {"device": "NVIDIA H200"}
     fake = types.ModuleType("vllm_hidden.engine.compat")
     fake.device_name = lambda: name["device"]
+    fake.compile_env_digest = lambda: "e1"
     monkeypatch.setitem(sys.modules, "vllm_hidden.engine.compat", fake)
     monkeypatch.setattr(vllm_hidden.engine, "compat", fake, raising=False)
     return name
@@ -475,25 +491,57 @@ def fake_device(monkeypatch):
 def test_serve_fingerprint_ignores_server_only_flags(model_dir, fake_device):
     assert {"--port", "--host"} <= SERVER_ONLY
     base = ["--max-model-len", "4096", "--enforce-eager"]
-    key = serve_fingerprint(str(model_dir), [3, 7], base)[0]
+    key = serve_fingerprint(str(model_dir), [3, 7], base, DIRS)[0]
     for extra in (["--port", "8001"], ["--port=9000", "--host", "0.0.0.0"], ["--api-key", "secret"],
                   ["--uvicorn-log-level", "debug", "--root-path=/x"]):
-        assert serve_fingerprint(str(model_dir), [3, 7], extra + base)[0] == key, extra
-        assert serve_fingerprint(str(model_dir), [3, 7], base + extra)[0] == key, extra
+        assert serve_fingerprint(str(model_dir), [3, 7], extra + base, DIRS)[0] == key, extra
+        assert serve_fingerprint(str(model_dir), [3, 7], base + extra, DIRS)[0] == key, extra
 
 
 def test_serve_fingerprint_follows_engine_flags_layers_and_device(model_dir, fake_device):
     base = ["--max-model-len", "4096", "--port", "8000"]
-    key, ident = serve_fingerprint(str(model_dir), [3, 7], base)
+    key, ident = serve_fingerprint(str(model_dir), [3, 7], base, DIRS)
     assert ident["mode"] == "serve" and "--port" not in ident["engine_args"]
-    assert serve_fingerprint(str(model_dir), [3, 7], ["--max-model-len", "8192", "--port", "8000"])[0] != key
-    assert serve_fingerprint(str(model_dir), [3, 7], base + ["--tensor-parallel-size", "2"])[0] != key
-    assert serve_fingerprint(str(model_dir), [3, 8], base)[0] != key
-    assert serve_fingerprint(str(model_dir), [3, 7], base + ["--gpu-memory-utilization", "0.5"])[0] == key
+    assert serve_fingerprint(str(model_dir), [3, 7], ["--max-model-len", "8192", "--port", "8000"], DIRS)[0] != key
+    assert serve_fingerprint(str(model_dir), [3, 7], base + ["--tensor-parallel-size", "2"], DIRS)[0] != key
+    assert serve_fingerprint(str(model_dir), [3, 8], base, DIRS)[0] != key
+    assert serve_fingerprint(str(model_dir), [3, 7], base + ["--gpu-memory-utilization", "0.5"], DIRS)[0] == key
     fake_device["device"] = "NVIDIA H100"
-    assert serve_fingerprint(str(model_dir), [3, 7], base)[0] != key
+    assert serve_fingerprint(str(model_dir), [3, 7], base, DIRS)[0] != key
     # and it is not the key an `extract` with the same engine flags would have
     fake_device["device"] = "NVIDIA H200"
     extract_key = fingerprint(mode="extract", model=str(model_dir), settings={"layer_ids": [3, 7]},
-                              engine_args=["--max-model-len", "4096"], device="NVIDIA H200")[0]
+                              engine_args=["--max-model-len", "4096"], device="NVIDIA H200", cache_dirs=DIRS,
+                              env_digest="e1")[0]
     assert extract_key != key
+
+
+_HOLD_THEN_DIE = """
+import os, signal, sys, time
+from vllm_hidden.engine.caches import CacheDirs
+with CacheDirs.resolve(sys.argv[1]).start_lock("fp"):
+    pid = os.fork()
+    if pid == 0:  # like an engine process forked during a cold start
+        time.sleep(120)
+        os._exit(0)
+    print(pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # the holder dies; its forked child lives on
+"""
+
+
+def test_a_killed_holder_releases_the_lock_even_with_a_forked_child_alive(tmp_path):
+    import signal
+
+    p = subprocess.Popen([sys.executable, "-c", _HOLD_THEN_DIE, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                         cwd=REPO)  # (the child keeps the pipe open: read a line, do not wait for EOF)
+    child = int(p.stdout.readline().strip())
+    assert p.wait(timeout=60) == -signal.SIGKILL
+    p.stdout.close()
+    try:
+        os.kill(child, 0)  # still alive
+        t0 = time.monotonic()
+        with CacheDirs.resolve(str(tmp_path)).start_lock("fp", wait_s=30) as waited:
+            assert waited is False
+        assert time.monotonic() - t0 < 5
+    finally:
+        os.kill(child, signal.SIGKILL)

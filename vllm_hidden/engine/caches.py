@@ -62,8 +62,16 @@ class CacheDirs:
         for var, value in [*((v, str(self.root / sub)) for v, sub in _DIRS.items()), ("TRITON_CACHE_AUTOTUNING", "1")]:
             if var not in os.environ or os.environ[var] == _APPLIED.get(var):  # the user's own wins, ours moves
                 os.environ[var] = _APPLIED[var] = value
+            elif var in _DIRS:
+                log.warning("vllm-hidden: %s=%s is set in the environment; it is used instead of %s",
+                            var, os.environ[var], self.root / _DIRS[var])
         os.environ[CACHE_ENV] = str(self.root)
         return {var: os.environ[var] for var in _DIRS}
+
+    @staticmethod
+    def filled(dirs: dict[str, str]) -> bool:
+        """Whether the compile or kernel caches a stamp was made for still hold anything."""
+        return any(Path(d).is_dir() and any(Path(d).iterdir()) for d in dirs.values())
 
     def stamp_path(self, fingerprint: str) -> Path:
         return self.root / "warm" / f"{fingerprint}.json"
@@ -84,25 +92,43 @@ class CacheDirs:
         return path
 
     @contextlib.contextmanager
-    def start_lock(self, fingerprint: str) -> Iterator[bool]:
+    def start_lock(self, fingerprint: str, wait_s: float = 3600.0) -> Iterator[bool]:
         """Held across a cold engine start. Yields True when it had to wait for another
-        process (which has just compiled these settings: this start will find its caches)."""
+        process (which has just compiled these settings: this start will find its caches).
+        A POSIX record lock: a forked engine process does not inherit it, so it goes with the
+        process that took it, also when that one is killed. After `wait_s`, or where the file
+        system has no locks, the start goes ahead without it (it may then compile too)."""
         path = self.root / "locks" / f"{fingerprint}.lock"
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a+") as f:
-            waited = False
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            waited = held = False
+            t0 = time.monotonic()
+            while True:
+                try:
+                    fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    held = True
+                    break
+                except (BlockingIOError, PermissionError):
+                    pass
+                except OSError as e:
+                    log.warning("vllm-hidden: no start lock on %s (%s); engines started at once may each compile", path, e)
+                    break
+                now = time.monotonic() - t0
+                if not waited or int(now) % 60 == 0:
+                    log.info("vllm-hidden: another engine with these settings is compiling; waiting for it "
+                             "(%s, %.0f s so far)", path, now)
                 waited = True
-                log.info("vllm-hidden: another engine with these settings is compiling; waiting for it (%s)", path)
-                t0 = time.perf_counter()
-                fcntl.flock(f, fcntl.LOCK_EX)
-                log.info("vllm-hidden: waited %.1f s; starting from its caches", time.perf_counter() - t0)
+                if now > wait_s:
+                    log.warning("vllm-hidden: waited %.0f s for %s; starting without it", now, path)
+                    break
+                time.sleep(1.0)
+            if waited and held:
+                log.info("vllm-hidden: waited %.1f s; starting from its caches", time.monotonic() - t0)
             try:
                 yield waited
             finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+                if held:
+                    fcntl.lockf(f, fcntl.LOCK_UN)
 
 
 def _config_digest(model: str) -> str:
@@ -135,11 +161,12 @@ NOT_COMPILED = frozenset({"--gpu-memory-utilization", "--kv-cache-memory-bytes",
 
 def strip_flags(args: list[str], names: frozenset[str]) -> list[str]:
     """`args` without the named flags and their values (`--flag=v`, or `--flag v1 [v2 ...]` up to
-    the next `--` option; vLLM's `--api-key` takes several). `--a_b` is `--a-b`, as for vLLM."""
+    the next option, long or short; vLLM's `--api-key` takes several). `--a_b` is `--a-b`, as
+    for vLLM."""
     out, skipping = [], False
     for a in args:
-        if a.startswith("--"):
-            name = "--" + a[2:].split("=", 1)[0].replace("_", "-")
+        if a.startswith("-") and not _is_number(a):
+            name = "--" + a[2:].split("=", 1)[0].replace("_", "-") if a.startswith("--") else a
             skipping = name in names and "=" not in a
             if name in names:
                 continue
@@ -149,14 +176,24 @@ def strip_flags(args: list[str], names: frozenset[str]) -> list[str]:
     return out
 
 
+def _is_number(a: str) -> bool:
+    try:
+        float(a)
+        return True
+    except ValueError:
+        return False
+
+
 def fingerprint(*, mode: str, model: str, settings: dict[str, Any], engine_args: list[str],
-                device: str) -> tuple[str, dict[str, Any]]:
+                device: str, cache_dirs: dict[str, str], env_digest: str = "") -> tuple[str, dict[str, Any]]:
     """A key for "these caches were warmed for this": every input that changes what an engine
-    compiles. Over-inclusive on purpose: a spurious miss costs one warmup, a false hit a cold start."""
+    compiles (vLLM's compile-relevant environment as `env_digest`), and the cache directories
+    in use. Over-inclusive on purpose: a spurious miss costs one warmup, a false hit a cold start."""
     path = Path(model).expanduser()
     ident = {
         "mode": mode, "model": str(path.resolve()) if path.is_dir() else model, "config": _config_digest(model),
-        "settings": settings, "engine_args": strip_flags(list(engine_args), NOT_COMPILED), "device": device, "versions": versions(),
+        "settings": settings, "engine_args": strip_flags(list(engine_args), NOT_COMPILED), "device": device,
+        "versions": versions(), "cache_dirs": dict(cache_dirs), "env": env_digest,
     }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24], ident
 
@@ -169,16 +206,19 @@ _KERNEL_SUFFIXES = (".so", ".cubin", ".hsaco")
 _AUTOTUNE_SUFFIX = ".autotune.json"
 
 
-def cache_files() -> set[str]:
-    """Every file under the three cache directories (vLLM puts Inductor's cache under its own)."""
+def cache_dirs_now() -> set[str]:
+    """The three cache directories as this process's environment names them now (vLLM points
+    Inductor's, and on some versions Triton's, into its own compile cache while it compiles)."""
+    dirs = {os.environ.get(var) for var in _DIRS} | {str(Path.home() / ".triton" / "cache")}
+    return {d for d in dirs if d}
+
+
+def cache_files(dirs: set[str] | None = None) -> set[str]:
+    """Every file under the cache directories."""
     out: set[str] = set()
-    for var in _DIRS:
-        root = os.environ.get(var)
-        if not root and var == "TRITON_CACHE_DIR":
-            root = str(Path.home() / ".triton" / "cache")
-        if root:
-            for dirpath, _, names in os.walk(root):
-                out.update(os.path.join(dirpath, n) for n in names)
+    for root in dirs if dirs is not None else cache_dirs_now():
+        for dirpath, _, names in os.walk(root):
+            out.update(os.path.join(dirpath, n) for n in names)
     return out
 
 
@@ -198,14 +238,15 @@ class StartProbe:
 
         self.t0 = time.perf_counter()
         self.counters = compat.compile_counters()
-        self.files = cache_files()
+        self.dirs = cache_dirs_now()
+        self.files = cache_files(self.dirs)
 
     def finish(self, compilation_seconds: float | None = None) -> dict[str, Any]:
         from vllm_hidden.engine import compat
 
         now = compat.compile_counters()
         d = {k: now.get(k, 0) - self.counters.get(k, 0) for k in now}
-        new = new_kernels(self.files, cache_files())
+        new = new_kernels(self.files, cache_files(self.dirs | cache_dirs_now()))
         return {
             "warm": new["kernels_compiled"] == 0 and new["autotune_results_stored"] == 0,
             "seconds": round(time.perf_counter() - self.t0, 2),

@@ -106,6 +106,17 @@ def compile_counters() -> dict[str, int]:
             "aot_artifacts_loaded": getattr(c, "num_aot_artifacts_loaded", 0)}
 
 
+def compile_env_digest() -> str:
+    """A hash of the environment variables vLLM puts in its own compile-cache key."""
+    import hashlib
+    import json
+
+    import vllm.envs as envs
+
+    factors = envs.compile_factors() if hasattr(envs, "compile_factors") else {}
+    return hashlib.sha256(json.dumps(factors, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def worker_classes() -> list[type]:
     """The Worker classes whose `compile_or_warm_up_model` ends an engine's start-up."""
     from vllm.platforms import current_platform

@@ -178,7 +178,7 @@ class Extractor:
         self.t_created = time.perf_counter()
         self.first_sample_at: float | None = None
         self.cache = CacheDirs.resolve(cfg.cache_dir)
-        self.cache.apply()  # before vLLM is imported: its processes inherit the cache locations
+        self.cache_dirs = self.cache.apply()  # before vLLM is imported: its processes inherit the cache locations
         check_paths(cfg.model, cfg.input_path, cfg.output_dir, cfg.resume, cfg.s3_endpoint_url)
         self.cfg = cfg
         self.info = info = model_info(cfg.model)
@@ -201,6 +201,7 @@ class Extractor:
                                 max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs)
         self.fingerprint, self.fingerprint_ident = fingerprint(
             mode="extract", model=cfg.model, engine_args=cfg.engine_args, device=compat.device_name(),
+            cache_dirs=self.cache_dirs, env_digest=compat.compile_env_digest(),
             settings={"layer_ids": list(self.layer_ids), "ring_slots": cfg.ring_slots, "max_model_len": self.max_prompt_len,
                       "dtype": cfg.dtype, "max_num_batched_tokens": cfg.max_num_batched_tokens,
                       "max_num_seqs": cfg.max_num_seqs})

@@ -66,7 +66,7 @@ def run_warmup(cfg: ExtractConfig, *, force: bool = False) -> WarmupReport:
         ex = Extractor(cfg, start=False)
         fp, stamp = ex.fingerprint, ex.cache.stamp_path(ex.fingerprint)
         prev = ex.cache.read_stamp(fp)
-        if prev is not None and prev.get("kind") == "warmup" and not force:
+        if prev is not None and prev.get("kind") == "warmup" and ex.cache.filled(ex.cache_dirs) and not force:
             return WarmupReport(fingerprint=fp, noop=True, stamp=str(stamp), seconds=time.perf_counter() - t0,
                                 warmed_at=prev.get("created"))
         with ex:
@@ -98,12 +98,27 @@ SERVER_ONLY = frozenset({"--host", "--port", "--api-key", "--uvicorn-log-level",
                          "--ssl-certfile", "--allowed-origins"})
 
 
-def serve_fingerprint(model: str, layer_ids: list[int], vllm_args: list[str]) -> tuple[str, dict[str, Any]]:
+def serve_fingerprint(model: str, layer_ids: list[int], vllm_args: list[str],
+                      cache_dirs: dict[str, str]) -> tuple[str, dict[str, Any]]:
     from vllm_hidden.engine import compat
     from vllm_hidden.engine.caches import fingerprint
 
     return fingerprint(mode="serve", model=model, settings={"layer_ids": list(layer_ids)},
-                       engine_args=strip_flags(vllm_args, SERVER_ONLY), device=compat.device_name())
+                       engine_args=strip_flags(vllm_args, SERVER_ONLY), device=compat.device_name(),
+                       cache_dirs=cache_dirs, env_digest=compat.compile_env_digest())
+
+
+def _max_hidden_tokens(args: list[str]) -> int:
+    from vllm_hidden.config import ServeConfig
+
+    for i, a in enumerate(args):
+        if a.startswith("--max-hidden-tokens"):
+            raw = a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
+            try:
+                return int(raw)
+            except ValueError:
+                raise ValueError(f"--max-hidden-tokens must be an int, got {raw!r}") from None
+    return ServeConfig.max_hidden_tokens
 
 
 def _free_port() -> int:
@@ -139,11 +154,11 @@ def run_serve_warmup(model: str, layer_ids: list[int], vllm_args: list[str], *, 
 
     t0 = time.perf_counter()
     cache = CacheDirs.resolve(cache_dir)
-    cache.apply()
-    fp, ident = serve_fingerprint(model, layer_ids, vllm_args)
+    dirs = cache.apply()
+    fp, ident = serve_fingerprint(model, layer_ids, vllm_args, dirs)
     stamp = cache.stamp_path(fp)
     prev = cache.read_stamp(fp)
-    if prev is not None and prev.get("kind") == "warmup" and not force:
+    if prev is not None and prev.get("kind") == "warmup" and cache.filled(dirs) and not force:
         return WarmupReport(fingerprint=fp, noop=True, stamp=str(stamp), seconds=time.perf_counter() - t0,
                             warmed_at=prev.get("created"))
     port = _free_port()
@@ -171,7 +186,8 @@ def run_serve_warmup(model: str, layer_ids: list[int], vllm_args: list[str], *, 
             info = _http(url + "/v1/models")["data"][0]
             name, max_len = info["id"], int(info.get("max_model_len") or 2048)
             rng = random.Random(0)
-            lengths = [n for n in _LENGTHS if n + 8 <= max_len]
+            # within the context and the server's per-response row limit (prompt + 8 - 1 rows)
+            lengths = [n for n in _LENGTHS if n + 8 <= max_len and n + 7 <= _max_hidden_tokens(vllm_args)]
 
             def one(n: int) -> int:
                 ids = [rng.randrange(1, 1000) for _ in range(n)]
@@ -179,9 +195,13 @@ def run_serve_warmup(model: str, layer_ids: list[int], vllm_args: list[str], *, 
                 return _http(url + "/v1/completions", body)["usage"]["total_tokens"]
 
             t1 = time.perf_counter()
-            tokens = sum(one(n) for n in lengths)  # one at a time: each prompt shape on its own
-            with ThreadPoolExecutor(16) as pool:  # then many at once: batched decode steps
-                tokens += sum(pool.map(one, [min(n, 64) for n in lengths] * 2))
+            try:
+                tokens = sum(one(n) for n in lengths)  # one at a time: each prompt shape on its own
+                with ThreadPoolExecutor(16) as pool:  # then many at once: batched decode steps
+                    tokens += sum(pool.map(one, [min(n, 64) for n in lengths] * 2))
+            except urllib.error.HTTPError as e:
+                raise RuntimeError(f"the warmup server answered {e.code}: {e.read()[:1000]!r}; its log ends:\n"
+                                   f"{log_path.read_text(errors='replace')[-2000:]}") from None
             workload = {"requests": 3 * len(lengths), "tokens": tokens, "seconds": round(time.perf_counter() - t1, 2),
                         "lengths": lengths, "server_start_seconds": round(started, 2)}
         finally:
