@@ -13,11 +13,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from vllm_hidden.engine.warmup import free_port  # noqa: F401 - also used by the server tests
 
 
 class MotoServer:

@@ -23,8 +23,9 @@ from vllm_hidden.engine.caches import (
 )
 from vllm_hidden.engine.warmup import SERVER_ONLY, serve_fingerprint, warm_lengths
 
-DIR_VARS = ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
-ALL_VARS = (*DIR_VARS, "TRITON_CACHE_AUTOTUNING", "VHIDDEN_CACHE_DIR")
+DIR_VARS = ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR")  # what apply() sets
+SCANNED_VARS = (*DIR_VARS, "TORCHINDUCTOR_CACHE_DIR")  # what the start probe scans
+ALL_VARS = (*SCANNED_VARS, "TRITON_CACHE_AUTOTUNING", "VHIDDEN_CACHE_DIR")
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -80,7 +81,8 @@ def test_apply_points_every_cache_under_the_root_and_turns_autotune_caching_on(t
         assert dirs[var] == os.environ[var]
         p = Path(os.environ[var])
         assert p.parent == root.resolve()
-    assert len({os.environ[v] for v in DIR_VARS}) == 3  # three distinct sub-directories
+    assert len({os.environ[v] for v in DIR_VARS}) == 2  # distinct sub-directories
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ  # vLLM places Inductor's cache itself
     assert os.environ["TRITON_CACHE_AUTOTUNING"] == "1"
     assert os.environ["VHIDDEN_CACHE_DIR"] == str(root.resolve())
 
@@ -94,8 +96,7 @@ def test_apply_leaves_variables_the_user_set_alone(tmp_path, monkeypatch):
     dirs = CacheDirs.resolve(str(root)).apply()
     assert os.environ["TRITON_CACHE_DIR"] == mine and dirs["TRITON_CACHE_DIR"] == mine  # the dir in use
     assert os.environ["TRITON_CACHE_AUTOTUNING"] == "0"
-    for var in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR"):
-        assert Path(dirs[var]).parent == root.resolve()
+    assert Path(dirs["VLLM_CACHE_ROOT"]).parent == root.resolve()
 
 
 def test_a_second_apply_moves_our_dirs_but_not_the_users(tmp_path, monkeypatch):
@@ -353,7 +354,7 @@ def test_fingerprint_ident_says_what_was_keyed(model_dir):
 @pytest.fixture
 def cache_env(tmp_path, monkeypatch):
     dirs = {}
-    for var in DIR_VARS:
+    for var in SCANNED_VARS:
         d = tmp_path / var.lower()
         d.mkdir()
         monkeypatch.setenv(var, str(d))
@@ -377,7 +378,7 @@ def test_cache_files_lists_every_file_under_the_three_dirs(cache_env, tmp_path):
 
 
 def test_new_kernels_counts_only_new_kernel_binaries_and_autotune_results(cache_env):
-    vllm, ind, tri = (cache_env[v] for v in DIR_VARS)
+    vllm, ind, tri = (cache_env[v] for v in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"))
     old = [_touch(ind / "old" / "k.so"), _touch(tri / "OLD" / "k.cubin"), _touch(tri / "OLD" / "f.autotune.json")]
     before = cache_files()
     _touch(vllm / "inductor_cache" / "aa" / "c1.so")

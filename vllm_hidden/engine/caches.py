@@ -1,12 +1,13 @@
 """Compile and kernel caches: where they live, whether a start was warm, and warm stamps.
 
 An engine start compiles three things: vLLM's torch.compile graphs (vLLM's cache,
-`VLLM_CACHE_ROOT`), the Inductor kernels inside them (`TORCHINDUCTOR_CACHE_DIR`) and the
-Triton kernels of the model's own ops, the Gated-DeltaNet chunk kernels among them
-(`TRITON_CACHE_DIR`). Those GDN kernels are `@triton.autotune`d, and Triton only keeps
-autotune results on disk when `TRITON_CACHE_AUTOTUNING=1`; without it every start tunes
-again. `CacheDirs.apply` puts all three under one root (default ~/.cache/vllm-hidden) and
-turns autotune caching on; a variable the user set already is left as it is.
+`VLLM_CACHE_ROOT`), the Inductor kernels inside them (vLLM points `TORCHINDUCTOR_CACHE_DIR`
+into its own cache while it compiles, so that needs no setting) and the Triton kernels of the
+model's own ops, the Gated-DeltaNet chunk kernels among them (`TRITON_CACHE_DIR`). Those GDN
+kernels are `@triton.autotune`d; Triton keeps autotune results on disk only with
+`TRITON_CACHE_AUTOTUNING=1` (vLLM's default too). `CacheDirs.apply` puts both caches under one
+root (default ~/.cache/vllm-hidden) and turns autotune caching on; a variable the user set
+already is left as it is.
 
 `StartProbe` runs in the worker, from model load to the end of vLLM's warm-up, and says
 what that start compiled: new kernel binaries and autotune results in the caches, and the
@@ -36,7 +37,9 @@ log = logging.getLogger("vllm_hidden")
 CACHE_ENV = "VHIDDEN_CACHE_DIR"
 DEFAULT_ROOT = "~/.cache/vllm-hidden"
 # environment variable -> sub-directory of the root
-_DIRS = {"VLLM_CACHE_ROOT": "vllm", "TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+_DIRS = {"VLLM_CACHE_ROOT": "vllm", "TRITON_CACHE_DIR": "triton"}
+# what the start probe scans: ours, and Inductor's as vLLM sets it in the worker
+_SCANNED = (*_DIRS, "TORCHINDUCTOR_CACHE_DIR")
 _APPLIED: dict[str, str] = {}  # what `apply` set in this process (a later `apply` may move it; a user's value stays)
 
 
@@ -72,6 +75,18 @@ class CacheDirs:
     def filled(dirs: dict[str, str]) -> bool:
         """Whether the compile or kernel caches a stamp was made for still hold anything."""
         return any(Path(d).is_dir() and any(Path(d).iterdir()) for d in dirs.values())
+
+    def warm_stamp(self, fingerprint: str, dirs: dict[str, str]) -> dict[str, Any] | None:
+        """The stamp a `warmup` left for this key, if the caches it filled still hold anything."""
+        rec = self.read_stamp(fingerprint)
+        return rec if rec is not None and rec.get("kind") == "warmup" and self.filled(dirs) else None
+
+    def write_warm_stamp(self, fingerprint: str, ident: dict[str, Any], **record: Any) -> float:
+        """Record a finished warmup; returns its time."""
+        now = time.time()
+        self.write_stamp(fingerprint, {"kind": "warmup", "fingerprint": fingerprint, "settings": ident,
+                                       "created": now, **record})
+        return now
 
     def stamp_path(self, fingerprint: str) -> Path:
         return self.root / "warm" / f"{fingerprint}.json"
@@ -207,9 +222,11 @@ _AUTOTUNE_SUFFIX = ".autotune.json"
 
 
 def cache_dirs_now() -> set[str]:
-    """The three cache directories as this process's environment names them now (vLLM points
+    """The cache directories as this process's environment names them now (vLLM points
     Inductor's, and on some versions Triton's, into its own compile cache while it compiles)."""
-    dirs = {os.environ.get(var) for var in _DIRS} | {str(Path.home() / ".triton" / "cache")}
+    dirs = {os.environ.get(var) for var in _SCANNED}
+    if not os.environ.get("TRITON_CACHE_DIR"):
+        dirs.add(str(Path.home() / ".triton" / "cache"))  # Triton's default
     return {d for d in dirs if d}
 
 
@@ -253,7 +270,7 @@ class StartProbe:
             "compile_seconds": round(float(compilation_seconds or 0.0), 2),
             "graphs_loaded": d.get("compiled_artifacts_loaded", 0) + d.get("aot_artifacts_loaded", 0),
             **new,
-            "cache_dirs": {var: os.environ.get(var) for var in (*_DIRS, "TRITON_CACHE_AUTOTUNING")},
+            "cache_dirs": {var: os.environ.get(var) for var in (*_SCANNED, "TRITON_CACHE_AUTOTUNING")},
         }
 
 

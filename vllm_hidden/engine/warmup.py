@@ -5,6 +5,7 @@ A second warmup with the same settings finds the stamp and returns at once."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -49,7 +50,7 @@ class WarmupReport:
     warmed_at: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return dataclasses.asdict(self)
 
 
 def run_warmup(cfg: ExtractConfig, *, force: bool = False) -> WarmupReport:
@@ -61,12 +62,12 @@ def run_warmup(cfg: ExtractConfig, *, force: bool = False) -> WarmupReport:
     with tempfile.TemporaryDirectory(prefix="vllm-hidden-warmup-") as tmp:
         prompts = Path(tmp) / "prompts.jsonl"
         prompts.touch()
-        cfg = ExtractConfig(**{**cfg.__dict__, "input_path": str(prompts), "output_dir": str(Path(tmp) / "out"),
-                               "resume": False, "s3_endpoint_url": None, "staging_dir": None})
+        cfg = dataclasses.replace(cfg, input_path=str(prompts), output_dir=str(Path(tmp) / "out"), resume=False,
+                                  s3_endpoint_url=None, staging_dir=None)
         ex = Extractor(cfg, start=False)
         fp, stamp = ex.fingerprint, ex.cache.stamp_path(ex.fingerprint)
-        prev = ex.cache.read_stamp(fp)
-        if prev is not None and prev.get("kind") == "warmup" and ex.cache.filled(ex.cache_dirs) and not force:
+        prev = ex.cache.warm_stamp(fp, ex.cache_dirs)
+        if prev is not None and not force:
             return WarmupReport(fingerprint=fp, noop=True, stamp=str(stamp), seconds=time.perf_counter() - t0,
                                 warmed_at=prev.get("created"))
         with ex:
@@ -86,10 +87,8 @@ def run_warmup(cfg: ExtractConfig, *, force: bool = False) -> WarmupReport:
             report = WarmupReport(fingerprint=fp, noop=False, stamp=str(stamp), start=ex.start_report,
                                   workload=workload)
         report.seconds = round(time.perf_counter() - t0, 2)
-        ex.cache.write_stamp(fp, {"kind": "warmup", "fingerprint": fp, "settings": ex.fingerprint_ident,
-                                  "created": time.time(), "seconds": report.seconds, "start": report.start,
-                                  "workload": workload})
-        report.warmed_at = time.time()
+        report.warmed_at = ex.cache.write_warm_stamp(fp, ex.fingerprint_ident, seconds=report.seconds,
+                                                     start=report.start, workload=workload)
     return report
 
 
@@ -121,7 +120,27 @@ def _max_hidden_tokens(args: list[str]) -> int:
     return ServeConfig.max_hidden_tokens
 
 
-def _free_port() -> int:
+def _stop(proc) -> None:
+    """Stop the server's process group (SIGINT, then SIGKILL); it may have exited already."""
+    import os
+    import signal
+    import subprocess
+
+    for sig, wait in ((signal.SIGINT, 120), (signal.SIGKILL, None)):
+        if proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:
@@ -144,7 +163,6 @@ def run_serve_warmup(model: str, layer_ids: list[int], vllm_args: list[str], *, 
     free local port, send completions of assorted lengths (prompt and generated states,
     several at once), stop it."""
     import os
-    import signal
     import subprocess
     import sys
     import urllib.error
@@ -157,11 +175,11 @@ def run_serve_warmup(model: str, layer_ids: list[int], vllm_args: list[str], *, 
     dirs = cache.apply()
     fp, ident = serve_fingerprint(model, layer_ids, vllm_args, dirs)
     stamp = cache.stamp_path(fp)
-    prev = cache.read_stamp(fp)
-    if prev is not None and prev.get("kind") == "warmup" and cache.filled(dirs) and not force:
+    prev = cache.warm_stamp(fp, dirs)
+    if prev is not None and not force:
         return WarmupReport(fingerprint=fp, noop=True, stamp=str(stamp), seconds=time.perf_counter() - t0,
                             warmed_at=prev.get("created"))
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "vllm_hidden.cli", "serve", model, "--layers", ",".join(map(str, layer_ids)),
            "--cache-dir", str(cache.root), *strip_flags(vllm_args, SERVER_ONLY), "--host", "127.0.0.1", "--port", str(port)]
@@ -205,17 +223,11 @@ def run_serve_warmup(model: str, layer_ids: list[int], vllm_args: list[str], *, 
             workload = {"requests": 3 * len(lengths), "tokens": tokens, "seconds": round(time.perf_counter() - t1, 2),
                         "lengths": lengths, "server_start_seconds": round(started, 2)}
         finally:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            _stop(proc)
         text = log_path.read_text(errors="replace")
     start = {"log": next((ln.split("vllm-hidden: ", 1)[1] for ln in text.splitlines() if "engine started" in ln), "")}
     start["warm"] = start["log"].startswith("engine started WARM")
     report = WarmupReport(fingerprint=fp, noop=False, stamp=str(stamp), start=start, workload=workload,
-                          seconds=round(time.perf_counter() - t0, 2), warmed_at=time.time())
-    cache.write_stamp(fp, {"kind": "warmup", "fingerprint": fp, "settings": ident, "created": report.warmed_at,
-                           "seconds": report.seconds, "start": start, "workload": workload})
+                          seconds=round(time.perf_counter() - t0, 2))
+    report.warmed_at = cache.write_warm_stamp(fp, ident, seconds=report.seconds, start=start, workload=workload)
     return report
