@@ -399,7 +399,7 @@ def test_new_kernels_counts_only_new_kernel_binaries_and_autotune_results(cache_
 
 
 def test_cache_files_falls_back_to_tritons_default_dir(tmp_path, monkeypatch):
-    _clear_env(monkeypatch, *DIR_VARS)
+    _clear_env(monkeypatch, *SCANNED_VARS)
     monkeypatch.setenv("HOME", str(tmp_path))
     f = _touch(tmp_path / ".triton" / "cache" / "H" / "k.cubin")
     assert cache_files() == {str(f)}
