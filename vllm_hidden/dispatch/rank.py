@@ -1,0 +1,59 @@
+"""One engine of a data-parallel run (a local process or a Ray actor): start it, then
+extract from the shared prompt queue into its own part of the output, and report.
+
+Events it puts on the coordinator's queue: ("ready", rank, info) once its engine is up,
+("progress", rank, samples, tokens) about twice a second, then ("done", rank, result)
+or ("failed", rank, message)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from typing import Any
+
+PROGRESS_EVERY_S = 0.5
+
+
+def run_rank(spec: dict[str, Any], work: Any, events: Any) -> dict[str, Any]:
+    os.environ.update(spec["env"])  # its devices, before anything touches them
+    from vllm_hidden.config import ExtractConfig, ShardConfig
+    from vllm_hidden.dispatch.feed import QueueFeed
+    from vllm_hidden.engine.driver import Extractor
+
+    rank = spec["rank"]
+    cfg = ExtractConfig(**spec["cfg"])
+    with Extractor(cfg, check_io=False) as ex:
+        events.put(("ready", rank, {"engine_init_seconds": round(ex.engine_init_seconds, 3),
+                                    "engine_start": ex.start_report, "ready_at": time.time(),
+                                    "devices": spec["env"]}))
+        last = [0.0]
+
+        def progress(samples: int, tokens: int) -> None:
+            now = time.monotonic()
+            if now - last[0] >= PROGRESS_EVERY_S:
+                last[0] = now
+                events.put(("progress", rank, samples, tokens))
+
+        sc = ex.engine.vllm_config.scheduler_config
+        # a few steps' worth in flight keeps every step full; more would leave one engine
+        # with a long tail while the others, their share done, sit idle
+        res = ex.extract(QueueFeed(work), ShardConfig(**spec["shard"]), progress,
+                         max_inflight_tokens=spec.get("inflight_steps", 3) * sc.max_num_batched_tokens)
+        out = {**res.to_dict(), "engine": ex.engine_info(), "first_sample_seconds": ex.first_sample_at,
+               "finished_at": time.time()}
+        # reported before the engine shuts down (seconds): its shards are durable already
+        events.put(("progress", rank, res.samples, res.tokens))
+        events.put(("done", rank, out))
+    return out
+
+
+def rank_process(spec: dict[str, Any], work: Any, events: Any) -> None:
+    """multiprocessing target: a failure is reported as an event, then the exit code says so."""
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank {spec['rank']} %(name)s: %(message)s")
+    try:
+        run_rank(spec, work, events)
+    except BaseException as e:  # noqa: BLE001 - reported to the coordinator, then re-raised as an exit code
+        events.put(("failed", spec["rank"], f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        raise SystemExit(1) from None

@@ -1,0 +1,120 @@
+"""The dp engines as actors of a Ray cluster (as vLLM itself spreads over machines).
+
+Each actor holds one engine of `tp` GPUs (on a cluster without GPUs: `tp` CPUs) wherever
+Ray places it; the prompts come from one Ray queue, the events go back on another. Every
+node needs this package and vLLM installed, the model at the same path (or a hub id), and
+the output must be reachable from all of them: s3://, or a shared file system. On CPU nodes
+the actors on one node split its cores between them (devices.cpu_bind).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vllm_hidden.config import ExtractConfig
+from vllm_hidden.dispatch.coordinator import QUEUE_PER_ENGINE
+
+
+class RankActor:
+    """Ray actor: where it runs, then one rank's work (dispatch.rank)."""
+
+    def where(self) -> tuple[str, list[int]]:
+        """The host (several Ray nodes may share one) and the cores this process may use."""
+        import ray
+
+        from vllm_hidden.dispatch.devices import allowed_cpus
+
+        return ray.util.get_node_ip_address(), allowed_cpus()
+
+    def run(self, spec: dict[str, Any], work: Any, events: Any) -> None:
+        import logging
+
+        from vllm_hidden.dispatch.rank import run_rank
+
+        logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank {spec['rank']} %(name)s: %(message)s")
+        run_rank(spec, work, events)
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise ImportError('--ray needs Ray: pip install "vllm-hidden[ray]"') from None
+    return ray
+
+
+class RayRanks:
+    def __init__(self, cfg: ExtractConfig, make_specs: Callable[[list[dict[str, str]]], list[dict[str, Any]]]) -> None:
+        ray = _ray()
+        from ray.util.queue import Queue
+
+        from vllm_hidden.dispatch.devices import CPU_BIND, cpu_bind
+
+        if not ray.is_initialized():
+            ray.init(address=cfg.ray_address, log_to_driver=True)
+        self.ray = ray
+        gpu = ray.cluster_resources().get("GPU", 0) > 0
+        opts = {"num_gpus": cfg.tp} if gpu else {"num_cpus": cfg.tp}
+        # the caches and the engine's settings travel with the actors; devices are Ray's to give
+        env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "VHIDDEN_", "HF_", "AWS_", "TRITON_"))}
+        env.pop(CPU_BIND, None)
+        actor_cls = ray.remote(RankActor)
+        self.actors = [actor_cls.options(**opts, runtime_env={"env_vars": env}).remote() for _ in range(cfg.dp)]
+        where = ray.get([a.where.remote() for a in self.actors])
+        envs: list[dict[str, str]] = [{} for _ in self.actors]
+        if not gpu:  # actors sharing a host get disjoint cores
+            by_host: dict[str, list[int]] = {}
+            for r, (host, _) in enumerate(where):
+                by_host.setdefault(host, []).append(r)
+            for ranks in by_host.values():
+                cpus = where[ranks[0]][1]
+                share = max(1, len(cpus) // len(ranks))
+                for k, r in enumerate(ranks):
+                    mine = cpus[k * share:(k + 1) * share] or cpus[-share:]
+                    envs[r] = {CPU_BIND: cpu_bind(mine, cfg.tp)}
+        self.work = Queue(QUEUE_PER_ENGINE * cfg.dp)
+        self.events = Queue()
+        self.refs = [a.run.remote(spec, self.work, self.events) for a, spec in zip(self.actors, make_specs(envs))]
+        self._reported: set[int] = set()
+
+    def put(self, item: Any, timeout: float) -> bool:
+        from ray.util.queue import Full
+
+        try:
+            self.work.put(item, timeout=timeout)
+            return True
+        except Full:
+            return False
+
+    def next_event(self, timeout: float) -> tuple | None:
+        from ray.util.queue import Empty
+
+        try:
+            return self.events.get(timeout=timeout) if timeout > 0 else self.events.get_nowait()
+        except Empty:
+            return None
+
+    def lost(self, reported: set[int]) -> dict[int, str]:
+        """Actors whose run ended in an error (a dead actor, or an exception before it could report)."""
+        ready, _ = self.ray.wait(list(self.refs), num_returns=len(self.refs), timeout=0)
+        out = {}
+        for r, ref in enumerate(self.refs):
+            if r in reported or ref not in ready:
+                continue
+            try:
+                self.ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - the actor's failure, reported as the rank's
+                out[r] = f"{type(e).__name__}: {str(e)[-2000:]}"
+        return out
+
+    def close(self, force: bool) -> None:
+        if not force:
+            deadline = time.monotonic() + 60
+            self.ray.wait(list(self.refs), num_returns=len(self.refs), timeout=max(0.0, deadline - time.monotonic()))
+        for a in self.actors:
+            self.ray.kill(a)
+        for q in (self.work, self.events):
+            q.shutdown()
