@@ -63,7 +63,7 @@ class CacheDirs:
         except OSError as e:
             raise ValueError(f"--cache-dir ({CACHE_ENV}): cannot create {str(self.root)!r}: {e}") from None
         for var, value in [*((v, str(self.root / sub)) for v, sub in _DIRS.items()), ("TRITON_CACHE_AUTOTUNING", "1")]:
-            if var not in os.environ or os.environ[var] == _APPLIED.get(var):  # the user's own wins, ours moves
+            if var not in os.environ or os.environ[var] in (_APPLIED.get(var), value):  # the user's own wins, ours moves
                 os.environ[var] = _APPLIED[var] = value
             elif var in _DIRS:
                 log.warning("vllm-hidden: %s=%s is set in the environment; it is used instead of %s",
