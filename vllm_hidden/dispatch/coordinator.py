@@ -1,10 +1,11 @@
 """Data-parallel extract: N engines (local processes, or Ray actors) fed from one shared queue.
 
-The coordinator (this process; it never imports vLLM) reads and checks the prompt file once,
+The coordinator (this process; it starts no engine) reads and checks the prompt file once,
 so bad lines, duplicate ids and samples done by an earlier attempt are handled as in a
 one-engine run, and puts each good prompt on a bounded queue. Each engine takes prompts
 only when it has room (a few steps' worth), so the engines finish within a prompt of each
-other whatever the lengths, and an engine that starts late simply takes less. Rank r writes
+other whatever the lengths. They start taking prompts together (an engine more than a
+minute later than the first joins when ready). Rank r writes
 its shards, and its own journal, under rank-NNN/ (storage.output); the coordinator writes
 run.json first and the one manifest last, after every engine reported its shards durable.
 A failed engine stops the run: the others finish what they took (it becomes durable), no
@@ -14,7 +15,9 @@ manifest is written, and `--resume` redoes exactly what is missing.
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import signal
 import time
 from dataclasses import asdict
 from typing import Any
@@ -27,6 +30,7 @@ from vllm_hidden.inputs import count_lines
 log = logging.getLogger("vllm_hidden")
 
 QUEUE_PER_ENGINE = 64  # prompts waiting per engine: read ahead of the engines, not the whole file
+START_TOGETHER_S = 60.0
 
 
 class RankFailed(RuntimeError):
@@ -43,7 +47,7 @@ class LocalRanks:
         self.work = ctx.Queue(QUEUE_PER_ENGINE * len(specs))
         self.events = ctx.Queue()
         # not daemonic: a rank starts vLLM's own processes
-        self.procs = [ctx.Process(target=rank_process, args=(s, self.work, self.events),
+        self.procs = [ctx.Process(target=rank_process, args=(s, self.work, self.events, os.getpid()),
                                   name=f"vllm-hidden-rank-{s['rank']}") for s in specs]
         self._dead_since: dict[int, float] = {}
         for p in self.procs:
@@ -72,20 +76,32 @@ class LocalRanks:
                 continue
             since = self._dead_since.setdefault(r, now)
             if now - since > 2.0:
+                _killpg(p.pid, signal.SIGKILL)  # its engine processes, orphaned
                 out[r] = f"its process exited with code {p.exitcode} without reporting"
         return out
 
     def close(self, force: bool) -> None:
-        deadline = time.monotonic() + (5 if force else 60)
+        """Each rank is a process group (the rank and vLLM's engine processes): after a normal
+        end they have exited; otherwise, or if anything is left, the group is ended."""
+        deadline = time.monotonic() + (10 if force else 120)
         for p in self.procs:
             if force and p.is_alive():
-                p.terminate()
+                _killpg(p.pid, signal.SIGTERM)
         for p in self.procs:
             p.join(max(0.1, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        for p in self.procs:
+            _killpg(p.pid, signal.SIGKILL)
+            p.join(5)
         self.work.cancel_join_thread()  # prompts nobody will take must not block our exit
+
+
+def _killpg(pgid: int | None, sig: int) -> None:
+    if pgid is None:
+        return
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):  # the group has already gone
+        pass
 
 
 def rank_specs(cfg: ExtractConfig, output: Any, envs: list[dict[str, str]]) -> list[dict[str, Any]]:
@@ -154,6 +170,13 @@ def run_parallel(cfg: ExtractConfig):
     ok = False
     ends = 0
     try:
+        # engines start taking prompts together, so each gets its share from the first prompt
+        # on; one that is later than START_TOGETHER_S (e.g. waiting on another's compile) joins
+        # when it is ready
+        while len(ready) < cfg.dp and not failed and (
+                not first_ready or time.perf_counter() - first_ready[0] < START_TOGETHER_S):
+            pump(0.5)
+        t_dispatch = time.perf_counter()
         dispatched = 0
         while not failed:
             item = feed.next()
@@ -192,7 +215,7 @@ def run_parallel(cfg: ExtractConfig):
         summary.tokens += er.tokens
         summary.shards += in_part(r, er.shards)
     summary.errors = output.num_errors
-    summary.seconds = finished - (first_ready[0] if first_ready else t0)  # the first engine ready .. every shard durable
+    summary.seconds = finished - t_dispatch  # the first prompt handed out .. every shard durable
     summary.engine_init_seconds = max(r["engine_init_seconds"] for r in ready.values())
     summary.first_sample_seconds = min((r["first_sample_seconds"] or 0.0) for r in results)
     summary.engine_start = {"warm": all(r.get("engine_start", {}).get("warm") for r in ready.values())}

@@ -49,8 +49,25 @@ def run_rank(spec: dict[str, Any], work: Any, events: Any) -> dict[str, Any]:
     return out
 
 
-def rank_process(spec: dict[str, Any], work: Any, events: Any) -> None:
+def _follow_parent(parent: int) -> None:
+    """This rank runs in a process group of its own, with vLLM's engine processes: if the
+    coordinator dies (even by kill -9), the whole group goes, instead of engines idling on a
+    queue nobody feeds while they hold their devices."""
+    import signal
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="vllm-hidden-parent-watch", daemon=True).start()
+
+
+def rank_process(spec: dict[str, Any], work: Any, events: Any, parent: int) -> None:
     """multiprocessing target: a failure is reported as an event, then the exit code says so."""
+    os.setsid()  # the coordinator ends this rank with its engine processes by one killpg
+    _follow_parent(parent)
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank {spec['rank']} %(name)s: %(message)s")
     try:
         run_rank(spec, work, events)

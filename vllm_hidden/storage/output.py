@@ -171,9 +171,9 @@ class Output:
                            s3_endpoint_url=self.s3_endpoint_url, **kw)
 
     def record_error(self, bad: Any) -> None:
-        if self._errors is None:
+        if self._errors is None:  # this run's file: new at the first error, appended to after a close
             self.local.mkdir(parents=True, exist_ok=True)
-            self._errors = open(self.local / ERRORS, "w")
+            self._errors = open(self.local / ERRORS, "a" if self.num_errors else "w")
         self._errors.write(json.dumps(bad.to_dict()) + "\n")
         self._errors.flush()
         self.num_errors += 1
