@@ -53,7 +53,8 @@ class RayRanks:
 
         from vllm_hidden.dispatch.devices import CPU_BIND, cpu_bind
 
-        if not ray.is_initialized():
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
             ray.init(address=cfg.ray_address, log_to_driver=True)
         self.ray = ray
         gpu = ray.cluster_resources().get("GPU", 0) > 0
@@ -118,3 +119,5 @@ class RayRanks:
             self.ray.kill(a)
         for q in (self.work, self.events):
             q.shutdown()
+        if self._owns_ray:  # flushes the actors' logs, so that the run's summary prints after them
+            self.ray.shutdown()
