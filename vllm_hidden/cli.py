@@ -173,8 +173,7 @@ def warmup(
     if serve:
         _warmup_serve(model, layers, aux_layers, layers_from, ctx.args, cache_dir, force,
                       {"--max-model-len": max_model_len, "--max-num-batched-tokens": max_num_batched_tokens,
-                       "--max-num-seqs": max_num_seqs, "--dtype": None if dtype == "auto" else dtype,
-                       "--tensor-parallel-size": tp if tp > 1 else None})
+                       "--max-num-seqs": max_num_seqs, "--dtype": None if dtype == "auto" else dtype}, tp)
         return
     try:
         cfg = ExtractConfig(
@@ -192,14 +191,15 @@ def warmup(
     _report_warmup(r)
 
 
-def _warmup_serve(model, layers, aux_layers, layers_from, args, cache_dir, force, flags) -> None:
+def _warmup_serve(model, layers, aux_layers, layers_from, args, cache_dir, force, flags, tp) -> None:
     try:
         from vllm_hidden.engine.driver import model_info
+        from vllm_hidden.engine.serving import with_tp
         from vllm_hidden.engine.warmup import run_serve_warmup
         from vllm_hidden.layers import resolve_layer_ids
 
         ids = resolve_layer_ids(model_info(model).num_layers, layers, aux_layers, str(layers_from) if layers_from else None)
-        vllm_args = [x for k, v in flags.items() if v is not None for x in (k, str(v))] + list(args)
+        vllm_args = with_tp([x for k, v in flags.items() if v is not None for x in (k, str(v))] + list(args), tp)
         r = run_serve_warmup(model, ids, vllm_args, cache_dir=str(cache_dir) if cache_dir else None, force=force)
     except (ValueError, ImportError, OSError, RuntimeError) as e:
         _fail(str(e))

@@ -114,10 +114,18 @@ def test_rank_envs_on_cpu_bind_disjoint_cores(monkeypatch):
         rank_envs(3, 2, gpu=False)
 
 
-def test_rank_envs_on_cpu_keep_the_users_binding(monkeypatch):
-    monkeypatch.setenv(CPU_BIND, "0-3|4-7")
+def test_rank_envs_on_cpu_slice_the_users_binding_per_engine(monkeypatch):
     monkeypatch.setattr(devices, "allowed_cpus", lambda: pytest.fail("must not read the affinity"))
+    monkeypatch.setenv(CPU_BIND, "0-3|4-7")
+    assert rank_envs(2, 1, gpu=False) == [{CPU_BIND: "0-3"}, {CPU_BIND: "4-7"}]
+    assert rank_envs(1, 2, gpu=False) == [{}]  # one engine: vLLM reads it as it is
+    monkeypatch.setenv(CPU_BIND, "0|1|2|3")
+    assert rank_envs(2, 2, gpu=False) == [{CPU_BIND: "0|1"}, {CPU_BIND: "2|3"}]
+    monkeypatch.setenv(CPU_BIND, "nobind")
     assert rank_envs(2, 2, gpu=False) == [{}, {}]
+    monkeypatch.setenv(CPU_BIND, "0-3|4-7")
+    with pytest.raises(ValueError, match=r"'0-3\|4-7' has 2 core groups.*needs 4"):
+        rank_envs(2, 2, gpu=False)
 
 
 # -- feeds -----------------------------------------------------------------------------------

@@ -44,6 +44,22 @@ def test_resume_keeps_exactly_the_journaled_shards_and_removes_leftovers(tmp_pat
     assert sorted(p.name for p in tmp_path.glob("shard-*")) == [s.file for s in shards]
 
 
+def test_a_torn_last_journal_line_is_cut_so_the_next_resume_reads_clean(tmp_path):
+    """A crash mid-append leaves half a line; the resumed run appends after it. Unless the
+    resume cut it, the line after would be garbled and the run after that refused."""
+    from vllm_hidden.storage.journal import Journal
+    from vllm_hidden.storage.shards import ShardInfo
+
+    shards = _run(tmp_path, range(4), manifest=False)
+    with open(tmp_path / JOURNAL, "a") as f:
+        f.write('{"file": "shard-00002.safetens')
+    prepare_resume(tmp_path)
+    j = Journal(tmp_path)  # what the resumed run appends
+    j.record(ShardInfo(file="shard-00002.safetensors", bytes=1, blake3="0" * 64, num_samples=0, num_tokens=0))
+    j.close()
+    assert sorted(s.file for s in read_journal(tmp_path)) == sorted([*(s.file for s in shards), "shard-00002.safetensors"])
+
+
 def test_resume_refuses_a_damaged_output(tmp_path):
     shards = _run(tmp_path, range(4), manifest=False)
     (tmp_path / shards[1].file).unlink()

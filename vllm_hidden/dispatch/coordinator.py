@@ -19,7 +19,7 @@ import os
 import queue
 import signal
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from vllm_hidden.config import ExtractConfig
@@ -31,6 +31,7 @@ log = logging.getLogger("vllm_hidden")
 
 QUEUE_PER_ENGINE = 64  # prompts waiting per engine: read ahead of the engines, not the whole file
 START_TOGETHER_S = 60.0
+TP_FLAGS = frozenset({"--tensor-parallel-size", "-tp"})
 
 
 class RankFailed(RuntimeError):
@@ -113,6 +114,23 @@ def rank_specs(cfg: ExtractConfig, output: Any, envs: list[dict[str, str]]) -> l
     return specs
 
 
+def engine_tp(cfg: ExtractConfig) -> int:
+    """The engines' TP size, from --tp or vLLM's own --tensor-parallel-size among the engine
+    arguments (each rank's devices depend on it)."""
+    from vllm_hidden.engine.caches import flag_values
+
+    given = flag_values(cfg.engine_args, TP_FLAGS)
+    if not given:
+        return cfg.tp
+    try:
+        tp = int(given[-1])
+    except ValueError:
+        raise ValueError(f"--tensor-parallel-size must be an int, got {given[-1]!r}") from None
+    if cfg.tp > 1 and tp != cfg.tp:
+        raise ValueError(f"--tp {cfg.tp} and --tensor-parallel-size {tp} disagree; give one")
+    return tp
+
+
 def run_parallel(cfg: ExtractConfig):
     """`vllm-hidden extract --dp N [--tp M] [--ray ADDRESS]`; returns the driver's Summary."""
     from vllm_hidden.engine.caches import CacheDirs
@@ -121,22 +139,22 @@ def run_parallel(cfg: ExtractConfig):
 
     CacheDirs.resolve(cfg.cache_dir).apply()  # every engine inherits the cache locations
     check_paths(cfg.model, cfg.input_path, cfg.output_dir, cfg.resume, cfg.s3_endpoint_url)
+    cfg = replace(cfg, tp=engine_tp(cfg))
     plan = plan_extract(cfg)
+    # devices (or the cluster) first: a bad --dp/--tp fails before any output is written
     if cfg.ray_address is None:
         from vllm_hidden.dispatch.devices import rank_envs
 
-        envs = rank_envs(cfg.dp, cfg.tp)  # before any output is written: a bad --dp/--tp fails clean
-    output = Output(cfg.output_dir, plan.identity, s3_endpoint_url=cfg.s3_endpoint_url, staging_dir=cfg.staging_dir)
-    state = output.begin(cfg.resume)
-    t0 = time.perf_counter()
-    if cfg.ray_address is None:
-        ranks: Any = LocalRanks(rank_specs(cfg, output, envs))
+        envs = rank_envs(cfg.dp, cfg.tp)
     else:
         from vllm_hidden.dispatch.ray_ranks import RayRanks
 
-        ranks = RayRanks(cfg, lambda envs: rank_specs(cfg, output, envs))
+        ray_ranks = RayRanks(cfg)
+    output = Output(cfg.output_dir, plan.identity, s3_endpoint_url=cfg.s3_endpoint_url, staging_dir=cfg.staging_dir)
+    state = output.begin(cfg.resume)
     feed = ReaderFeed(prompt_reader(cfg, plan), state.done_ids, output.record_error)
-    bar = _Progress(count_lines(cfg.input_path), cfg.progress)
+    total = count_lines(cfg.input_path)
+    t0 = time.perf_counter()
     ready: dict[int, dict[str, Any]] = {}
     done: dict[int, dict[str, Any]] = {}
     failed: dict[int, str] = {}
@@ -156,8 +174,12 @@ def run_parallel(cfg: ExtractConfig):
                        sum(p[1] for p in progress.values()), output.num_errors)
         elif kind == "done":
             done[rank] = ev[2]
+            failed.pop(rank, None)
         elif kind == "failed":
-            failed[rank] = ev[2]
+            if rank in done:  # e.g. its engine's shutdown failed: its shards are durable already
+                log.warning("vllm-hidden: rank %d failed after finishing its work: %s", rank, ev[2])
+            else:
+                failed[rank] = ev[2]
 
     def pump(timeout: float) -> None:
         ev = ranks.next_event(timeout)
@@ -165,11 +187,18 @@ def run_parallel(cfg: ExtractConfig):
             handle(ev)
             ev = ranks.next_event(0)
         for rank, why in ranks.lost(set(done) | set(failed)).items():
-            failed[rank] = why
+            if rank not in done:
+                failed[rank] = why
 
     ok = False
     ends = 0
+    ranks: Any = None
+    bar = _Progress(total, cfg.progress)
     try:
+        if cfg.ray_address is None:
+            ranks = LocalRanks(rank_specs(cfg, output, envs))
+        else:
+            ranks = ray_ranks.start(lambda envs: rank_specs(cfg, output, envs))
         # engines start taking prompts together, so each gets its share from the first prompt
         # on; one that is later than START_TOGETHER_S (e.g. waiting on another's compile) joins
         # when it is ready
@@ -188,7 +217,7 @@ def run_parallel(cfg: ExtractConfig):
             if dispatched % 64 == 0:
                 pump(0)
         # one end marker per engine; after a failure the others drain what is queued, then stop
-        while len(done) + len(failed) < cfg.dp:
+        while len(set(done) | set(failed)) < cfg.dp:
             while ends < cfg.dp and ranks.put(None, timeout=0.05):
                 ends += 1
             pump(0.5)
@@ -200,7 +229,10 @@ def run_parallel(cfg: ExtractConfig):
         finished = time.perf_counter()
     finally:
         bar.close()
-        ranks.close(force=not ok)
+        if ranks is not None:
+            ranks.close(force=not ok)
+        elif cfg.ray_address is not None:
+            ray_ranks.close(force=True)
         output.close_errors()
     results = [done[r] for r in range(cfg.dp)]
     for res in results:
@@ -217,7 +249,9 @@ def run_parallel(cfg: ExtractConfig):
     summary.errors = output.num_errors
     summary.seconds = finished - t_dispatch  # the first prompt handed out .. every shard durable
     summary.engine_init_seconds = max(r["engine_init_seconds"] for r in ready.values())
-    summary.first_sample_seconds = min((r["first_sample_seconds"] or 0.0) for r in results)
+    summary.first_sample_seconds = min((r["first_sample_seconds"] for r in results if r["first_sample_seconds"]),
+                                       default=0.0)
+    summary.flush_seconds = max(r["flush_seconds"] for r in results)
     summary.engine_start = {"warm": all(r.get("engine_start", {}).get("warm") for r in ready.values())}
     summary.ranks = [{"rank": r, **ready[r], "samples": results[r]["samples"], "tokens": results[r]["tokens"],
                       "seconds": round(results[r]["seconds"], 3), "shards": len(results[r]["shards"]),

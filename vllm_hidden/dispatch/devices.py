@@ -63,8 +63,15 @@ def rank_envs(dp: int, tp: int, gpu: bool | None = None) -> list[dict[str, str]]
             raise ValueError(f"--dp {dp} --tp {tp} needs {dp * tp} GPUs; {len(gpus)} visible "
                              f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
         return [{"CUDA_VISIBLE_DEVICES": ",".join(g)} for g in split(gpus[:dp * tp], dp)]
-    if os.environ.get(CPU_BIND):  # the user's binding, as vLLM reads it (its own DP slicing included)
+    user = os.environ.get(CPU_BIND)
+    if user == "nobind" or (user and dp == 1):
         return [{} for _ in range(dp)]
+    if user:  # the user's groups, tp per engine in rank order (vLLM's own DP layout)
+        groups = user.split("|")
+        if len(groups) != dp * tp:
+            raise ValueError(f"{CPU_BIND}={user!r} has {len(groups)} core groups; --dp {dp} --tp {tp} needs "
+                             f"{dp * tp} ('|'-separated, tp per engine in rank order), or leave it unset")
+        return [{CPU_BIND: "|".join(groups[r * tp:(r + 1) * tp])} for r in range(dp)]
     cpus = allowed_cpus()
     if len(cpus) < dp * tp:
         raise ValueError(f"--dp {dp} --tp {tp} on CPU needs at least {dp * tp} cores, {len(cpus)} available")

@@ -4,6 +4,7 @@ room; `exhausted` turns true once no prompt will ever come."""
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -52,10 +53,17 @@ class QueueFeed:
     def next(self, wait: bool = True) -> Prompt | None:
         if self.exhausted:
             return None
-        try:
-            item = self._q.get(timeout=self._poll_s) if wait else self._q.get_nowait()
-        except queue.Empty:  # Ray's queue raises a subclass of it
-            return None
+        deadline = time.monotonic() + (self._poll_s if wait else 0.0)
+        while True:
+            # never a blocking get: a multiprocessing queue's reader holds its lock while it
+            # blocks, and an engine killed then would leave the lock held for all the others
+            try:
+                item = self._q.get_nowait()
+                break
+            except queue.Empty:  # Ray's queue raises a subclass of it
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(0.005)
         if item is None:
             self.exhausted = True
             return None

@@ -40,7 +40,7 @@ def run_rank(spec: dict[str, Any], work: Any, events: Any) -> dict[str, Any]:
         # a few steps' worth in flight keeps every step full; more would leave one engine
         # with a long tail while the others, their share done, sit idle
         res = ex.extract(QueueFeed(work), ShardConfig(**spec["shard"]), progress,
-                         max_inflight_tokens=spec.get("inflight_steps", 3) * sc.max_num_batched_tokens)
+                         max_inflight_tokens=spec.get("inflight_steps", 4) * sc.max_num_batched_tokens)
         out = {**res.to_dict(), "engine": ex.engine_info(), "first_sample_seconds": ex.first_sample_at,
                "finished_at": time.time()}
         # reported before the engine shuts down (seconds): its shards are durable already

@@ -10,7 +10,6 @@ the actors on one node split its cores between them (devices.cpu_bind).
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -47,26 +46,50 @@ def _ray():
 
 
 class RayRanks:
-    def __init__(self, cfg: ExtractConfig, make_specs: Callable[[list[dict[str, str]]], list[dict[str, Any]]]) -> None:
+    """Connects to the cluster and checks it can hold the engines (before any output is
+    written); `start` then places the actors and starts their work."""
+
+    PLACE_TIMEOUT_S = 600.0
+
+    def __init__(self, cfg: ExtractConfig) -> None:
         ray = _ray()
+        self.ray, self.cfg = ray, cfg
+        self.actors: list[Any] = []
+        self.refs: list[Any] = []
+        self.work = self.events = None
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            try:
+                ray.init(address=cfg.ray_address, log_to_driver=True)
+            except Exception as e:  # noqa: BLE001 - re-raised with the address named
+                raise ValueError(f"--ray {cfg.ray_address!r}: cannot connect to the Ray cluster: {e}") from None
+        res = ray.cluster_resources()
+        self.gpu = res.get("GPU", 0) > 0
+        kind, have = ("GPU", res.get("GPU", 0)) if self.gpu else ("CPU", res.get("CPU", 0))
+        if have < cfg.dp * cfg.tp:
+            self.close(force=True)
+            raise ValueError(f"--dp {cfg.dp} --tp {cfg.tp} needs {cfg.dp * cfg.tp} {kind}s; the Ray cluster at "
+                             f"{cfg.ray_address!r} has {have:g}")
+
+    def start(self, make_specs: Callable[[list[dict[str, str]]], list[dict[str, Any]]]) -> "RayRanks":
         from ray.util.queue import Queue
 
         from vllm_hidden.dispatch.devices import CPU_BIND, cpu_bind
 
-        self._owns_ray = not ray.is_initialized()
-        if self._owns_ray:
-            ray.init(address=cfg.ray_address, log_to_driver=True)
-        self.ray = ray
-        gpu = ray.cluster_resources().get("GPU", 0) > 0
-        opts = {"num_gpus": cfg.tp} if gpu else {"num_cpus": cfg.tp}
+        ray, cfg = self.ray, self.cfg
+        opts = {"num_gpus": cfg.tp} if self.gpu else {"num_cpus": cfg.tp}
         # the caches and the engine's settings travel with the actors; devices are Ray's to give
         env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "VHIDDEN_", "HF_", "AWS_", "TRITON_"))}
         env.pop(CPU_BIND, None)
         actor_cls = ray.remote(RankActor)
         self.actors = [actor_cls.options(**opts, runtime_env={"env_vars": env}).remote() for _ in range(cfg.dp)]
-        where = ray.get([a.where.remote() for a in self.actors])
+        try:
+            where = ray.get([a.where.remote() for a in self.actors], timeout=self.PLACE_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise ValueError(f"Ray could not place {cfg.dp} engine actors of {opts} within "
+                             f"{self.PLACE_TIMEOUT_S:.0f} s (resources taken by other work?)") from None
         envs: list[dict[str, str]] = [{} for _ in self.actors]
-        if not gpu:  # actors sharing a host get disjoint cores
+        if not self.gpu:  # actors sharing a host get disjoint cores
             by_host: dict[str, list[int]] = {}
             for r, (host, _) in enumerate(where):
                 by_host.setdefault(host, []).append(r)
@@ -79,7 +102,7 @@ class RayRanks:
         self.work = Queue(QUEUE_PER_ENGINE * cfg.dp)
         self.events = Queue()
         self.refs = [a.run.remote(spec, self.work, self.events) for a, spec in zip(self.actors, make_specs(envs))]
-        self._reported: set[int] = set()
+        return self
 
     def put(self, item: Any, timeout: float) -> bool:
         from ray.util.queue import Full
@@ -112,12 +135,12 @@ class RayRanks:
         return out
 
     def close(self, force: bool) -> None:
-        if not force:
-            deadline = time.monotonic() + 60
-            self.ray.wait(list(self.refs), num_returns=len(self.refs), timeout=max(0.0, deadline - time.monotonic()))
+        if not force and self.refs:
+            self.ray.wait(list(self.refs), num_returns=len(self.refs), timeout=60)
         for a in self.actors:
             self.ray.kill(a)
         for q in (self.work, self.events):
-            q.shutdown()
+            if q is not None:
+                q.shutdown()
         if self._owns_ray:  # flushes the actors' logs, so that the run's summary prints after them
             self.ray.shutdown()

@@ -181,13 +181,29 @@ def strip_flags(args: list[str], names: frozenset[str]) -> list[str]:
     out, skipping = [], False
     for a in args:
         if a.startswith("-") and not _is_number(a):
-            name = "--" + a[2:].split("=", 1)[0].replace("_", "-") if a.startswith("--") else a
+            name = _flag_name(a)
             skipping = name in names and "=" not in a
             if name in names:
                 continue
         elif skipping:
             continue
         out.append(a)
+    return out
+
+
+def _flag_name(a: str) -> str:
+    return "--" + a[2:].split("=", 1)[0].replace("_", "-") if a.startswith("--") else a.split("=", 1)[0]
+
+
+def flag_values(args: list[str], names: frozenset[str]) -> list[str]:
+    """The values given to the named flags, in order (the same spellings as strip_flags)."""
+    out: list[str] = []
+    for i, a in enumerate(args):
+        if a.startswith("-") and not _is_number(a) and _flag_name(a) in names:
+            if "=" in a:
+                out.append(a.split("=", 1)[1])
+            elif i + 1 < len(args):
+                out.append(args[i + 1])
     return out
 
 

@@ -115,19 +115,26 @@ def _merge_additional_config(argv: list[str], ours: dict[str, Any]) -> list[str]
 TP_FLAGS = frozenset({"--tensor-parallel-size", "-tp"})
 
 
+def with_tp(vllm_args: list[str], tp: int) -> list[str]:
+    """vLLM arguments with `--tp` as --tensor-parallel-size (refused if they give another size)."""
+    from vllm_hidden.engine.caches import flag_values
+
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"--tp must be a positive int, got {tp!r}")
+    given = flag_values(vllm_args, TP_FLAGS)
+    if tp == 1 or given == [str(tp)]:
+        return list(vllm_args)
+    if given:
+        raise ValueError(f"--tp {tp} and --tensor-parallel-size {given[-1]} disagree; give one")
+    return [*vllm_args, "--tensor-parallel-size", str(tp)]
+
+
 def serve_argv(model: str, layer_ids: list[int], vllm_args: list[str], tp: int = 1) -> list[str]:
     """The `vllm serve` argument list: the user's vLLM arguments plus our middleware, the
     capture config and `--tp` as vLLM's --tensor-parallel-size."""
     from vllm_hidden.config import CaptureConfig
-    from vllm_hidden.engine.caches import strip_flags
 
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"--tp must be a positive int, got {tp!r}")
-    if tp > 1:
-        if strip_flags(vllm_args, TP_FLAGS) != list(vllm_args):
-            raise ValueError(f"--tp {tp} and vLLM's --tensor-parallel-size are both given; give one")
-        vllm_args = [*vllm_args, "--tensor-parallel-size", str(tp)]
-    argv = ["serve", model, *vllm_args]
+    argv = ["serve", model, *with_tp(vllm_args, tp)]
     argv = _merge_additional_config(argv, CaptureConfig(layer_ids=tuple(layer_ids)).to_additional_config())
     return argv + ["--middleware", MIDDLEWARE]
 

@@ -74,6 +74,20 @@ def read_journal(out_dir: str | os.PathLike[str]) -> list[ShardInfo]:
     return shards
 
 
+def _drop_torn_tail(path: Path) -> None:
+    """Cut a last line a crash left unfinished (read_journal skips it), so that this run's
+    appends do not follow it on the same line."""
+    if not path.is_file():
+        return
+    data = path.read_bytes()
+    keep = data.rfind(b"\n") + 1
+    if keep != len(data):
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+            f.flush()
+            os.fsync(f.fileno())
+
+
 @dataclass
 class ResumeState:
     shards: list[ShardInfo]  # durable shards of earlier attempts
@@ -90,6 +104,7 @@ def prepare_resume(out_dir: str | os.PathLike[str], prefix: str = "shard") -> Re
 
     out = Path(out_dir)
     shards = read_journal(out)
+    _drop_torn_tail(out / JOURNAL)
     state = ResumeState(shards=shards)
     names = set()
     for s in shards:

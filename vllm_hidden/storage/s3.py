@@ -127,11 +127,12 @@ class S3Location:
 
     def abort_stale_uploads(self) -> int:
         """Multipart uploads a killed run left open under the prefix (invisible, but billed)."""
-        r = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=self.key(""))
         n = 0
-        for u in r.get("Uploads", []):
-            self.client.abort_multipart_upload(Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"])
-            n += 1
+        pages = self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=self.key(""))
+        for page in pages:
+            for u in page.get("Uploads", []):
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"])
+                n += 1
         return n
 
     def shard_infos(self, prefix: str = "shard") -> list[ShardInfo]:
