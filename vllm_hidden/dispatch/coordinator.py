@@ -221,6 +221,10 @@ def run_parallel(cfg: ExtractConfig):
             while ends < cfg.dp and ranks.put(None, timeout=0.05):
                 ends += 1
             pump(0.5)
+        ev = ranks.next_event(1.0) if failed else None
+        while ev is not None:  # a "done" may still be on its way behind a failure report (Ray)
+            handle(ev)
+            ev = ranks.next_event(0.2)
         if failed:
             raise RankFailed(f"{len(failed)} of {cfg.dp} engines failed; the shards the others made durable are "
                              "kept, and `--resume` extracts the rest exactly once. "
