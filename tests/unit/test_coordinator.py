@@ -423,6 +423,21 @@ def test_a_rank_lost_mid_dispatch_fails_the_run_and_the_others_still_get_end_mar
     assert fake.events_of("done", 0)
 
 
+@pytest.mark.timeout(60)
+def test_after_a_failure_ranks_that_go_quiet_are_stopped_instead_of_waited_for(h, monkeypatch):
+    """A rank killed inside a queue read can leave the queue unusable for the others: they
+    then take nothing and report nothing. The coordinator must not wait for them forever."""
+    monkeypatch.setattr(co, "STALL_AFTER_FAILURE_S", 0.5)
+    h.prompts(40)
+    t0 = time.monotonic()
+    with pytest.raises(co.RankFailed) as exc:
+        h.run([Script(take_per_call=0), Script(die_after_taking=3)])
+    assert "rank 1" in str(exc.value) and "--resume" in str(exc.value)
+    assert not h.fake.events_of("done", 0)
+    assert [c["force"] for c in h.fake.closed] == [True]
+    assert time.monotonic() - t0 < 30
+
+
 # -- 5. a rank that fails before it is ready ----------------------------------------------------------
 
 

@@ -31,6 +31,7 @@ log = logging.getLogger("vllm_hidden")
 
 QUEUE_PER_ENGINE = 64  # prompts waiting per engine: read ahead of the engines, not the whole file
 START_TOGETHER_S = 60.0
+STALL_AFTER_FAILURE_S = 120.0  # after a failure, how long the others may send nothing before they are stopped
 TP_FLAGS = frozenset({"--tensor-parallel-size", "-tp"})
 
 
@@ -161,8 +162,11 @@ def run_parallel(cfg: ExtractConfig):
     progress: dict[int, tuple[int, int]] = {}
     first_ready: list[float] = []
 
+    last_event = [time.perf_counter()]
+
     def handle(ev: tuple) -> None:
         kind, rank = ev[0], ev[1]
+        last_event[0] = time.perf_counter()
         if kind == "ready":
             ready[rank] = ev[2]
             first_ready.append(time.perf_counter())
@@ -221,6 +225,8 @@ def run_parallel(cfg: ExtractConfig):
             while ends < cfg.dp and ranks.put(None, timeout=0.05):
                 ends += 1
             pump(0.5)
+            if failed and time.perf_counter() - last_event[0] > STALL_AFTER_FAILURE_S:
+                break  # the others went quiet (e.g. the dead engine took the queue down with it)
         ev = ranks.next_event(1.0) if failed else None
         while ev is not None:  # a "done" may still be on its way behind a failure report (Ray)
             handle(ev)
