@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import REFERENCE_27B, ROOT, WORKLOADS, make_prompts  # noqa: E402
-from bench_start import CpuSampler, finish, run_cli  # noqa: E402
+from bench import ROOT, WORKLOADS, make_prompts  # noqa: E402
+from bench_start import CpuSampler, bench_model, finish, run_cli  # noqa: E402
 
 CASES = {"dp1": (1, 1), "dp2": (2, 1), "tp2": (1, 2), "dp2-shm": (2, 1), "dp1-shm": (1, 1), "dp4": (4, 1),
          "tp4": (1, 4), "dp2tp2": (2, 2)}
@@ -72,22 +72,9 @@ def main() -> None:
 
     work = Path(a.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    if a.qwen36_27b:
-        from vllm_hidden.demo import write_qwen36_27b_config
-
-        model = str(write_qwen36_27b_config(work / "qwen36-27b"))
-        engine = [*REFERENCE_27B, "--load-format", "dummy", "--language-model-only"]
-        desc, max_len = "Qwen3.6-27B text dims (64 layers), random weights", 4095
-    else:
-        from vllm_hidden.demo import make_tiny_model
-
-        model = str(make_tiny_model(work / "model"))
-        engine = ["--dtype", "bfloat16", "--max-num-seqs", "16", "--max-num-batched-tokens", "512"]
-        desc, max_len = "tiny random Qwen3-Next", 1024
+    model, engine, desc, max_len, vocab = bench_model(
+        work, a.qwen36_27b, ["--dtype", "bfloat16", "--max-num-seqs", "16", "--max-num-batched-tokens", "512"])
     engine += a.engine_arg
-    from transformers import AutoConfig
-
-    vocab = AutoConfig.from_pretrained(model).get_text_config().vocab_size
     spec = {**WORKLOADS["w-chat"], "samples": a.samples, "max": min(WORKLOADS["w-chat"]["max"], max_len)}
     prompts = make_prompts(spec, vocab)
     inp = work / "par.jsonl"

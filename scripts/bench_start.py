@@ -62,6 +62,25 @@ class CpuSampler:
         return {"busy_cores_peak": round(max(s), 1), "busy_cores_mean": round(sum(s) / len(s), 1)}
 
 
+def bench_model(work: Path, qwen36_27b: bool, tiny_engine: list[str]) -> tuple[str, list[str], str, int, int]:
+    """(model dir, engine args, description, longest prompt, vocab size): Qwen3.6-27B dims with
+    random weights at the reference settings, or a tiny random Qwen3-Next with `tiny_engine`."""
+    if qwen36_27b:
+        from vllm_hidden.demo import write_qwen36_27b_config
+
+        model = str(write_qwen36_27b_config(work / "qwen36-27b"))
+        engine = [*REFERENCE_27B, "--load-format", "dummy", "--language-model-only"]
+        desc, max_len = "Qwen3.6-27B text dims (64 layers), random weights", 4095
+    else:
+        from vllm_hidden.demo import make_tiny_model
+
+        model = str(make_tiny_model(work / "model"))
+        engine, desc, max_len = list(tiny_engine), "tiny random Qwen3-Next", 1024
+    from transformers import AutoConfig
+
+    return model, engine, desc, max_len, AutoConfig.from_pretrained(model).get_text_config().vocab_size
+
+
 def _last_json(text: str) -> dict:
     for line in reversed(text.splitlines()):
         if line.startswith("{"):
@@ -107,21 +126,8 @@ def main() -> None:
 
     work = Path(a.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    if a.qwen36_27b:
-        from vllm_hidden.demo import write_qwen36_27b_config
-
-        model = str(write_qwen36_27b_config(work / "qwen36-27b"))
-        engine = [*REFERENCE_27B, "--load-format", "dummy", "--language-model-only"]
-        desc, max_len = "Qwen3.6-27B text dims (64 layers), random weights", 4095
-    else:
-        from vllm_hidden.demo import make_tiny_model
-
-        model = str(make_tiny_model(work / "model"))
-        engine = ["--dtype", "bfloat16", "--max-num-seqs", "8", "--max-num-batched-tokens", "256"]
-        desc, max_len = "tiny random Qwen3-Next", 1024
-    from transformers import AutoConfig
-
-    vocab = AutoConfig.from_pretrained(model).get_text_config().vocab_size
+    model, engine, desc, max_len, vocab = bench_model(
+        work, a.qwen36_27b, ["--dtype", "bfloat16", "--max-num-seqs", "8", "--max-num-batched-tokens", "256"])
     spec = {**WORKLOADS["w-chat"], "samples": a.samples, "max": min(WORKLOADS["w-chat"]["max"], max_len)}
     inp = work / "start.jsonl"
     with open(inp, "w") as f:

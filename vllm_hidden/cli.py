@@ -69,6 +69,7 @@ def extract(
                                                "file system.")] = None,
 ) -> None:
     from vllm_hidden.config import ExtractConfig
+    from vllm_hidden.dispatch.coordinator import RankFailed
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -85,9 +86,7 @@ def extract(
         summary = run_extract(cfg)
     except (ValueError, ImportError, OSError) as e:  # bad input, missing extra, storage failure: one line
         _fail(str(e))
-    except RuntimeError as e:
-        if type(e).__name__ != "RankFailed":
-            raise
+    except RankFailed as e:  # an engine died: what the others made durable is kept, --resume finishes
         _fail(str(e))
     d = summary.to_dict()
     typer.echo(

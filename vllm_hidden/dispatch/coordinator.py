@@ -20,19 +20,21 @@ import queue
 import signal
 import time
 from dataclasses import asdict, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_hidden.config import ExtractConfig
 from vllm_hidden.dispatch.feed import ReaderFeed, pack
 from vllm_hidden.dispatch.rank import rank_process
 from vllm_hidden.inputs import count_lines
 
+if TYPE_CHECKING:
+    from vllm_hidden.storage.output import Output
+
 log = logging.getLogger("vllm_hidden")
 
 QUEUE_PER_ENGINE = 64  # prompts waiting per engine: read ahead of the engines, not the whole file
 START_TOGETHER_S = 60.0
 STALL_AFTER_FAILURE_S = 120.0  # after a failure, how long the others may send nothing before they are stopped
-TP_FLAGS = frozenset({"--tensor-parallel-size", "-tp"})
 
 
 class RankFailed(RuntimeError):
@@ -106,7 +108,7 @@ def _killpg(pgid: int | None, sig: int) -> None:
         pass
 
 
-def rank_specs(cfg: ExtractConfig, output: Any, envs: list[dict[str, str]]) -> list[dict[str, Any]]:
+def rank_specs(cfg: ExtractConfig, output: Output, envs: list[dict[str, str]]) -> list[dict[str, Any]]:
     specs = []
     for r, env in enumerate(envs):
         shard = output.shard_config(r, max_shard_bytes=cfg.max_shard_bytes, writer_threads=cfg.writer_threads)
@@ -115,32 +117,16 @@ def rank_specs(cfg: ExtractConfig, output: Any, envs: list[dict[str, str]]) -> l
     return specs
 
 
-def engine_tp(cfg: ExtractConfig) -> int:
-    """The engines' TP size, from --tp or vLLM's own --tensor-parallel-size among the engine
-    arguments (each rank's devices depend on it)."""
-    from vllm_hidden.engine.caches import flag_values
-
-    given = flag_values(cfg.engine_args, TP_FLAGS)
-    if not given:
-        return cfg.tp
-    try:
-        tp = int(given[-1])
-    except ValueError:
-        raise ValueError(f"--tensor-parallel-size must be an int, got {given[-1]!r}") from None
-    if cfg.tp > 1 and tp != cfg.tp:
-        raise ValueError(f"--tp {cfg.tp} and --tensor-parallel-size {tp} disagree; give one")
-    return tp
-
-
 def run_parallel(cfg: ExtractConfig):
     """`vllm-hidden extract --dp N [--tp M] [--ray ADDRESS]`; returns the driver's Summary."""
-    from vllm_hidden.engine.caches import CacheDirs
-    from vllm_hidden.engine.driver import Summary, _Progress, check_paths, manifest_fields, plan_extract, prompt_reader
+    from vllm_hidden.engine.caches import CacheDirs, resolve_tp
+    from vllm_hidden.engine.driver import (EngineResult, Summary, _Progress, check_paths, manifest_fields, plan_extract,
+                                           prompt_reader)
     from vllm_hidden.storage.output import Output, in_part
 
     CacheDirs.resolve(cfg.cache_dir).apply()  # every engine inherits the cache locations
     check_paths(cfg.model, cfg.input_path, cfg.output_dir, cfg.resume, cfg.s3_endpoint_url)
-    cfg = replace(cfg, tp=engine_tp(cfg))
+    cfg = replace(cfg, tp=resolve_tp(cfg.engine_args, cfg.tp))  # each rank's devices depend on it
     plan = plan_extract(cfg)
     # devices (or the cluster) first: a bad --dp/--tp fails before any output is written
     if cfg.ray_address is None:
@@ -244,35 +230,25 @@ def run_parallel(cfg: ExtractConfig):
         elif cfg.ray_address is not None:
             ray_ranks.close(force=True)
         output.close_errors()
-    results = [done[r] for r in range(cfg.dp)]
-    for res in results:
-        for b in res["rejected"]:
-            output.record_error(_bad(b))
-    from vllm_hidden.engine.driver import EngineResult
-
+    results = [EngineResult.from_dict(done[r]) for r in range(cfg.dp)]
     summary = Summary(output_dir=output.where, resumed=feed.resumed)
     for r, res in enumerate(results):
-        er = EngineResult.from_dict(res)
-        summary.samples += er.samples
-        summary.tokens += er.tokens
-        summary.shards += in_part(r, er.shards)
+        for bad in res.rejected:
+            output.record_error(bad)
+        summary.samples += res.samples
+        summary.tokens += res.tokens
+        summary.shards += in_part(r, res.shards)
     summary.errors = output.num_errors
     summary.seconds = finished - t_dispatch  # the first prompt handed out .. every shard durable
     summary.engine_init_seconds = max(r["engine_init_seconds"] for r in ready.values())
-    summary.first_sample_seconds = min((r["first_sample_seconds"] for r in results if r["first_sample_seconds"]),
+    summary.first_sample_seconds = min((done[r]["first_sample_seconds"] for r in done if done[r]["first_sample_seconds"]),
                                        default=0.0)
-    summary.flush_seconds = max(r["flush_seconds"] for r in results)
+    summary.flush_seconds = max(res.flush_seconds for res in results)
     summary.engine_start = {"warm": all(r.get("engine_start", {}).get("warm") for r in ready.values())}
-    summary.ranks = [{"rank": r, **ready[r], "samples": results[r]["samples"], "tokens": results[r]["tokens"],
-                      "seconds": round(results[r]["seconds"], 3), "shards": len(results[r]["shards"]),
-                      "capture_stats": results[r]["capture_stats"]} for r in range(cfg.dp)]
-    engine = dict(results[0]["engine"])
+    summary.ranks = [{"rank": r, **ready[r], "samples": res.samples, "tokens": res.tokens,
+                      "seconds": round(res.seconds, 3), "shards": len(res.shards), "capture_stats": res.capture_stats}
+                     for r, res in enumerate(results)]
+    engine = dict(done[0]["engine"])
     engine["data_parallel_size"] = cfg.dp
     output.finish(summary.shards, **manifest_fields(cfg, plan, engine))
     return summary
-
-
-def _bad(d: dict[str, Any]):
-    from vllm_hidden.inputs import BadLine
-
-    return BadLine(d["line"], d["id"], d["reason"])

@@ -195,6 +195,26 @@ def _flag_name(a: str) -> str:
     return "--" + a[2:].split("=", 1)[0].replace("_", "-") if a.startswith("--") else a.split("=", 1)[0]
 
 
+TP_FLAGS = frozenset({"--tensor-parallel-size", "-tp"})
+
+
+def resolve_tp(args: list[str], tp: int) -> int:
+    """An engine's TP size: `--tp`, or vLLM's own --tensor-parallel-size among its arguments;
+    both given must agree."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"--tp must be a positive int, got {tp!r}")
+    given = flag_values(args, TP_FLAGS)
+    if not given:
+        return tp
+    try:
+        n = int(given[-1])
+    except ValueError:
+        raise ValueError(f"--tensor-parallel-size must be an int, got {given[-1]!r}") from None
+    if tp > 1 and n != tp:
+        raise ValueError(f"--tp {tp} and --tensor-parallel-size {n} disagree; give one")
+    return n
+
+
 def flag_values(args: list[str], names: frozenset[str]) -> list[str]:
     """The values given to the named flags, in order (the same spellings as strip_flags)."""
     out: list[str] = []

@@ -11,7 +11,7 @@ from typing import Any
 
 from vllm_hidden import __version__
 from vllm_hidden.config import CaptureConfig, ExtractConfig, ShardConfig
-from vllm_hidden.engine.caches import CacheDirs, fingerprint
+from vllm_hidden.engine.caches import CacheDirs, fingerprint, resolve_tp
 from vllm_hidden.inputs import BadLine, PromptReader, count_lines
 from vllm_hidden.layers import SEMANTICS, resolve_layer_ids
 from vllm_hidden.storage.journal import RUN
@@ -105,9 +105,7 @@ def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: C
         args.max_num_batched_tokens = max_num_batched_tokens
     if max_num_seqs is not None:
         args.max_num_seqs = max_num_seqs
-    if tp > 1:
-        if args.tensor_parallel_size not in (1, tp):
-            raise ValueError(f"--tp {tp} and --tensor-parallel-size {args.tensor_parallel_size} disagree; give one")
+    if tp > 1:  # resolved against the arguments' own --tensor-parallel-size (caches.resolve_tp)
         args.tensor_parallel_size = tp
     if capture is not None:
         if args.worker_extension_cls and args.worker_extension_cls != WORKER_EXTENSION:
@@ -229,10 +227,9 @@ class EngineResult:
     seconds: float = 0.0  # first prompt added .. every shard durable
     flush_seconds: float = 0.0
     capture_stats: dict[str, Any] = field(default_factory=dict)
-    ranks: list[dict[str, Any]] = field(default_factory=list)  # a data-parallel run: each engine's share
 
     def to_dict(self) -> dict[str, Any]:
-        return {**({"dp": len(self.ranks), "ranks": self.ranks} if self.ranks else {}),"samples": self.samples, "tokens": self.tokens, "shards": [s.to_dict() for s in self.shards],
+        return {"samples": self.samples, "tokens": self.tokens, "shards": [s.to_dict() for s in self.shards],
                 "rejected": [b.to_dict() for b in self.rejected], "seconds": self.seconds,
                 "flush_seconds": self.flush_seconds, "capture_stats": self.capture_stats}
 
@@ -272,7 +269,7 @@ class Extractor:
             compat.allow_long_max_model_len()
         self.args = engine_args(cfg.model, cfg.engine_args, self.max_prompt_len, capture, dtype=cfg.dtype,
                                 max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-                                tp=cfg.tp)
+                                tp=resolve_tp(cfg.engine_args, cfg.tp))
         compat.bind_cpu_threads(self.args.tensor_parallel_size)
         self.fingerprint, self.fingerprint_ident = fingerprint(
             mode="extract", model=cfg.model, engine_args=cfg.engine_args, device=compat.device_name(),

@@ -112,21 +112,14 @@ def _merge_additional_config(argv: list[str], ours: dict[str, Any]) -> list[str]
     return out
 
 
-TP_FLAGS = frozenset({"--tensor-parallel-size", "-tp"})
-
-
 def with_tp(vllm_args: list[str], tp: int) -> list[str]:
     """vLLM arguments with `--tp` as --tensor-parallel-size (refused if they give another size)."""
-    from vllm_hidden.engine.caches import flag_values
+    from vllm_hidden.engine.caches import TP_FLAGS, flag_values, resolve_tp
 
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"--tp must be a positive int, got {tp!r}")
-    given = flag_values(vllm_args, TP_FLAGS)
-    if tp == 1 or given == [str(tp)]:
+    n = resolve_tp(vllm_args, tp)
+    if n == 1 or flag_values(vllm_args, TP_FLAGS):
         return list(vllm_args)
-    if given:
-        raise ValueError(f"--tp {tp} and --tensor-parallel-size {given[-1]} disagree; give one")
-    return [*vllm_args, "--tensor-parallel-size", str(tp)]
+    return [*vllm_args, "--tensor-parallel-size", str(n)]
 
 
 def serve_argv(model: str, layer_ids: list[int], vllm_args: list[str], tp: int = 1) -> list[str]:
