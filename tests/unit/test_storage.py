@@ -208,3 +208,40 @@ def test_manifest_from_an_older_writer_is_refused_by_name(tmp_path):
     d["shards"][0]["sha256"] = d["shards"][0].pop("blake3")
     with pytest.raises(ValueError, match="has no blake3 checksum"):
         Manifest.from_dict(d)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")])
+def test_samples_with_nan_or_inf_are_refused_named_and_not_written(tmp_path, poison):
+    w = ShardWriter(ShardConfig(output_dir=str(tmp_path), max_shard_bytes=1 << 20, writer_threads=2),
+                    [3, 5], H, torch.bfloat16)
+    data = {f"id{i}": sample(i, 6) for i in range(4)}
+    data["id1"][1][2:4, 1, 0] = poison  # tokens 2 and 3 of layer id 5
+    for line, (sid, (tok, hs)) in enumerate(data.items()):
+        slot = w.reserve(sid, tok, line=line + 10)
+        slot.buf.copy_(hs)
+        w.commit(slot)
+    alone = w.reserve("alone", torch.arange(3))  # never completed: left out at close
+    w.close()
+    (sid, line, why), = w.not_finite
+    assert (sid, line) == ("id1", 11)
+    kind = "NaN" if poison != poison else "Inf"
+    assert f"2 {kind}" in why and "layer ids [5]" in why and "2 of 6 tokens (first at token 2)" in why, why
+    assert alone.state == alone.DROPPED
+    (s,) = w.shards
+    raw = (tmp_path / s.file).read_bytes()
+    assert blake3.blake3(raw).hexdigest() == s.blake3 and s.num_samples == 3
+    with safe_open(str(tmp_path / s.file), framework="pt") as f:
+        assert [e[0] for e in json.loads(f.metadata()["samples"])] == ["id0", "id2", "id3"]
+        hs = f.get_tensor("hidden_states")
+        assert torch.isfinite(hs).all() and not hs[6:12].any()  # id1's rows: zeros, never its values
+        assert torch.equal(hs[12:18], data["id2"][1])
+
+
+def test_a_shard_of_only_refused_samples_is_not_written(tmp_path):
+    w = ShardWriter(ShardConfig(output_dir=str(tmp_path), max_shard_bytes=1 << 20, writer_threads=1),
+                    [3, 5], H, torch.bfloat16)
+    tok, hs = sample(0, 4)
+    hs[0, 0, 0] = float("nan")
+    w.add("x", tok, hs)
+    assert w.close() == [] and [e[0] for e in w.not_finite] == ["x"]
+    assert not list(tmp_path.glob("*.safetensors")) and not list(tmp_path.glob(".*.tmp"))

@@ -39,6 +39,7 @@ class NewRequest:
     # Open-ended capture (server, prompt + generated tokens): room for `rows` rows, and the
     # sample is complete when the request finishes, with the rows captured by then.
     rows: int | None = None
+    line: int | None = None  # the input line (extract), for the sink's error reports
 
     @property
     def until_finished(self) -> bool:
@@ -70,7 +71,7 @@ class Slot(Protocol):
 
 
 class Sink(Protocol):
-    def reserve(self, sample_id: Any, token_ids: list[int]) -> Slot: ...
+    def reserve(self, sample_id: Any, token_ids: list[int], *, line: int | None = None) -> Slot: ...
     def commit(self, slot: Any) -> None: ...
     def drop(self, slot: Any) -> None: ...
 
@@ -92,7 +93,8 @@ class MemorySink:
         self.row_shape, self.dtype, self.on_sample = tuple(row_shape), dtype, on_sample
         self.on_failure = on_failure
 
-    def reserve(self, sample_id: Any, token_ids: list[int], rows: int | None = None) -> _MemSlot:
+    def reserve(self, sample_id: Any, token_ids: list[int], rows: int | None = None, *,
+                line: int | None = None) -> _MemSlot:
         n = len(token_ids) if rows is None else rows
         return _MemSlot(sample_id, token_ids, torch.empty((n, *self.row_shape), dtype=self.dtype))
 
@@ -174,7 +176,7 @@ class Assembler:
             req = self._pending.pop(seg.req_id, None)
             if req is None:
                 return  # a request we were not asked to capture, or one already complete
-            slot = (self.sink.reserve(req.sample_id, req.token_ids) if req.rows is None
+            slot = (self.sink.reserve(req.sample_id, req.token_ids, line=req.line) if req.rows is None
                     else self.sink.reserve(req.sample_id, req.token_ids, rows=req.rows))
             part = self._partial[seg.req_id] = _Partial(req, slot)
         total = part.total

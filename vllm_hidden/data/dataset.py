@@ -20,10 +20,18 @@ _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "
 class HiddenStatesDataset(torch.utils.data.Dataset):
     """`ds[i]` -> {"id", "token_ids" int64 [T], "hidden_states" [T, K, H]} with K in
     `ds.layer_ids` order. Shards are opened lazily per process, so the dataset can be
-    handed to DataLoader workers."""
+    handed to DataLoader workers.
 
-    def __init__(self, path: str | os.PathLike[str], s3_endpoint_url: str | None = None) -> None:
+    A shard is checked when a process first opens it, and refused (ValueError naming it) if
+    it differs from the manifest: its size always; with `verify` (the default) on a local
+    output also its BLAKE3, which catches a flipped bit anywhere in the file (one pass over
+    the file, multi-threaded, ~GB/s, leaving it in the page cache). On S3 only the size is
+    checked here: `vllm-hidden inspect` hashes every object."""
+
+    def __init__(self, path: str | os.PathLike[str], s3_endpoint_url: str | None = None, *,
+                 verify: bool = True) -> None:
         path = str(path)
+        self.verify = verify
         self._s3 = None
         if path.startswith("s3://"):
             from vllm_hidden.storage.s3 import S3Location
@@ -59,6 +67,7 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
                 self._s3._client = None  # boto3 clients are not fork-safe
         if k not in self._open:
             info = self.manifest.shards[k]
+            self._check(info)
             if self._s3 is not None:
                 f, data_start = self._s3.safetensors_header(info.file)
                 f["__data_start__"] = data_start
@@ -70,6 +79,22 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
                 raise ValueError(f"shard {info.file!r}: index has {len(index)} samples, manifest says {info.num_samples}")
             self._open[k] = (f, index)
         return self._open[k]
+
+    def _check(self, info: Any) -> None:
+        where = f"{self._s3.uri}/{info.file}" if self._s3 is not None else str(self.root / info.file)
+        try:
+            size = self._s3.size(info.file) if self._s3 is not None else (self.root / info.file).stat().st_size
+        except FileNotFoundError:
+            raise FileNotFoundError(f"shard {where!r} is listed in the manifest but missing") from None
+        if size != info.bytes:
+            raise ValueError(f"shard {where!r} has {size} bytes, the manifest says {info.bytes}: truncated or "
+                             "replaced; `vllm-hidden inspect` checks them all")
+        if self.verify and self._s3 is None:
+            from vllm_hidden.storage.shards import file_checksum
+
+            if file_checksum(self.root / info.file) != info.blake3:
+                raise ValueError(f"shard {where!r} does not match its BLAKE3 checksum in the manifest: corrupted on "
+                                 "disk; `vllm-hidden inspect` checks them all")
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         if not -self._len <= i < self._len:

@@ -362,7 +362,7 @@ class Extractor:
         `max_inflight_tokens` prompt tokens) are in the engine at once: enough to fill every
         step, few enough that engines sharing one feed finish together."""
         from vllm_hidden.engine import compat
-        from vllm_hidden.engine.runner import REQUEST_KEY
+        from vllm_hidden.engine.runner import LINE_KEY, REQUEST_KEY
 
         engine = self.engine
         if engine is None:
@@ -384,7 +384,7 @@ class Extractor:
                     if item is None:
                         break
                     rid = str(item.line)
-                    params = compat.prefill_sampling_params({REQUEST_KEY: item.id})
+                    params = compat.prefill_sampling_params({REQUEST_KEY: item.id, LINE_KEY: item.line})
                     try:
                         engine.add_request(rid, {"prompt_token_ids": item.token_ids}, params)
                     except ValueError as e:  # the engine's own validation
@@ -422,6 +422,12 @@ class Extractor:
         out = next(r for r in result if r is not None)
         res.shards = [ShardInfo(**s) for s in out["shards"]]
         res.capture_stats = out.get("stats", {})
+        # NaN/Inf samples are not written: each becomes an error record and does not count as done
+        bad = [BadLine(line, sid, why) for sid, line, why in out["not_finite"]]
+        res.rejected.extend(bad)
+        if bad:
+            res.samples -= len(bad)
+            res.tokens = sum(s.num_tokens for s in res.shards)
         written = sum(s.num_samples for s in res.shards)
         if written != res.samples or out["incomplete"]:
             raise RuntimeError(f"engine finished {res.samples} samples but {written} were written "

@@ -27,6 +27,7 @@ log = logging.getLogger("vllm_hidden")
 
 # SamplingParams.extra_args key marking a request for capture; its value is the sample id.
 REQUEST_KEY = "vllm_hidden_id"
+LINE_KEY = "vllm_hidden_line"  # its input line, named in the sink's error reports
 
 
 class Capture:
@@ -106,6 +107,7 @@ class Capture:
                  "assembler_wait_copy_s": round(asm.wait_copy_s, 3), **writer.stats()}
         return {
             "shards": [s.to_dict() for s in shards],
+            "not_finite": writer.not_finite,
             "incomplete": list(asm.dropped),
             "in_flight": in_flight,
             "stats": stats,
@@ -127,7 +129,9 @@ class Capture:
 
     def _new_request(self, extra: dict[str, Any], prompt: list[int] | None) -> NewRequest | None:
         if REQUEST_KEY in extra:
-            return NewRequest(extra[REQUEST_KEY], prompt) if self.sink_kind == "shards" and prompt else None
+            if self.sink_kind != "shards" or not prompt:
+                return None
+            return NewRequest(extra[REQUEST_KEY], prompt, line=extra.get(LINE_KEY))
         spec = extra.get(WORKER_KEY)
         if not isinstance(spec, dict) or not prompt or self.sink_kind == "shards":
             return None

@@ -120,6 +120,17 @@ class S3Location:
         r = self.client.get_object(Bucket=self.bucket, Key=self.key(name), Range=f"bytes={start}-{end - 1}")
         return r["Body"].read()
 
+    def size(self, name: str) -> int:
+        """An object's size in bytes (FileNotFoundError if there is none)."""
+        from botocore.exceptions import ClientError
+
+        try:
+            return int(self.client.head_object(Bucket=self.bucket, Key=self.key(name))["ContentLength"])
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                raise FileNotFoundError(f"{self.uri}/{name}") from None
+            raise
+
     def safetensors_header(self, name: str) -> tuple[dict[str, Any], int]:
         """(header dict, offset of the data section) read with two ranged GETs."""
         n = int.from_bytes(self.read_range(name, 0, 8), "little")
