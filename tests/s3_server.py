@@ -42,10 +42,11 @@ class FaultyProxy:
     pass the request on, or one of ("status", code), ("slow", seconds), ("cut",) to answer
     with that status, answer late, or close the connection after reading half the body."""
 
-    def __init__(self, upstream_port: int, rule) -> None:
+    def __init__(self, upstream_port: int, rule, port: int = 0) -> None:
         self.rule = rule
         self.count = 0
         self.injected: list[tuple[str, str, tuple]] = []
+        self.conns: set[socket.socket] = set()  # open client connections (keep-alive)
         lock = threading.Lock()
         proxy = self
 
@@ -54,6 +55,16 @@ class FaultyProxy:
 
             def log_message(self, *a):  # quiet
                 pass
+
+            def setup(self):
+                super().setup()
+                with lock:
+                    proxy.conns.add(self.connection)
+
+            def finish(self):
+                with lock:
+                    proxy.conns.discard(self.connection)
+                super().finish()
 
             def _any(self):
                 with lock:
@@ -98,13 +109,19 @@ class FaultyProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)  # a given port: a restart
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def stop(self) -> None:
         self.server.shutdown()
+        self.server.server_close()  # the port is free for a restart
+        for c in list(self.conns):  # and kept-alive connections end too, as when a server goes away
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 def s3_env() -> dict[str, str]:

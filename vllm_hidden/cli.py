@@ -70,6 +70,7 @@ def extract(
 ) -> None:
     from vllm_hidden.config import ExtractConfig
     from vllm_hidden.dispatch.coordinator import RankFailed
+    from vllm_hidden.engine.driver import CaptureFailed, EngineDied
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -86,7 +87,11 @@ def extract(
         summary = run_extract(cfg)
     except (ValueError, ImportError, OSError) as e:  # bad input, missing extra, storage failure: one line
         _fail(str(e))
-    except RankFailed as e:  # an engine died: what the others made durable is kept, --resume finishes
+    except (RankFailed, EngineDied) as e:  # an engine died: what was made durable is kept, --resume finishes
+        _fail(str(e))
+    except CaptureFailed as e:
+        if not e.storage:
+            raise  # a bug: the traceback helps
         _fail(str(e))
     d = summary.to_dict()
     typer.echo(

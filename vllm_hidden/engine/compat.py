@@ -7,6 +7,9 @@
   token would not fit), so the engine gets max_model_len + 1.
 - `_set_aux_hidden_state_layers` sorts the ids on 0.32, not on 0.26; both emit aux states in
   layer order, so we always ask for them sorted and reorder (free: the gather takes a list).
+- An engine-core process that dies leaves `LLMEngine.step()` blocked for ever in both (the
+  sync client's liveness monitor marks the engine dead but never wakes `get_output`):
+  `watch_engine_death` does that.
 Everything else we touch (`_setup_eagle3_aux_hidden_state_outputs`, `execute_model_state
 .aux_hidden_states`, SchedulerOutput fields, `SamplingParams.extra_args`,
 `skip_reading_prefix_cache`, `worker_extension_cls`, `collective_rpc`) is the same in both.
@@ -153,3 +156,33 @@ def bind_cpu_threads(tp: int) -> None:
 
     if tp > 1 and current_platform.is_cpu() and not os.environ.get(CPU_BIND):
         os.environ[CPU_BIND] = cpu_bind(allowed_cpus(), tp)
+
+
+def watch_engine_death(engine, poll_s: float = 0.25) -> None:
+    """Wake a `step()` blocked on a dead engine core with vLLM's own EngineDeadError, as the
+    async client does. Holds the client's resources and queue, not the engine."""
+    import logging
+    import threading
+
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    client = engine.engine_core
+    resources, q = getattr(client, "resources", None), getattr(client, "outputs_queue", None)
+    if resources is None or q is None or not hasattr(resources, "engine_dead"):
+        logging.getLogger("vllm_hidden").debug("vllm-hidden: in-process engine core; no death watch")
+        return
+
+    def watch() -> None:
+        import time
+
+        while not resources.engine_dead:
+            time.sleep(poll_s)
+        q.put_nowait(EngineDeadError())  # after a normal shutdown nobody reads it
+
+    threading.Thread(target=watch, daemon=True, name="vllm-hidden-engine-watch").start()
+
+
+def engine_dead(engine) -> bool:
+    """Whether the engine's core process is gone (vLLM marks it dead)."""
+    resources = getattr(engine.engine_core, "resources", None)
+    return bool(getattr(resources, "engine_dead", False))

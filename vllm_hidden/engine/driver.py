@@ -115,6 +115,31 @@ def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: C
     return args
 
 
+STATUS_EVERY_S = 1.0  # how often a running extract asks the workers whether capture failed
+
+
+class CaptureFailed(RuntimeError):
+    """Capture stopped in the worker: the storage failed (`storage`: disk full, S3 unreachable
+    past its retries) or a bug. The engine is still up."""
+
+    def __init__(self, failure: dict[str, Any]) -> None:
+        self.storage = bool(failure.get("storage"))
+        msg = failure["message"]
+        if self.storage:
+            msg += "; the shards made durable before it are kept: fix it, then rerun with --resume"
+        super().__init__(msg)
+
+
+def _check_capture(replies: list[Any]) -> None:
+    for r in replies:
+        if r:
+            raise CaptureFailed(r)
+
+
+class EngineDied(RuntimeError):
+    """The engine's core process died under a run (killed, out of memory, a crash in a kernel)."""
+
+
 @dataclass
 class Summary:
     samples: int = 0
@@ -281,8 +306,11 @@ class Extractor:
             self.start()
 
     def start(self) -> None:
+        from vllm_hidden.engine import compat
+
         t0 = time.perf_counter()
         self.engine = self._start_engine(self.args)
+        compat.watch_engine_death(self.engine)
         self.engine_init_seconds = time.perf_counter() - t0
         self.start_report = next((r for r in self.engine.collective_rpc("vllm_hidden_start_report") if r), {})
 
@@ -378,6 +406,7 @@ class Extractor:
                 raise RuntimeError("no worker opened a capture sink")
             max_inflight = 2 * engine.vllm_config.scheduler_config.max_num_seqs
             t1 = time.perf_counter()
+            next_check = t1 + STATUS_EVERY_S
             while True:
                 while not feed.exhausted and len(inflight) < max_inflight and tokens_inflight < max_tokens:
                     item = feed.next(wait=not inflight)
@@ -406,17 +435,28 @@ class Extractor:
                         res.samples += 1
                 if on_progress is not None:
                     on_progress(res.samples, res.tokens)
+                if time.perf_counter() >= next_check:  # one small RPC a second: stop soon after a failure
+                    _check_capture(engine.collective_rpc("vllm_hidden_status"))
+                    next_check = time.perf_counter() + STATUS_EVERY_S
             t2 = time.perf_counter()
             opened = False
             result = engine.collective_rpc("vllm_hidden_close")
+            _check_capture([r.get("error") for r in result if r])
             res.seconds = time.perf_counter() - t1
             res.flush_seconds = time.perf_counter() - t2
+        except Exception as e:
+            if not compat.engine_dead(engine):
+                raise
+            opened = False  # the writer died with it; only what it had made durable counts
+            raise EngineDied(f"the vLLM engine process died mid-run ({type(e).__name__}; killed, or out of memory: "
+                             "see the log above); the shards made durable before it are kept: rerun with --resume "
+                             "to finish") from e
         finally:
             if opened:  # failed mid-run: drop its requests, stop the writer threads, keep the engine usable
                 try:
                     if inflight:
                         engine.abort_request(list(inflight))
-                    engine.collective_rpc("vllm_hidden_close")
+                    engine.collective_rpc("vllm_hidden_close")  # its error, if any, is the one raised
                 except Exception:  # noqa: BLE001 - the original error is what matters
                     log.exception("vllm-hidden: closing the capture sink after a failure")
         out = next(r for r in result if r is not None)

@@ -90,7 +90,7 @@ class Capture:
         try:
             thread.close()  # every queued step assembled
         except BaseException as e:  # noqa: BLE001 - the writer must still be shut down
-            error = e
+            error = thread.error if thread.error is not None else e  # the cause, not its wrapper
         in_flight = thread.assembler.in_flight
         try:
             thread.assembler.abandon()
@@ -101,7 +101,7 @@ class Capture:
         except BaseException as e:  # noqa: BLE001
             error = error or e
         if error is not None:
-            raise error
+            return {"error": failure(error)}
         asm = thread.assembler
         stats = {**self._stats.to_dict(), "assembler_busy_s": round(thread.busy_s, 3),
                  "assembler_wait_copy_s": round(asm.wait_copy_s, 3), **writer.stats()}
@@ -112,6 +112,13 @@ class Capture:
             "in_flight": in_flight,
             "stats": stats,
         }
+
+    def status(self) -> dict[str, Any] | None:
+        """The capture's failure (`failure`), if it had one; None while it is well."""
+        thread = self.thread
+        if thread is None or thread.error is None:
+            return None
+        return failure(thread.error)
 
     def _open_publisher(self) -> bool:
         """A server's requests: samples go back to the API server over its channel."""
@@ -163,7 +170,11 @@ class Capture:
         thread = self.thread
         if thread is None:
             return
-        thread.check()
+        if thread.error is not None:
+            # The writer (disk full, S3 gone) or the assembler failed: stop capturing but keep the
+            # engine alive (raising here would kill it and bury the cause); the driver learns of
+            # it from `status` and stops the run with this error.
+            return
         cached = scheduler_output.scheduled_cached_reqs
         for rid, k in zip(cached.req_ids, cached.num_computed_tokens):
             start[rid] = k
@@ -209,6 +220,13 @@ class Capture:
         st.rows += hi - lo
         st.acquire_wait_s += t1 - t0
         st.submit_s += time.perf_counter() - t1
+
+
+def failure(e: BaseException) -> dict[str, Any]:
+    """A capture failure as the driver gets it (over RPC): what happened, and whether it was
+    the storage (an OSError: disk full, S3 unreachable) rather than a bug."""
+    return {"message": str(e) if isinstance(e, OSError) else f"hidden-state capture failed: {e!r}",
+            "storage": isinstance(e, OSError)}
 
 
 class _StepStats:

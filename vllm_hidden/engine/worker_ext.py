@@ -21,6 +21,9 @@ class HiddenStatesWorkerExtension:
     def vllm_hidden_close(self) -> dict[str, Any] | None:
         return self._vllm_hidden().close()
 
+    def vllm_hidden_status(self) -> dict[str, Any] | None:
+        return self._vllm_hidden().status()
+
     def vllm_hidden_start_report(self) -> dict[str, Any] | None:
         """What this engine's start compiled (`caches.StartProbe`); None off the writer rank."""
         cap = self._vllm_hidden()
