@@ -91,6 +91,9 @@ class ShardConfig:
         return asdict(self)
 
 
+DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")  # what vLLM's --dtype takes
+
+
 @dataclass(kw_only=True)
 class ExtractConfig:
     """Everything `vllm-hidden extract` needs besides the engine's own arguments."""
@@ -133,6 +136,8 @@ class ExtractConfig:
             raise ValueError(f"--ring-slots must be >= 2, got {self.ring_slots!r}")
         if not 1 <= self.writer_threads <= 64:
             raise ValueError(f"--writer-threads must be in 1..64, got {self.writer_threads!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
 
 def _positive_int(name: str, v: object) -> int:

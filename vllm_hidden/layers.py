@@ -73,6 +73,10 @@ def layer_ids_from_drafter_config(path: str | Path) -> list[int]:
         for holder in (cfg, cfg.get("eagle_config") or {}):
             if key in holder:
                 aux = parse_id_list(holder[key], key)
+                bad = [j for j in aux if j < 1]
+                if bad:
+                    raise ValueError(f"--layers-from: {str(p)!r}: {key} has aux id {bad[0]}; aux ids start at 1 "
+                                     "(aux 0 would be the embedding output, not a layer output)")
                 return [j - 1 for j in aux]
     raise ValueError(
         f"--layers-from: {str(p)!r} has neither dflash_config.target_layer_ids nor "

@@ -71,12 +71,29 @@ def check_paths(model: str, input_path: str | None, output_dir: str | None, resu
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--output: {output_dir!r} is not a directory")
+    _probe_writable(out, output_dir)
     if out.exists() and any(out.iterdir()):
         if not resume:
             raise ValueError(f"--output: {output_dir!r} exists and is not empty; pass --resume to continue the "
                              "run that wrote it, or choose a new directory")
         if not (out / RUN).is_file():
             raise ValueError(f"--resume: {output_dir!r} is not empty and has no {RUN}; it is not a vllm-hidden output")
+
+
+def _probe_writable(out: Path, given: str) -> None:
+    """Create the output directory and write a file in it now, not after the engine start
+    (permissions mean little to root: a read-only mount or a path through a file is found
+    only by trying)."""
+    import os
+    import tempfile
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".vllm-hidden-probe-", dir=out)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"--output: cannot write to {given!r}: {e.strerror or e}") from None
 
 
 def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: CaptureConfig | None = None, *,
