@@ -8,6 +8,7 @@ index.
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -76,14 +77,19 @@ class PromptReader:
     def __iter__(self) -> Iterator[Prompt | BadLine]:
         with open(self.path, "rb") as f:
             for i, raw in enumerate(f):
+                if i == 0 and raw.startswith(codecs.BOM_UTF8):
+                    raw = raw[len(codecs.BOM_UTF8):]  # files saved by some editors begin with one
                 if not raw.strip():
                     continue  # blank lines (e.g. a trailing newline) are not samples
                 yield self.parse(i, raw)
 
     def parse(self, i: int, raw: bytes | str) -> Prompt | BadLine:
         try:
-            obj = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            # decoded as UTF-8 ourselves: json.loads would guess UTF-16/32 from a stray BOM
+            obj = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
+        except UnicodeDecodeError as e:
+            return BadLine(i, i, f"line is not UTF-8: {e}")
+        except json.JSONDecodeError as e:
             return BadLine(i, i, f"invalid JSON: {e}")
         if not isinstance(obj, dict):
             return BadLine(i, i, f"line is not a JSON object (got {type(obj).__name__})")
@@ -112,6 +118,8 @@ class PromptReader:
         if key == "token_ids":
             if not isinstance(val, list):
                 raise ValueError(f"token_ids must be a list of ints, got {type(val).__name__}")
+            if len(val) > self.max_prompt_len:  # before looking at each id: a huge line is refused at once
+                raise ValueError(f"prompt has {len(val)} tokens, more than max_model_len {self.max_prompt_len}")
             for t in val:
                 if isinstance(t, bool) or not isinstance(t, int):
                     raise ValueError(f"token_ids must be ints, got {t!r}")

@@ -1,0 +1,202 @@
+"""Bad input lines: every kind becomes one error record (its line, its id, a reason naming the
+value) and the run goes on; the good lines around them are extracted and match HF. An empty
+file is a complete, empty output. A 1 GB input is streamed: the extract's memory does not
+grow with it."""
+
+from __future__ import annotations
+
+import codecs
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import torch
+from transformers import AutoTokenizer
+
+from tests.integration.helpers import HFReference, rel_l2, run_cli, verify_checksums
+from vllm_hidden.data import HiddenStatesDataset
+
+ENGINE = ["--enforce-eager", "--dtype", "bfloat16", "--max-num-seqs", "8", "--max-num-batched-tokens", "256"]
+MAX_LEN = 256
+
+
+def _bad_lines():
+    """(raw line, words its error reason must hold); ids are given where the line has one."""
+    huge = "\u00e9t\u00e9 \u6f22\u5b57 " * 400_000  # ~5 MB of text on one line
+    return [
+        (b"{not json", ["invalid JSON"]),
+        (b'[1, 2, 3]', ["not a JSON object", "list"]),
+        (b'"just a string"', ["not a JSON object", "str"]),
+        (b'\xff\xfe{"id": "binary"}', ["not UTF-8", "0xff"]),
+        (json.dumps({"id": "neither", "prompt": "hi"}).encode(), ["need exactly one of", "none"]),
+        (json.dumps({"id": "both", "text": "a", "token_ids": [1]}).encode(), ["need exactly one of", "token_ids", "text"]),
+        (json.dumps({"id": "empty-ids", "token_ids": []}).encode(), ["no tokens"]),
+        (json.dumps({"id": "empty-text", "text": ""}).encode(), ["no tokens"]),
+        (json.dumps({"id": "empty-messages", "messages": []}).encode(), ["no tokens"]),
+        (json.dumps({"id": "vocab-high", "token_ids": [1, 1024, 2]}).encode(), ["token id 1024", "vocab size 1024"]),
+        (json.dumps({"id": "vocab-neg", "token_ids": [-1]}).encode(), ["token id -1"]),
+        (json.dumps({"id": "float-id", "token_ids": [1, 2.5]}).encode(), ["2.5"]),
+        (json.dumps({"id": "str-tok", "token_ids": ["3"]}).encode(), ["'3'"]),
+        (json.dumps({"id": "bool-tok", "token_ids": [True]}).encode(), ["True"]),
+        (json.dumps({"id": "ids-not-list", "token_ids": "1 2 3"}).encode(), ["list of ints", "str"]),
+        (json.dumps({"id": "text-not-str", "text": 42}).encode(), ["text must be a string", "int"]),
+        (json.dumps({"id": "bad-messages", "messages": [{"content": "no role"}]}).encode(), ["messages"]),
+        (json.dumps({"id": "too-long", "token_ids": [5] * (MAX_LEN + 1)}).encode(), [f"{MAX_LEN + 1} tokens", str(MAX_LEN)]),
+        (json.dumps({"id": "huge-text", "text": huge}).encode(), ["tokens, more than max_model_len"]),
+        (json.dumps({"id": None, "token_ids": [1]}).encode(), ["id must be a string or an integer", "None"]),
+        (json.dumps({"id": 1.5, "token_ids": [1]}).encode(), ["1.5"]),
+        (json.dumps({"id": ["x"], "token_ids": [1]}).encode(), ["['x']"]),
+        (json.dumps({"id": "dup", "token_ids": [9, 9]}).encode(), ["duplicate id 'dup'"]),  # 2nd of two
+    ]
+
+
+def _good_lines(tok):
+    """(id, line object, token ids): token ids, unicode text, chat messages, edge lengths."""
+    rows = [
+        ("ids", {"token_ids": [3, 1, 4, 1, 5, 9, 2, 6]}),
+        ("one-token", {"token_ids": [7]}),
+        ("exact-max", {"token_ids": [(i * 7) % 1024 for i in range(MAX_LEN)]}),
+        ("unicode", {"text": "na\u00efve caf\u00e9 \u2014 \u6f22\u5b57 \u0645\u0631\u062d\u0628\u0627 \U0001f600 e\u0301 \u200b tab\tend"}),
+        ("nul-and-escapes", {"text": "a\u0000b \\n \" quote"}),
+        ("chat", {"messages": [{"role": "user", "content": "hello \u00fc"}, {"role": "assistant", "content": "hi"}]}),
+        (0, {"token_ids": [11, 12, 13]}),  # integer id
+        ("dup", {"token_ids": [8, 8, 8]}),  # first of two: kept
+    ]
+    out = []
+    for sid, obj in rows:
+        if "token_ids" in obj:
+            ids = obj["token_ids"]
+        elif "text" in obj:
+            ids = tok(obj["text"])["input_ids"]
+        else:
+            ids = tok.apply_chat_template(obj["messages"], tokenize=True, add_generation_prompt=False)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        out.append((sid, {"id": sid, **obj}, list(ids)))
+    return out
+
+
+def test_every_bad_line_is_an_error_record_and_the_good_ones_match_hf(tiny_models, tmp_path, reliability_report):
+    model = tiny_models("qwen3_next", 4)
+    tok = AutoTokenizer.from_pretrained(str(model))
+    good, bad = _good_lines(tok), _bad_lines()
+    lines, want_bad = [], {}
+    for k in range(max(len(good), len(bad))):  # interleaved, with blank and CRLF lines among them
+        if k < len(good):
+            lines.append(json.dumps(good[k][1]).encode() + (b"\r" if k % 3 == 0 else b""))
+        if k < len(bad):
+            want_bad[len(lines)] = bad[k][1]
+            lines.append(bad[k][0])
+        if k % 4 == 0:
+            lines.append(b"   ")
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(codecs.BOM_UTF8 + b"\n".join(lines))  # a BOM, and no newline after the last line
+    out = tmp_path / "out"
+    r = run_cli("extract", "--model", str(model), "--input", str(inp), "--output", str(out), "--layers", "0,3",
+                "--max-model-len", str(MAX_LEN), "--no-progress", *ENGINE)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["samples"] == len(good) and summary["errors"] == len(bad), summary
+
+    errors = [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
+    by_line = {e["line"]: e for e in errors}
+    assert sorted(by_line) == sorted(want_bad), (sorted(by_line), sorted(want_bad))
+    for line, words in want_bad.items():
+        for w in words:
+            assert w in by_line[line]["reason"], (line, w, by_line[line])
+    verify_checksums(out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["num_errors"] == len(bad)
+
+    ds = HiddenStatesDataset(out)
+    got = {ds[i]["id"]: ds[i] for i in range(len(ds))}
+    assert sorted(map(str, got)) == sorted(str(g[0]) for g in good)
+    ref = HFReference(model)
+    worst = 0.0
+    for sid, _, ids in good:
+        s = got[sid]
+        assert s["token_ids"].tolist() == ids, sid
+        st = ref.states(ids)
+        worst = max(worst, *(rel_l2(s["hidden_states"][:, k], st[layer]) for k, layer in enumerate([0, 3])))
+    assert worst < 1e-2, worst
+    reliability_report["bad_inputs"] = {"bad_lines": len(bad), "error_records": len(errors),
+                                        "good_lines": len(good), "written": len(got),
+                                        "hf_worst_rel_l2": round(worst, 5),
+                                        "reasons": {str(e["id"]): e["reason"][:120] for e in errors}}
+
+
+def test_empty_input_is_a_complete_empty_output(tiny_models, tmp_path):
+    model = tiny_models("qwen3", 4)
+    for name, content in (("empty.jsonl", b""), ("blank.jsonl", b"\n  \n\n")):
+        inp, out = tmp_path / name, tmp_path / f"out-{name}"
+        inp.write_bytes(content)
+        r = run_cli("extract", "--model", str(model), "--input", str(inp), "--output", str(out), "--layers", "1",
+                    "--max-model-len", str(MAX_LEN), "--no-progress", *ENGINE)
+        assert r.returncode == 0, r.stderr[-3000:]
+        summary = json.loads(r.stdout.strip().splitlines()[-1])
+        assert summary["samples"] == 0 and summary["errors"] == 0
+        assert len(HiddenStatesDataset(out)) == 0
+        assert run_cli("inspect", str(out)).returncode == 0
+
+
+def _peak_rss(cmd, env):
+    """Run `cmd`; the peak resident memory of its main process (where input is read), sampled
+    every 50 ms, and the process."""
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = [0]
+    proc = psutil.Process(p.pid)
+
+    def sample():
+        while p.poll() is None:
+            try:
+                peak[0] = max(peak[0], proc.memory_info().rss)
+            except psutil.Error:
+                return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    out, err = p.communicate(timeout=1800)
+    t.join()
+    return peak[0], p.returncode, out, err
+
+
+def test_a_1gb_input_is_streamed_with_bounded_memory(tiny_models, tmp_path, reliability_report):
+    """1 GiB of lines: every 50th a short prompt, the rest ~1 MB token lists over max_model_len
+    (refused at once, as error records). The extract's peak memory must stay near that of a
+    run over the short prompts alone: the file is never held, whole or in part beyond a line."""
+    model = tiny_models("qwen3", 4)
+    big, small = tmp_path / "big.jsonl", tmp_path / "small.jsonl"
+    filler = ", ".join(str((i * 31) % 1000) for i in range(200_000))  # ~1 MB
+    n_big = n_good = 0
+    with open(big, "w") as fb, open(small, "w") as fs:
+        while fb.tell() < (1 << 30):
+            if n_big % 50 == 0:
+                line = json.dumps({"id": f"g{n_good}", "token_ids": [(n_good + j) % 1000 for j in range(40)]})
+                fb.write(line + "\n")
+                fs.write(line + "\n")
+                n_good += 1
+            fb.write('{"id": "b%d", "token_ids": [%s]}\n' % (n_big, filler))
+            n_big += 1
+    size = big.stat().st_size
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    args = ["--layers", "1", "--max-model-len", str(MAX_LEN), "--no-progress", *ENGINE]
+    base = [sys.executable, "-m", "vllm_hidden.cli", "extract", "--model", str(model)]
+    peak_small, rc, _, err = _peak_rss([*base, "--input", str(small), "--output", str(tmp_path / "o1"), *args], env)
+    assert rc == 0, err[-3000:]
+    t0 = time.monotonic()
+    peak_big, rc, out, err = _peak_rss([*base, "--input", str(big), "--output", str(tmp_path / "o2"), *args], env)
+    seconds = time.monotonic() - t0
+    assert rc == 0, err[-3000:]
+    big.unlink()
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["samples"] == n_good and summary["errors"] == n_big, summary
+    growth = peak_big - peak_small
+    # a held file would be >= 1 GiB (as Python objects, several); one line parsed is ~10 MB
+    assert growth < 200 << 20, (peak_small, peak_big)
+    reliability_report["input_1gb"] = {"bytes": size, "lines": n_big + n_good, "samples": n_good,
+                                       "error_records": n_big, "seconds": round(seconds, 1),
+                                       "peak_rss_small_mb": peak_small >> 20, "peak_rss_1gb_mb": peak_big >> 20}
