@@ -14,7 +14,6 @@ import threading
 import time
 
 import psutil
-import torch
 from transformers import AutoTokenizer
 
 from tests.integration.helpers import HFReference, rel_l2, run_cli, verify_checksums
