@@ -81,6 +81,12 @@ class _ScanningReceive:
         return msg
 
 
+def _maybe_hidden(body: bytes) -> bool:
+    """A body the marker scan cannot clear: JSON may spell a key with \\u escapes, and a
+    UTF-16/32 body (NUL bytes) holds no ASCII marker at all; such bodies are parsed."""
+    return b"\\u" in body or b"\x00" in body
+
+
 def _replay(body: bytes, receive):
     """A `receive` that hands the (already read) body over once, then the client's events
     (vLLM listens for a disconnect)."""
@@ -224,11 +230,11 @@ class HiddenStatesMiddleware:
             if complete:
                 return await self.app(scope, _replay(body, receive), send)
             return await self._pass_large(scope, _ScanningReceive(body, receive), send, limit)
-        if not any(m in body for m in _MARKERS):
+        if not any(m in body for m in _MARKERS) and not _maybe_hidden(body):
             return await self.app(scope, _replay(body, receive), send)
         try:
             req = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # deep nesting too: vLLM answers it (400)
             req = None
         if not isinstance(req, dict):  # vLLM answers malformed JSON itself
             return await self.app(scope, _replay(body, receive), send)
