@@ -85,18 +85,19 @@ def test_tp2_states_match_hf_on_every_layer(model, ref, tmp_path):
 
 
 def test_dp2_one_manifest_both_engines_write_errors_once(model, ref, tmp_path):
-    good = write_prompts(tmp_path / "in.jsonl", 40)
+    # enough work that an engine which starts pulling a few seconds late (2 busy cores) still gets some
+    good = write_prompts(tmp_path / "in.jsonl", 120)
     out = tmp_path / "out"
     r = run_cli("extract", "-m", str(model), "-i", str(tmp_path / "in.jsonl"), "-o", str(out), "--layers", "3,0",
                 "--dp", "2", *ENGINE)
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
     d = last_json(r.stdout)
-    assert d["dp"] == 2 and d["samples"] == 40 and d["errors"] == 2
-    assert sum(x["samples"] for x in d["ranks"]) == 40
+    assert d["dp"] == 2 and d["samples"] == 120 and d["errors"] == 2
+    assert sum(x["samples"] for x in d["ranks"]) == 120
     assert all(x["samples"] > 0 for x in d["ranks"]), d["ranks"]  # shared queue: both engines took work
     m = json.loads((out / "manifest.json").read_text())
     assert {s["file"].split("/")[0] for s in m["shards"]} == {"rank-000", "rank-001"}
-    assert m["engine"]["data_parallel_size"] == 2 and m["num_samples"] == 40
+    assert m["engine"]["data_parallel_size"] == 2 and m["num_samples"] == 120
     errors = [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
     assert sorted(e["id"] for e in errors) == ["oov", "s0"]  # checked once, by the coordinator
     verify_checksums(out)

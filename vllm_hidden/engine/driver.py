@@ -81,12 +81,17 @@ def check_paths(model: str, input_path: str | None, output_dir: str | None, resu
 
 
 def _probe_writable(out: Path, given: str) -> None:
-    """Create the output directory and write a file in it now, not after the engine start
-    (permissions mean little to root: a read-only mount or a path through a file is found
-    only by trying)."""
+    """Write a file in the output directory (created for the test) now, not after the engine
+    start: permissions mean little to root, and a read-only mount or a path through a file
+    is found only by trying."""
     import os
     import tempfile
 
+    created = []  # removed again: a run refused later (or never started) leaves nothing behind
+    p = out
+    while not p.exists() and p != p.parent:
+        created.append(p)
+        p = p.parent
     try:
         out.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".vllm-hidden-probe-", dir=out)
@@ -94,6 +99,12 @@ def _probe_writable(out: Path, given: str) -> None:
         os.unlink(probe)
     except OSError as e:
         raise ValueError(f"--output: cannot write to {given!r}: {e.strerror or e}") from None
+    finally:
+        for d in created:
+            try:
+                d.rmdir()
+            except OSError:
+                pass
 
 
 def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: CaptureConfig | None = None, *,

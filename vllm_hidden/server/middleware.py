@@ -87,6 +87,11 @@ def _maybe_hidden(body: bytes) -> bool:
     return b"\\u" in body or b"\x00" in body
 
 
+def _is_json(scope: dict[str, Any]) -> bool:
+    ctype = next((v for k, v in scope.get("headers", []) if k.lower() == b"content-type"), b"")
+    return b"json" in ctype.lower()
+
+
 def _replay(body: bytes, receive):
     """A `receive` that hands the (already read) body over once, then the client's events
     (vLLM listens for a disconnect)."""
@@ -216,7 +221,10 @@ class HiddenStatesMiddleware:
 
     # -- ASGI ------------------------------------------------------------------------
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST" or _path(scope) not in ENDPOINTS:
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+        ours = _path(scope) in ENDPOINTS
+        if not ours and not _is_json(scope):
             return await self.app(scope, receive, send)
         self._find_auth(scope)
         limit = self.cfg.max_request_bytes
@@ -224,6 +232,8 @@ class HiddenStatesMiddleware:
             body, complete = await _read_body(receive, limit)
         except ConnectionResetError:
             return None
+        if not ours:
+            return await self._elsewhere(scope, receive, send, body, complete)
         if len(body) > limit:
             if FIELD.encode() in body:
                 return await self._guarded(self._error_app(_too_large(limit)))(scope, receive, send)
@@ -261,6 +271,23 @@ class HiddenStatesMiddleware:
                 await self._serve(scope, receive, send_, req, spec)
 
         return await self._guarded(handler)(scope, receive, send)
+
+    async def _elsewhere(self, scope, receive, send, body: bytes, complete: bool) -> None:
+        """A JSON POST to another endpoint (/v1/responses, /v1/messages, /invocations, ...):
+        vLLM would ignore the field and answer without states, so a request that asks for
+        them is refused, naming the endpoints that serve them."""
+        if not complete:
+            return await self._pass_large(scope, _ScanningReceive(body, receive), send, self.cfg.max_request_bytes)
+        if any(m in body for m in _MARKERS) or _maybe_hidden(body):
+            try:
+                req = json.loads(body)
+            except (ValueError, RecursionError):
+                req = None
+            if isinstance(req, dict) and FIELD in req:
+                err = RequestError(f"{_path(scope)} does not return hidden states; send \"{FIELD}\" to "
+                                   f"{' or '.join(ENDPOINTS)}")
+                return await self._guarded(self._error_app(err))(scope, receive, send)
+        return await self.app(scope, _replay(body, receive), send)
 
     async def _pass_large(self, scope, receive: _ScanningReceive, send, limit: int) -> None:
         started = False

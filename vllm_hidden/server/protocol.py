@@ -56,6 +56,12 @@ class HiddenStatesSpec:
         return self.tokens == "all"
 
 
+def _show(v: Any, most: int = 300) -> str:
+    """A bad value for an error message, cut short: a 20 MB value must not come back whole."""
+    r = repr(v)
+    return r if len(r) <= most else f"{r[:most]}... ({len(r)} characters)"
+
+
 def parse_field(value: Any, server_layers: tuple[int, ...]) -> HiddenStatesSpec | None:
     """The request's `hidden_states` value -> spec; None/false -> None (not asked)."""
     if value is None or value is False:
@@ -64,25 +70,25 @@ def parse_field(value: Any, server_layers: tuple[int, ...]) -> HiddenStatesSpec 
     if value is True:
         return HiddenStatesSpec(layer_ids=tuple(server_layers), columns=tuple(range(len(server_layers))))
     if not isinstance(value, dict):
-        raise RequestError(f"'hidden_states' must be true or an object like {{\"layers\": {allowed}}}, got {value!r}")
+        raise RequestError(f"'hidden_states' must be true or an object like {{\"layers\": {allowed}}}, got {_show(value)}")
     unknown = sorted(set(value) - {"layers", "tokens"})
     if unknown:
-        raise RequestError(f"'hidden_states' has unknown keys {unknown}; allowed: 'layers', 'tokens'")
+        raise RequestError(f"'hidden_states' has unknown keys {_show(unknown)}; allowed: 'layers', 'tokens'")
     tokens = value.get("tokens", "prompt")
     if tokens not in TOKENS_MODES:
-        raise RequestError(f"'hidden_states.tokens' must be one of {list(TOKENS_MODES)}, got {tokens!r}")
+        raise RequestError(f"'hidden_states.tokens' must be one of {list(TOKENS_MODES)}, got {_show(tokens)}")
     layers = value.get("layers")
     if layers is None:
         layers = allowed
     if not isinstance(layers, list) or not layers:
-        raise RequestError(f"'hidden_states.layers' must be a non-empty list of layer ids from {allowed}, got {layers!r}")
+        raise RequestError(f"'hidden_states.layers' must be a non-empty list of layer ids from {allowed}, got {_show(layers)}")
     if any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
-        raise RequestError(f"'hidden_states.layers' must hold integer layer ids, got {layers!r}")
+        raise RequestError(f"'hidden_states.layers' must hold integer layer ids, got {_show(layers)}")
     if len(set(layers)) != len(layers):
-        raise RequestError(f"'hidden_states.layers' has duplicate ids: {layers!r}")
+        raise RequestError(f"'hidden_states.layers' has duplicate ids: {_show(layers)}")
     bad = [i for i in layers if i not in server_layers]
     if bad:
-        raise RequestError(f"layer ids {bad} are not captured by this server; allowed layer ids: {allowed}")
+        raise RequestError(f"layer ids {_show(bad)} are not captured by this server; allowed layer ids: {allowed}")
     return HiddenStatesSpec(layer_ids=tuple(layers), columns=tuple(allowed.index(i) for i in layers), tokens=tokens)
 
 
