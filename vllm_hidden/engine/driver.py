@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,9 +86,6 @@ def _probe_writable(out: Path, given: str) -> None:
     """Write a file in the output directory (created for the test) now, not after the engine
     start: permissions mean little to root, and a read-only mount or a path through a file
     is found only by trying."""
-    import os
-    import tempfile
-
     created = []  # removed again: a run refused later (or never started) leaves nothing behind
     p = out
     while not p.exists() and p != p.parent:
