@@ -127,7 +127,7 @@ def verify_extract(out: Path, prompts: list[list[int]]) -> dict:
 
     from vllm_hidden.data import HiddenStatesDataset
     from vllm_hidden.storage.manifest import Manifest
-    from vllm_hidden.storage.shards import file_checksum
+    from vllm_hidden.storage.files import file_checksum
 
     m = Manifest.read(out)
 
@@ -157,7 +157,7 @@ def _start_engine(args: list[str], max_len: int):
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from vllm_hidden.engine import compat
-    from vllm_hidden.engine.driver import engine_args
+    from vllm_hidden.engine.extractor import engine_args
 
     compat.pin_v1_runner()  # the runner extract uses
     compat.spawn_on_cuda()
@@ -187,7 +187,7 @@ def run_plain(args: list[str], max_len: int, workloads: dict[str, list[list[int]
 def run_extract(args: list[str], max_len: int, workloads: dict[str, list[list[int]]], out_root: Path,
                 inputs: dict[str, Path], layers: str | None, writer_threads: int | None, save) -> dict:
     from vllm_hidden.config import ExtractConfig
-    from vllm_hidden.engine.driver import Extractor
+    from vllm_hidden.extract.job import extract_file, start_extractor
 
     shutil.rmtree(out_root, ignore_errors=True)
     first = next(iter(workloads))
@@ -195,13 +195,13 @@ def run_extract(args: list[str], max_len: int, workloads: dict[str, list[list[in
     cfg = ExtractConfig(model=args[0], input_path=str(inputs[first]), output_dir=str(out_root / first), layers=layers,
                         max_model_len=max_len, progress=False, engine_args=args[1:], **kw)
     res = {"workloads": {}}
-    with Extractor(cfg) as ex:
+    with start_extractor(cfg) as ex:
         res["engine_init_seconds"] = ex.engine_init_seconds
         res["layer_ids"] = ex.layer_ids
         save(res)
         for name, prompts in workloads.items():
             with RssPeak() as rss:
-                s = ex.run(str(inputs[name]), str(out_root / name)).to_dict()
+                s = extract_file(ex, str(inputs[name]), str(out_root / name)).to_dict()
             v = verify_extract(out_root / name, prompts)
             res["workloads"][name] = {"seconds": s["seconds"], "flush_seconds": s["flush_seconds"],
                                       "peak_rss_bytes_during_run": rss.peak, "capture_stats": s["capture_stats"],

@@ -69,8 +69,8 @@ def extract(
                                                "file system.")] = None,
 ) -> None:
     from vllm_hidden.config import ExtractConfig
-    from vllm_hidden.dispatch.coordinator import RankFailed
-    from vllm_hidden.engine.driver import CaptureFailed, EngineDied
+    from vllm_hidden.engine.extractor import CaptureFailed, EngineDied
+    from vllm_hidden.extract.coordinator import RankFailed
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -82,7 +82,7 @@ def extract(
             s3_endpoint_url=s3_endpoint_url, staging_dir=str(staging_dir) if staging_dir else None, progress=progress,
             engine_args=list(ctx.args), cache_dir=str(cache_dir) if cache_dir else None, tp=tp, dp=dp, ray_address=ray,
         )
-        from vllm_hidden.engine.driver import run_extract
+        from vllm_hidden.extract import run_extract
 
         summary = run_extract(cfg)
     except (ValueError, ImportError, OSError) as e:  # bad input, missing extra, storage failure: one line
@@ -132,8 +132,8 @@ def serve(
         CacheDirs.resolve(str(cache_dir) if cache_dir else None).apply()  # before vLLM is imported
         limits = ServeConfig(max_hidden_tokens=max_hidden_tokens, max_request_bytes=max_request_bytes,
                              max_concurrent=max_concurrent, timeout_s=hidden_states_timeout)
-        from vllm_hidden.engine.driver import model_info
         from vllm_hidden.engine.serving import prepare_environment, run_vllm_serve, serve_argv
+        from vllm_hidden.extract.plan import model_info
         from vllm_hidden.layers import resolve_layer_ids
 
         ids = resolve_layer_ids(model_info(model).num_layers, layers, aux_layers, str(layers_from) if layers_from else None)
@@ -187,7 +187,7 @@ def warmup(
             ring_slots=ring_slots, progress=False, engine_args=list(ctx.args),
             cache_dir=str(cache_dir) if cache_dir else None, tp=tp,
         )
-        from vllm_hidden.engine.warmup import run_warmup
+        from vllm_hidden.warmup import run_warmup
 
         r = run_warmup(cfg, force=force)
     except (ValueError, ImportError, OSError) as e:
@@ -197,9 +197,9 @@ def warmup(
 
 def _warmup_serve(model, layers, aux_layers, layers_from, args, cache_dir, force, flags, tp) -> None:
     try:
-        from vllm_hidden.engine.driver import model_info
         from vllm_hidden.engine.serving import with_tp
-        from vllm_hidden.engine.warmup import run_serve_warmup
+        from vllm_hidden.extract.plan import model_info
+        from vllm_hidden.warmup import run_serve_warmup
         from vllm_hidden.layers import resolve_layer_ids
 
         ids = resolve_layer_ids(model_info(model).num_layers, layers, aux_layers, str(layers_from) if layers_from else None)

@@ -140,6 +140,26 @@ class ExtractConfig:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
 
+@dataclass(frozen=True, kw_only=True)
+class ModelInfo:
+    """The shape of a model, from its config (extract.plan.model_info)."""
+
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    max_positions: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What an extract is: the model's shape, the layers, the longest prompt, the output's identity."""
+
+    info: ModelInfo
+    layer_ids: list[int]
+    max_prompt_len: int
+    identity: dict[str, Any]  # run.json: what the output is (checked by --resume)
+
+
 def _positive_int(name: str, v: object) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"{name} must be a positive int, got {v!r}")

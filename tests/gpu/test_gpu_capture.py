@@ -36,7 +36,7 @@ def test_gpu_capture_matches_hf_graphs_and_eager(arch, tiny_models, tmp_path):
 
     from vllm_hidden.config import ExtractConfig
     from vllm_hidden.data import HiddenStatesDataset
-    from vllm_hidden.engine.driver import run_extract
+    from vllm_hidden.extract import run_extract
 
     model = tiny_models(arch)
     good = _prompts(tmp_path / "in.jsonl")

@@ -23,7 +23,7 @@ def test_gpu_tp2_and_dp2_match_tp1_and_hf(tmp_path):
     from vllm_hidden.config import ExtractConfig
     from vllm_hidden.data import HiddenStatesDataset
     from vllm_hidden.demo import make_qwen35_model
-    from vllm_hidden.engine.driver import run_extract
+    from vllm_hidden.extract import run_extract
 
     model = make_qwen35_model(tmp_path / "qwen3_5-4", num_layers=len(LAYERS), vocab_size=VOCAB)
     good = _prompts(tmp_path / "in.jsonl")

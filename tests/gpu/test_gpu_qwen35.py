@@ -47,7 +47,7 @@ def test_gpu_qwen35_capture_matches_hf_graphs_and_eager(tmp_path):
     from vllm_hidden.config import ExtractConfig
     from vllm_hidden.data import HiddenStatesDataset
     from vllm_hidden.demo import make_qwen35_model
-    from vllm_hidden.engine.driver import run_extract
+    from vllm_hidden.extract import run_extract
 
     t0 = time.perf_counter()
     model = make_qwen35_model(tmp_path / "qwen3_5-4", num_layers=len(LAYERS), vocab_size=VOCAB)

@@ -1,5 +1,5 @@
 """Cache directories, warm stamps, the start lock, fingerprints and kernel counting
-(`vllm_hidden.engine.caches`), and the pure parts of `vllm_hidden.engine.warmup`. No engine."""
+(`vllm_hidden.engine.caches`), and the pure parts of `vllm_hidden.warmup`. No engine."""
 
 import json
 import os
@@ -21,7 +21,7 @@ from vllm_hidden.engine.caches import (
     new_kernels,
     strip_flags,
 )
-from vllm_hidden.engine.warmup import SERVER_ONLY, serve_fingerprint, warm_lengths
+from vllm_hidden.warmup import SERVER_ONLY, serve_fingerprint, warm_lengths
 
 DIR_VARS = ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR")  # what apply() sets
 SCANNED_VARS = (*DIR_VARS, "TORCHINDUCTOR_CACHE_DIR")  # what the start probe scans

@@ -1,4 +1,4 @@
-"""The data-parallel coordinator (`vllm_hidden.dispatch.coordinator.run_parallel`) with fake
+"""The data-parallel coordinator (`vllm_hidden.extract.coordinator.run_parallel`) with fake
 engines: no vLLM engine, no processes. The model's config, the prompt reader, the device
 assignment and `LocalRanks` are replaced; the output (run.json, errors.jsonl, manifest.json)
 is the real one, written under tmp_path.
@@ -20,15 +20,15 @@ from typing import Any
 
 import pytest
 
-import vllm_hidden.dispatch.coordinator as co
-import vllm_hidden.dispatch.devices as devices
+import vllm_hidden.devices as devices
+import vllm_hidden.extract.coordinator as co
+import vllm_hidden.extract.plan as plan
 import vllm_hidden.engine.caches as caches
-import vllm_hidden.engine.driver as drv
-from vllm_hidden.config import ExtractConfig
+from vllm_hidden.config import ExtractConfig, ModelInfo, Plan
 from vllm_hidden.inputs import BadLine, Prompt
-from vllm_hidden.storage.shards import FORMAT
+from vllm_hidden.storage.files import FORMAT
 
-PLAN = drv.Plan(info=drv.ModelInfo(num_layers=4, hidden_size=8, vocab_size=100, max_positions=64),
+PLAN = Plan(info=ModelInfo(num_layers=4, hidden_size=8, vocab_size=100, max_positions=64),
                 layer_ids=[1, 2], max_prompt_len=64,
                 identity={"format": FORMAT, "model": "m", "layer_ids": [1, 2], "hidden_size": 8})
 SHARD_SAMPLES = 3  # a fake rank's shard holds at most this many samples
@@ -220,9 +220,9 @@ class Harness:
         self.envs_calls: list[tuple[int, int]] = []
         self.scripts: list[Script] = []
         self.capacity = 4
-        monkeypatch.setattr(drv, "check_paths", lambda *a, **k: None)
-        monkeypatch.setattr(drv, "plan_extract", lambda cfg: PLAN)
-        monkeypatch.setattr(drv, "prompt_reader", lambda cfg, plan, input_path=None: iter(self.items))
+        monkeypatch.setattr(plan, "check_paths", lambda *a, **k: None)
+        monkeypatch.setattr(plan, "plan_extract", lambda cfg: PLAN)
+        monkeypatch.setattr(plan, "prompt_reader", lambda cfg, plan, input_path=None: iter(self.items))
 
         def rank_envs(dp, tp, gpu=None):
             self.envs_calls.append((dp, tp))

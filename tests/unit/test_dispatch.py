@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from vllm_hidden.data import HiddenStatesDataset
-from vllm_hidden.dispatch import devices
-from vllm_hidden.dispatch.devices import CPU_BIND, cpu_bind, rank_envs, split
-from vllm_hidden.dispatch.feed import QueueFeed, ReaderFeed
+from vllm_hidden import devices
+from vllm_hidden.devices import CPU_BIND, cpu_bind, rank_envs, split
+from vllm_hidden.extract.feed import QueueFeed, ReaderFeed
 from vllm_hidden.inputs import BadLine, Prompt
 from vllm_hidden.storage.output import Output, in_part, rank_part, uploaded_shards
 from vllm_hidden.storage.s3 import S3Location
@@ -307,7 +307,7 @@ def test_errors_recorded_after_close_errors_keep_the_earlier_ones(tmp_path):
     out.begin(False)
     first, rejected = BadLine(1, "x", "invalid JSON"), BadLine(5, "y", "rejected by the engine")
     out.record_error(first)  # a bad input line, while the feed runs
-    out.close_errors()  # as driver.py / coordinator.py do in their `finally`
+    out.close_errors()  # as extract/job.py / coordinator.py do in their `finally`
     out.record_error(rejected)  # then a sample the engine rejected
     m = out.finish([], **FIELDS)
     lines = [json.loads(x) for x in (root / "errors.jsonl").read_text().splitlines()]

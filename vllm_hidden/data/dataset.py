@@ -90,7 +90,7 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
             raise ValueError(f"shard {where!r} has {size} bytes, the manifest says {info.bytes}: truncated or "
                              "replaced; `vllm-hidden inspect` checks them all")
         if self.verify and self._s3 is None:
-            from vllm_hidden.storage.shards import file_checksum
+            from vllm_hidden.storage.files import file_checksum
 
             if file_checksum(self.root / info.file) != info.blake3:
                 raise ValueError(f"shard {where!r} does not match its BLAKE3 checksum in the manifest: corrupted on "

@@ -1,2 +1,3 @@
 """The only package that imports vLLM: plugin registration, the model-runner hook, the
-worker RPCs, the extraction driver, and one version-compat module."""
+worker RPCs, one engine running prefill-only capture (extractor), the server's engine hook
+and `serve` launcher, compile/kernel caches, and one version-compat module."""

@@ -152,7 +152,7 @@ def bind_cpu_threads(tp: int) -> None:
     than nodes: unless the user bound them, give each rank its share of our cores instead."""
     from vllm.platforms import current_platform
 
-    from vllm_hidden.dispatch.devices import CPU_BIND, allowed_cpus, cpu_bind
+    from vllm_hidden.devices import CPU_BIND, allowed_cpus, cpu_bind
 
     if tp > 1 and current_platform.is_cpu() and not os.environ.get(CPU_BIND):
         os.environ[CPU_BIND] = cpu_bind(allowed_cpus(), tp)

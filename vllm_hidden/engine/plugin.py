@@ -20,7 +20,7 @@ def register() -> None:
         return
     _registered = True
     from vllm_hidden.engine import compat
-    from vllm_hidden.server.channel import ensure_address
+    from vllm_hidden.capture.channel import ensure_address
 
     # vLLM registers plugins while parsing its arguments, before it starts the engine's
     # processes: a `vllm serve --middleware ...` server gets its result channel here.

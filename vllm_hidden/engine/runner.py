@@ -19,8 +19,8 @@ from vllm_hidden.capture.ring import StepTransfer
 from vllm_hidden.config import CaptureConfig, ShardConfig
 from vllm_hidden.engine import compat
 from vllm_hidden.engine.caches import StartProbe, describe
-from vllm_hidden.server.channel import Publisher, channel_address, channel_key
-from vllm_hidden.server.protocol import WORKER_KEY
+from vllm_hidden.capture.channel import Publisher, channel_address, channel_key
+from vllm_hidden.engine.serving import WORKER_KEY
 from vllm_hidden.storage.shards import ShardWriter
 
 log = logging.getLogger("vllm_hidden")

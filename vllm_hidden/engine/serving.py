@@ -1,7 +1,8 @@
 """The vLLM side of the server: the engine-client hook and the `vllm-hidden serve` launcher.
 
 Hook: `AsyncLLM.generate` is wrapped (in the API server process only; the middleware
-installs it). A request carrying a registered token from the middleware gets its capture
+installs it, with its registry's lookup). A request carrying a registered token from the
+middleware gets its capture
 settings for the worker (rows, mode, the channel key), `skip_reading_prefix_cache` (a
 prefix-cache hit would skip computing rows, as vLLM does for prompt logprobs) and a check
 against the per-response row limit before it reaches the engine; its token ids are recorded
@@ -14,13 +15,17 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
-
-from vllm_hidden.server.protocol import RESERVED_PREFIX, TOKEN_KEY, WORKER_KEY
-from vllm_hidden.server.registry import REGISTRY, Pending
 
 log = logging.getLogger("vllm_hidden")
 MIDDLEWARE = "vllm_hidden.server.HiddenStatesMiddleware"
+# vllm_xargs key the middleware sets: a server-made token naming the request's capture.
+TOKEN_KEY = "vllm_hidden_request"
+# SamplingParams.extra_args key the engine hook sets for the worker: {"id", "rows", "all", "key"}.
+WORKER_KEY = "vllm_hidden_serve"
+# Every extra_args key with this prefix is ours; one sent by a client is removed.
+RESERVED_PREFIX = "vllm_hidden"
 
 
 def _prompt_len(prompt: Any) -> int | None:
@@ -28,11 +33,13 @@ def _prompt_len(prompt: Any) -> int | None:
     return len(ids) if ids is not None else None
 
 
-def install_generate_hook() -> None:
+def install_generate_hook(lookup: Callable[[Any], Any]) -> None:
+    """`lookup(token)` gives the middleware's waiting request for a token (server.registry
+    .Pending: its spec and row limit, filled here with token ids or a rejection), or None."""
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from vllm_hidden.server.channel import channel_key
+    from vllm_hidden.capture.channel import channel_key
 
     original = AsyncLLM.generate
     if getattr(original, "_vllm_hidden", False):
@@ -42,7 +49,7 @@ def install_generate_hook() -> None:
     except ImportError:  # pragma: no cover - older vLLM
         Rejected = ValueError
 
-    async def captured(self, prompt, params, request_id, pending: Pending, args, kwargs):
+    async def captured(self, prompt, params, request_id, pending, args, kwargs):
         spec = pending.spec
         n = _prompt_len(prompt)
         if n is None:
@@ -75,7 +82,7 @@ def install_generate_hook() -> None:
         extra = getattr(sampling_params, "extra_args", None)
         if not extra or not any(isinstance(k, str) and k.startswith(RESERVED_PREFIX) for k in extra):
             return original(self, prompt, sampling_params, request_id, *args, **kwargs)
-        pending = REGISTRY.get(extra.get(TOKEN_KEY))
+        pending = lookup(extra.get(TOKEN_KEY))
         for k in [k for k in extra if isinstance(k, str) and k.startswith(RESERVED_PREFIX)]:
             del extra[k]
         if pending is None:
@@ -167,7 +174,7 @@ def run_vllm_serve(argv: list[str]) -> None:
 
 def prepare_environment(serve_env: dict[str, str]) -> str:
     """A fresh result channel and the server limits, in the environment the engine inherits."""
-    from vllm_hidden.server.channel import ensure_address
+    from vllm_hidden.capture.channel import ensure_address
 
     os.environ.update(serve_env)
     return ensure_address(fresh=True)

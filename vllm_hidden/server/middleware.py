@@ -22,7 +22,8 @@ import secrets
 from typing import Any
 
 from vllm_hidden.config import ServeConfig
-from vllm_hidden.server.protocol import (FIELD, RESERVED_PREFIX, TOKEN_KEY, RequestError, encode_parts, parse_field,
+from vllm_hidden.engine.serving import RESERVED_PREFIX, TOKEN_KEY, install_generate_hook
+from vllm_hidden.server.protocol import (FIELD, RequestError, encode_parts, parse_field,
                                          returned_token_ids)
 from vllm_hidden.server.registry import REGISTRY, Pending
 
@@ -170,8 +171,6 @@ async def _send_json(send, status: int, payload: dict[str, Any]) -> None:
 
 class HiddenStatesMiddleware:
     def __init__(self, app) -> None:
-        from vllm_hidden.engine.serving import install_generate_hook
-
         self.app = app
         self.cfg = ServeConfig.from_env(os.environ)
         self._layers: tuple[int, ...] | None = None
@@ -179,14 +178,14 @@ class HiddenStatesMiddleware:
         self._auth_checked = False
         self._receiver = None
         self._slots: asyncio.Semaphore | None = None
-        install_generate_hook()
+        install_generate_hook(REGISTRY.get)
 
     # -- setup (first request; vLLM builds the app's state before serving) --------------
     def _setup(self, scope: dict[str, Any]) -> None:
         if self._layers is not None:
             return
         from vllm_hidden.config import CaptureConfig
-        from vllm_hidden.server.channel import Receiver, channel_address
+        from vllm_hidden.capture.channel import Receiver, channel_address
 
         app = scope["app"]
         client = getattr(app.state, "engine_client", None)

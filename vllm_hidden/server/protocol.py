@@ -22,12 +22,6 @@ import torch
 
 FIELD = "hidden_states"
 TOKENS_MODES = ("prompt", "all")
-# vllm_xargs key the middleware sets: a server-made token naming the request's capture.
-TOKEN_KEY = "vllm_hidden_request"
-# SamplingParams.extra_args key the engine hook sets for the worker: {"id", "rows", "all"}.
-WORKER_KEY = "vllm_hidden_serve"
-# Every extra_args key with this prefix is ours; one sent by a client is removed.
-RESERVED_PREFIX = "vllm_hidden"
 
 
 class RequestError(ValueError):

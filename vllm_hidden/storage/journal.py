@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_hidden.storage.shards import ShardInfo, fsync_dir, shard_number
+from vllm_hidden.storage.files import ShardInfo, fsync_dir, shard_number
 
 JOURNAL = "shards.jsonl"
 RUN = "run.json"

@@ -27,7 +27,7 @@ from vllm_hidden.config import ShardConfig
 from vllm_hidden.storage.journal import RUN, ResumeState, prepare_resume, read_journal, write_json_atomic
 from vllm_hidden.storage.manifest import ERRORS, MANIFEST, Manifest
 from vllm_hidden.storage.s3 import S3Location, is_s3, read_done_ids
-from vllm_hidden.storage.shards import ShardInfo, shard_number
+from vllm_hidden.storage.files import ShardInfo, shard_number
 
 log = logging.getLogger("vllm_hidden")
 

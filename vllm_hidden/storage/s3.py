@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from vllm_hidden.storage.shards import ShardInfo, shard_number
+from vllm_hidden.storage.files import ShardInfo, shard_number
 
 log = logging.getLogger("vllm_hidden")
 

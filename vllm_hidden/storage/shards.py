@@ -25,12 +25,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import struct
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,27 +36,14 @@ import blake3
 import torch
 
 from vllm_hidden.config import ShardConfig
+from vllm_hidden.storage.files import FORMAT, ShardInfo, fsync_dir, shard_file
 
 log = logging.getLogger("vllm_hidden")
 
-FORMAT = "vllm-hidden/1"
-CHECKSUM = "blake3"
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64"}
 _WRITE_BATCH = 32 << 20  # completed rows handed to a writer thread in batches of this size
 _SYNC_EVERY = 256 << 20  # fdatasync as data accumulates, so the final fsync has little left
 _HEADER_FIXED = 4096  # header bytes besides the sample index (tensor entries, format, layer ids)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ShardInfo:
-    file: str
-    bytes: int
-    blake3: str
-    num_samples: int
-    num_tokens: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _raw(t: torch.Tensor) -> memoryview:
@@ -71,32 +56,6 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while len(data):
         n = os.pwrite(fd, data, offset)
         data, offset = data[n:], offset + n
-
-
-def shard_file(index: int, prefix: str = "shard") -> str:
-    return f"{prefix}-{index:05d}.safetensors"
-
-
-def shard_number(name: str, prefix: str = "shard") -> int | None:
-    """The index in a shard's file name, or None if `name` is not one."""
-    m = re.fullmatch(rf"{re.escape(prefix)}-(\d+)\.safetensors", name)
-    return int(m.group(1)) if m else None
-
-
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """Make a rename or a new file in `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def file_checksum(path: str | os.PathLike[str]) -> str:
-    """BLAKE3 (hex) of a file, as recorded in the manifest (`b3sum` prints the same)."""
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    h.update_mmap(str(path))
-    return h.hexdigest()
 
 
 def _entry_bytes(sample_id: Any, row: int, count: int) -> int:

@@ -13,7 +13,7 @@ from typing import Any
 from vllm_hidden.storage.journal import JOURNAL, RUN
 from vllm_hidden.storage.manifest import MANIFEST, Manifest
 from vllm_hidden.storage.output import durable_shards, uploaded_shards
-from vllm_hidden.storage.shards import ShardInfo, file_checksum
+from vllm_hidden.storage.files import ShardInfo, file_checksum
 
 
 @dataclass

@@ -19,12 +19,12 @@ PROGRESS_EVERY_S = 0.5
 def run_rank(spec: dict[str, Any], work: Any, events: Any) -> dict[str, Any]:
     os.environ.update(spec["env"])  # its devices, before anything touches them
     from vllm_hidden.config import ExtractConfig, ShardConfig
-    from vllm_hidden.dispatch.feed import QueueFeed
-    from vllm_hidden.engine.driver import Extractor
+    from vllm_hidden.extract.feed import QueueFeed
+    from vllm_hidden.extract.job import start_extractor
 
     rank = spec["rank"]
     cfg = ExtractConfig(**spec["cfg"])
-    with Extractor(cfg, check_io=False) as ex:
+    with start_extractor(cfg, check_io=False) as ex:
         events.put(("ready", rank, {"engine_init_seconds": round(ex.engine_init_seconds, 3),
                                     "engine_start": ex.start_report, "ready_at": time.time(),
                                     "devices": spec["env"]}))

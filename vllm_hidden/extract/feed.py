@@ -10,6 +10,8 @@ from typing import Any
 
 from vllm_hidden.inputs import BadLine, Prompt
 
+QUEUE_PER_ENGINE = 64  # prompts waiting per engine on a shared queue: read ahead of the engines, not the whole file
+
 
 class ReaderFeed:
     """The prompt file, read in this process: bad lines go to `on_error`, samples an earlier

@@ -14,24 +14,24 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_hidden.config import ExtractConfig
-from vllm_hidden.dispatch.coordinator import QUEUE_PER_ENGINE
+from vllm_hidden.extract.feed import QUEUE_PER_ENGINE
 
 
 class RankActor:
-    """Ray actor: where it runs, then one rank's work (dispatch.rank)."""
+    """Ray actor: where it runs, then one rank's work (extract.rank)."""
 
     def where(self) -> tuple[str, list[int]]:
         """The host (several Ray nodes may share one) and the cores this process may use."""
         import ray
 
-        from vllm_hidden.dispatch.devices import allowed_cpus
+        from vllm_hidden.devices import allowed_cpus
 
         return ray.util.get_node_ip_address(), allowed_cpus()
 
     def run(self, spec: dict[str, Any], work: Any, events: Any) -> None:
         import logging
 
-        from vllm_hidden.dispatch.rank import run_rank
+        from vllm_hidden.extract.rank import run_rank
 
         logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank {spec['rank']} %(name)s: %(message)s")
         run_rank(spec, work, events)
@@ -74,7 +74,7 @@ class RayRanks:
     def start(self, make_specs: Callable[[list[dict[str, str]]], list[dict[str, Any]]]) -> "RayRanks":
         from ray.util.queue import Queue
 
-        from vllm_hidden.dispatch.devices import CPU_BIND, cpu_bind
+        from vllm_hidden.devices import CPU_BIND, cpu_bind
 
         ray, cfg = self.ray, self.cfg
         opts = {"num_gpus": cfg.tp} if self.gpu else {"num_cpus": cfg.tp}

@@ -23,8 +23,8 @@ from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
 from vllm_hidden.config import ExtractConfig
-from vllm_hidden.dispatch.feed import ReaderFeed, pack
-from vllm_hidden.dispatch.rank import rank_process
+from vllm_hidden.extract.feed import QUEUE_PER_ENGINE, ReaderFeed, pack
+from vllm_hidden.extract.rank import rank_process
 from vllm_hidden.inputs import count_lines
 
 if TYPE_CHECKING:
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm_hidden")
 
-QUEUE_PER_ENGINE = 64  # prompts waiting per engine: read ahead of the engines, not the whole file
 START_TOGETHER_S = 60.0
 STALL_AFTER_FAILURE_S = 120.0  # after a failure, how long the others may send nothing before they are stopped
 
@@ -42,7 +41,7 @@ class RankFailed(RuntimeError):
 
 
 class LocalRanks:
-    """dp engine processes on this host, each with its own devices (devices.rank_envs)."""
+    """dp engine processes on this host, each with its own devices (vllm_hidden.devices.rank_envs)."""
 
     def __init__(self, specs: list[dict[str, Any]]) -> None:
         import multiprocessing as mp
@@ -118,10 +117,11 @@ def rank_specs(cfg: ExtractConfig, output: Output, envs: list[dict[str, str]]) -
 
 
 def run_parallel(cfg: ExtractConfig):
-    """`vllm-hidden extract --dp N [--tp M] [--ray ADDRESS]`; returns the driver's Summary."""
+    """`vllm-hidden extract --dp N [--tp M] [--ray ADDRESS]`; returns the job's Summary (extract.job)."""
     from vllm_hidden.engine.caches import CacheDirs, resolve_tp
-    from vllm_hidden.engine.driver import (EngineResult, Summary, _Progress, check_paths, manifest_fields, plan_extract,
-                                           prompt_reader)
+    from vllm_hidden.engine.extractor import EngineResult
+    from vllm_hidden.extract.job import ProgressBar, Summary, manifest_fields
+    from vllm_hidden.extract.plan import check_paths, plan_extract, prompt_reader
     from vllm_hidden.storage.output import Output, in_part
 
     CacheDirs.resolve(cfg.cache_dir).apply()  # every engine inherits the cache locations
@@ -130,11 +130,11 @@ def run_parallel(cfg: ExtractConfig):
     plan = plan_extract(cfg)
     # devices (or the cluster) first: a bad --dp/--tp fails before any output is written
     if cfg.ray_address is None:
-        from vllm_hidden.dispatch.devices import rank_envs
+        from vllm_hidden.devices import rank_envs
 
         envs = rank_envs(cfg.dp, cfg.tp)
     else:
-        from vllm_hidden.dispatch.ray_ranks import RayRanks
+        from vllm_hidden.extract.ray_ranks import RayRanks
 
         ray_ranks = RayRanks(cfg)
     output = Output(cfg.output_dir, plan.identity, s3_endpoint_url=cfg.s3_endpoint_url, staging_dir=cfg.staging_dir)
@@ -183,7 +183,7 @@ def run_parallel(cfg: ExtractConfig):
     ok = False
     ends = 0
     ranks: Any = None
-    bar = _Progress(total, cfg.progress)
+    bar = ProgressBar(total, cfg.progress)
     try:
         if cfg.ray_address is None:
             ranks = LocalRanks(rank_specs(cfg, output, envs))

@@ -1,109 +1,22 @@
-"""Extraction driver: prompts -> vLLM engine (prefill only) -> worker-side capture -> shards
--> manifest. Runs in the user's process; the capture itself runs in vLLM's worker."""
+"""One vLLM engine with the capture path on, run prefill-only: prompts from a feed -> engine
+-> worker-side capture -> durable shards. Runs in the user's process (or a data-parallel
+rank's); the capture itself runs in vLLM's worker. The job around it (checks, plan, output,
+progress, manifest) is `vllm_hidden.extract`."""
 
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from vllm_hidden import __version__
-from vllm_hidden.config import CaptureConfig, ExtractConfig, ShardConfig
+from vllm_hidden.config import CaptureConfig, ExtractConfig, Plan, ShardConfig
 from vllm_hidden.engine.caches import CacheDirs, fingerprint, resolve_tp
-from vllm_hidden.inputs import BadLine, PromptReader, count_lines
-from vllm_hidden.layers import SEMANTICS, resolve_layer_ids
-from vllm_hidden.storage.journal import RUN
-from vllm_hidden.storage.s3 import S3Location, is_s3
-from vllm_hidden.storage.shards import FORMAT, ShardInfo
+from vllm_hidden.inputs import BadLine
+from vllm_hidden.storage.files import ShardInfo
 
 log = logging.getLogger("vllm_hidden")
 WORKER_EXTENSION = "vllm_hidden.engine.worker_ext.HiddenStatesWorkerExtension"
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelInfo:
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
-    max_positions: int | None
-
-
-def model_info(model: str) -> ModelInfo:
-    from transformers import AutoConfig
-
-    try:
-        cfg = AutoConfig.from_pretrained(model)
-    except Exception as e:  # noqa: BLE001 - re-raised with the model named
-        raise ValueError(f"cannot read the model config of {model!r}: {e}") from None
-    text = cfg.get_text_config()
-    return ModelInfo(
-        num_layers=int(text.num_hidden_layers),
-        hidden_size=int(text.hidden_size),
-        vocab_size=int(text.vocab_size),
-        max_positions=getattr(text, "max_position_embeddings", None),
-    )
-
-
-def check_paths(model: str, input_path: str | None, output_dir: str | None, resume: bool = False,
-                s3_endpoint_url: str | None = None) -> None:
-    """Fail before the (slow) engine start on anything we can check up front (input and
-    output: unless None, as in a data-parallel rank, whose coordinator checked them)."""
-    if input_path is not None and not Path(input_path).is_file():
-        raise ValueError(f"--input: no such file {input_path!r}")
-    if (model.startswith((".", "/", "~")) or Path(model).exists()) and not Path(model).expanduser().is_dir():
-        raise ValueError(f"--model: no such model directory {model!r}")
-    if output_dir is None:
-        return
-    if is_s3(output_dir):
-        loc = S3Location(output_dir, s3_endpoint_url)
-        try:
-            names = loc.names()
-        except Exception as e:  # noqa: BLE001 - re-raised with the location named
-            raise ValueError(f"--output: cannot list {loc.uri!r}: {e}") from None
-        if names and not resume:
-            raise ValueError(f"--output: {loc.uri!r} is not empty; pass --resume to continue the run that wrote it, "
-                             "or choose a new prefix")
-        if names and RUN not in names:
-            raise ValueError(f"--resume: {loc.uri!r} is not empty and has no {RUN}; it is not a vllm-hidden output")
-        return
-    out = Path(output_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--output: {output_dir!r} is not a directory")
-    _probe_writable(out, output_dir)
-    if out.exists() and any(out.iterdir()):
-        if not resume:
-            raise ValueError(f"--output: {output_dir!r} exists and is not empty; pass --resume to continue the "
-                             "run that wrote it, or choose a new directory")
-        if not (out / RUN).is_file():
-            raise ValueError(f"--resume: {output_dir!r} is not empty and has no {RUN}; it is not a vllm-hidden output")
-
-
-def _probe_writable(out: Path, given: str) -> None:
-    """Write a file in the output directory (created for the test) now, not after the engine
-    start: permissions mean little to root, and a read-only mount or a path through a file
-    is found only by trying."""
-    created = []  # removed again: a run refused later (or never started) leaves nothing behind
-    p = out
-    while not p.exists() and p != p.parent:
-        created.append(p)
-        p = p.parent
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".vllm-hidden-probe-", dir=out)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise ValueError(f"--output: cannot write to {given!r}: {e.strerror or e}") from None
-    finally:
-        for d in created:
-            try:
-                d.rmdir()
-            except OSError:
-                pass
 
 
 def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: CaptureConfig | None = None, *,
@@ -168,107 +81,6 @@ class EngineDied(RuntimeError):
 
 
 @dataclass
-class Summary:
-    samples: int = 0
-    tokens: int = 0
-    errors: int = 0
-    resumed: int = 0  # samples already done by an earlier attempt (--resume), skipped
-    shards: list[ShardInfo] = field(default_factory=list)
-    seconds: float = 0.0
-    engine_init_seconds: float = 0.0
-    first_sample_seconds: float = 0.0  # from the extractor's creation to the first finished sample
-    engine_start: dict[str, Any] = field(default_factory=dict)  # warm or cold, what was compiled (caches.StartProbe)
-    flush_seconds: float = 0.0  # from the last finished request to every shard durable
-    output_dir: str = ""
-    capture_stats: dict[str, Any] = field(default_factory=dict)
-    ranks: list[dict[str, Any]] = field(default_factory=list)  # a data-parallel run: each engine's share
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**({"dp": len(self.ranks), "ranks": self.ranks} if self.ranks else {}),
-            "samples": self.samples, "tokens": self.tokens, "errors": self.errors, "resumed": self.resumed,
-            "shards": len(self.shards), "bytes": sum(s.bytes for s in self.shards),
-            "seconds": round(self.seconds, 3), "engine_init_seconds": round(self.engine_init_seconds, 3),
-            "flush_seconds": round(self.flush_seconds, 3),
-            "first_sample_seconds": round(self.first_sample_seconds, 3), "engine_start": self.engine_start,
-            "tokens_per_s": round(self.tokens / self.seconds, 1) if self.seconds else 0.0,
-            "samples_per_s": round(self.samples / self.seconds, 2) if self.seconds else 0.0,
-            "output_dir": self.output_dir,
-            "capture_stats": self.capture_stats,
-        }
-
-
-class _Progress:
-    """rich progress bar with tokens/s, samples/s and ETA (or nothing when disabled)."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.p = None
-        if not enabled:
-            return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-        self.p = Progress(
-            TextColumn("extract"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[tps]:>9,.0f} tok/s {task.fields[sps]:>7,.1f} samples/s err {task.fields[err]}"),
-            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-        )
-        self.task = self.p.add_task("extract", total=total, tps=0.0, sps=0.0, err=0)
-        self.t0 = time.perf_counter()
-        self.p.start()
-
-    def update(self, done: int, tokens: int, errors: int) -> None:
-        if self.p is None:
-            return
-        dt = max(time.perf_counter() - self.t0, 1e-9)
-        self.p.update(self.task, completed=done + errors, tps=tokens / dt, sps=done / dt, err=errors)
-
-    def close(self) -> None:
-        if self.p is not None:
-            self.p.stop()
-
-
-@dataclass(frozen=True, kw_only=True)
-class Plan:
-    """What an extract is, worked out before any engine starts (reads the model's config; no vLLM)."""
-
-    info: ModelInfo
-    layer_ids: list[int]
-    max_prompt_len: int
-    identity: dict[str, Any]  # run.json: what the output is (checked by --resume)
-
-
-def plan_extract(cfg: ExtractConfig) -> Plan:
-    info = model_info(cfg.model)
-    layer_ids = resolve_layer_ids(info.num_layers, cfg.layers, cfg.aux_layers, cfg.layers_from)
-    if cfg.max_model_len and info.max_positions and cfg.max_model_len > info.max_positions:
-        raise ValueError(f"--max-model-len {cfg.max_model_len} is above the model's limit of {info.max_positions} positions")
-    max_prompt_len = cfg.max_model_len or info.max_positions
-    if not max_prompt_len:
-        raise ValueError(f"--max-model-len is required: {cfg.model!r} does not state max_position_embeddings")
-    m = cfg.model
-    model = str(Path(m).expanduser().resolve()) if Path(m).expanduser().is_dir() else m
-    identity = {"format": FORMAT, "model": model, "layer_ids": list(layer_ids), "hidden_size": info.hidden_size}
-    return Plan(info=info, layer_ids=list(layer_ids), max_prompt_len=max_prompt_len, identity=identity)
-
-
-def prompt_reader(cfg: ExtractConfig, plan: Plan, input_path: str | None = None) -> PromptReader:
-    from transformers import AutoTokenizer
-
-    return PromptReader(input_path or cfg.input_path, vocab_size=plan.info.vocab_size,
-                        max_prompt_len=plan.max_prompt_len,
-                        tokenizer_loader=lambda: AutoTokenizer.from_pretrained(cfg.model))
-
-
-def manifest_fields(cfg: ExtractConfig, plan: Plan, engine: dict[str, Any]) -> dict[str, Any]:
-    """The manifest's description of the run (everything but shards and errors)."""
-    from vllm_hidden.engine import compat
-
-    return dict(model=cfg.model, layer_ids=plan.layer_ids, layer_semantics=SEMANTICS,
-                num_model_layers=plan.info.num_layers, hidden_size=plan.info.hidden_size,
-                dtype=engine.pop("dtype"), versions={"vllm": compat.VLLM_VERSION, "vllm_hidden": __version__},
-                engine=engine)
-
-
-@dataclass
 class EngineResult:
     """What one engine extracted from its feed (shard paths relative to its part)."""
 
@@ -293,20 +105,19 @@ class EngineResult:
 
 
 class Extractor:
-    """One engine with the capture path on; `run` any number of prompt files through it
-    (each into its own output directory), or `extract` from any feed of prompts (a rank of a
-    data-parallel run). `run_extract` is one Extractor, one run."""
+    """One engine with the capture path on; `extract` any number of prompt feeds through it,
+    each into its own shards (`extract.job.extract_file` runs a prompt file into an output,
+    a data-parallel rank runs its share of a shared queue). The caller checks the paths and
+    plans the run (`extract.plan`) first."""
 
-    def __init__(self, cfg: ExtractConfig, *, start: bool = True, check_io: bool = True) -> None:
+    def __init__(self, cfg: ExtractConfig, plan: Plan, *, start: bool = True) -> None:
         self.engine = None
         self.t_created = time.perf_counter()
         self.first_sample_at: float | None = None
         self.cache = CacheDirs.resolve(cfg.cache_dir)
         self.cache_dirs = self.cache.apply()  # before vLLM is imported: its processes inherit the cache locations
-        check_paths(cfg.model, cfg.input_path if check_io else None, cfg.output_dir if check_io else None,
-                    cfg.resume, cfg.s3_endpoint_url)
         self.cfg = cfg
-        self.plan = plan = plan_extract(cfg)
+        self.plan = plan
         self.info = plan.info
         self.layer_ids = plan.layer_ids
         self.max_prompt_len = plan.max_prompt_len
@@ -375,40 +186,6 @@ class Extractor:
         return {"dtype": str(mc.dtype).replace("torch.", ""), "max_model_len": self.max_prompt_len,
                 "max_num_batched_tokens": sc.max_num_batched_tokens, "max_num_seqs": sc.max_num_seqs,
                 "enforce_eager": mc.enforce_eager, "tensor_parallel_size": vc.parallel_config.tensor_parallel_size}
-
-    def run(self, input_path: str, output_dir: str, progress: bool | None = None,
-            resume: bool | None = None) -> Summary:
-        from vllm_hidden.dispatch.feed import ReaderFeed
-        from vllm_hidden.storage.output import Output
-
-        cfg = self.cfg
-        resume = cfg.resume if resume is None else resume
-        if self.engine is None:
-            raise RuntimeError("the extractor is closed")
-        check_paths(cfg.model, input_path, output_dir, resume, cfg.s3_endpoint_url)
-        output = Output(output_dir, self.plan.identity, s3_endpoint_url=cfg.s3_endpoint_url,
-                        staging_dir=cfg.staging_dir)
-        state = output.begin(resume)
-        feed = ReaderFeed(prompt_reader(cfg, self.plan, input_path), state.done_ids, output.record_error)
-        summary = Summary(engine_init_seconds=self.engine_init_seconds, output_dir=output.where,
-                          engine_start=self.start_report)
-        bar = _Progress(count_lines(input_path), cfg.progress if progress is None else progress)
-        try:
-            res = self.extract(feed, output.shard_config(None, max_shard_bytes=cfg.max_shard_bytes,
-                                                         writer_threads=cfg.writer_threads),
-                               on_progress=lambda n, t: bar.update(n + feed.resumed, t, output.num_errors))
-        finally:
-            bar.close()
-            output.close_errors()
-        for bad in res.rejected:
-            output.record_error(bad)
-        summary.samples, summary.tokens, summary.resumed = res.samples, res.tokens, feed.resumed
-        summary.errors = output.num_errors
-        summary.shards, summary.capture_stats = res.shards, res.capture_stats
-        summary.seconds, summary.flush_seconds = res.seconds, res.flush_seconds
-        summary.first_sample_seconds = self.first_sample_at or 0.0
-        output.finish(res.shards, **manifest_fields(cfg, self.plan, self.engine_info()))
-        return summary
 
     def extract(self, feed, shard_cfg: ShardConfig, on_progress=None,
                 max_inflight_tokens: int | None = None) -> EngineResult:
@@ -500,12 +277,3 @@ class Extractor:
             raise RuntimeError(f"engine finished {res.samples} samples but {written} were written "
                                f"(incomplete: {out['incomplete'][:5]}, still assembling: {out['in_flight']})")
         return res
-
-
-def run_extract(cfg: ExtractConfig) -> Summary:
-    if cfg.dp > 1 or cfg.ray_address is not None:
-        from vllm_hidden.dispatch.coordinator import run_parallel
-
-        return run_parallel(cfg)
-    with Extractor(cfg) as ex:
-        return ex.run(cfg.input_path, cfg.output_dir)

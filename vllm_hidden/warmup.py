@@ -56,7 +56,7 @@ class WarmupReport:
 def run_warmup(cfg: ExtractConfig, *, force: bool = False) -> WarmupReport:
     """Warm the caches for `vllm-hidden extract` with these settings (cfg's input and output
     are ignored)."""
-    from vllm_hidden.engine.driver import Extractor
+    from vllm_hidden.extract.job import extract_file, start_extractor
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="vllm-hidden-warmup-") as tmp:
@@ -64,7 +64,7 @@ def run_warmup(cfg: ExtractConfig, *, force: bool = False) -> WarmupReport:
         prompts.touch()
         cfg = dataclasses.replace(cfg, input_path=str(prompts), output_dir=str(Path(tmp) / "out"), resume=False,
                                   s3_endpoint_url=None, staging_dir=None)
-        ex = Extractor(cfg, start=False)
+        ex = start_extractor(cfg, start=False)
         fp, stamp = ex.fingerprint, ex.cache.stamp_path(ex.fingerprint)
         prev = ex.cache.warm_stamp(fp, ex.cache_dirs)
         if prev is not None and not force:
@@ -80,7 +80,7 @@ def run_warmup(cfg: ExtractConfig, *, force: bool = False) -> WarmupReport:
                     ids = [rng.randrange(ex.info.vocab_size) for _ in range(n)]
                     f.write(json.dumps({"id": f"warmup-{i}", "token_ids": ids}) + "\n")
             files = cache_files()
-            summary = ex.run(str(prompts), cfg.output_dir, progress=False, resume=False)
+            summary = extract_file(ex, str(prompts), cfg.output_dir, progress=False, resume=False)
             workload = {"samples": summary.samples, "tokens": summary.tokens, "seconds": round(summary.seconds, 2),
                         **new_kernels(files, cache_files()),
                         "lengths": sorted(set(lengths))}

@@ -1,0 +1,24 @@
+"""The extract job, above the engine: check and plan the run (plan), one engine over a
+prompt file (job), or several fed from one shared queue (coordinator: local processes via
+rank, or Ray actors via ray_ranks), prompts handed out by feed. The engine itself is
+`vllm_hidden.engine.extractor`; the output is `vllm_hidden.storage`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm_hidden.config import ExtractConfig
+    from vllm_hidden.extract.job import Summary
+
+
+def run_extract(cfg: ExtractConfig) -> Summary:
+    """`vllm-hidden extract`: one engine in this process, or `--dp` engines (`--ray`: on a cluster)."""
+    if cfg.dp > 1 or cfg.ray_address is not None:
+        from vllm_hidden.extract.coordinator import run_parallel
+
+        return run_parallel(cfg)
+    from vllm_hidden.extract.job import extract_file, start_extractor
+
+    with start_extractor(cfg) as ex:
+        return extract_file(ex, cfg.input_path, cfg.output_dir)

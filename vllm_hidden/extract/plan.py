@@ -1,0 +1,112 @@
+"""What an extract is, worked out and checked before any engine starts: the model's shape,
+the layer ids, the longest prompt, the output's identity (run.json), and the input and
+output paths. Reads the model's config with Transformers; no vLLM here."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from vllm_hidden.config import ExtractConfig, ModelInfo, Plan
+from vllm_hidden.inputs import PromptReader
+from vllm_hidden.layers import resolve_layer_ids
+from vllm_hidden.storage.files import FORMAT
+from vllm_hidden.storage.journal import RUN
+from vllm_hidden.storage.s3 import S3Location, is_s3
+
+
+def model_info(model: str) -> ModelInfo:
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(model)
+    except Exception as e:  # noqa: BLE001 - re-raised with the model named
+        raise ValueError(f"cannot read the model config of {model!r}: {e}") from None
+    text = cfg.get_text_config()
+    return ModelInfo(
+        num_layers=int(text.num_hidden_layers),
+        hidden_size=int(text.hidden_size),
+        vocab_size=int(text.vocab_size),
+        max_positions=getattr(text, "max_position_embeddings", None),
+    )
+
+
+def check_paths(model: str, input_path: str | None, output_dir: str | None, resume: bool = False,
+                s3_endpoint_url: str | None = None) -> None:
+    """Fail before the (slow) engine start on anything we can check up front (input and
+    output: unless None, as in a data-parallel rank, whose coordinator checked them)."""
+    if input_path is not None and not Path(input_path).is_file():
+        raise ValueError(f"--input: no such file {input_path!r}")
+    if (model.startswith((".", "/", "~")) or Path(model).exists()) and not Path(model).expanduser().is_dir():
+        raise ValueError(f"--model: no such model directory {model!r}")
+    if output_dir is None:
+        return
+    if is_s3(output_dir):
+        loc = S3Location(output_dir, s3_endpoint_url)
+        try:
+            names = loc.names()
+        except Exception as e:  # noqa: BLE001 - re-raised with the location named
+            raise ValueError(f"--output: cannot list {loc.uri!r}: {e}") from None
+        if names and not resume:
+            raise ValueError(f"--output: {loc.uri!r} is not empty; pass --resume to continue the run that wrote it, "
+                             "or choose a new prefix")
+        if names and RUN not in names:
+            raise ValueError(f"--resume: {loc.uri!r} is not empty and has no {RUN}; it is not a vllm-hidden output")
+        return
+    out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output: {output_dir!r} is not a directory")
+    _probe_writable(out, output_dir)
+    if out.exists() and any(out.iterdir()):
+        if not resume:
+            raise ValueError(f"--output: {output_dir!r} exists and is not empty; pass --resume to continue the "
+                             "run that wrote it, or choose a new directory")
+        if not (out / RUN).is_file():
+            raise ValueError(f"--resume: {output_dir!r} is not empty and has no {RUN}; it is not a vllm-hidden output")
+
+
+def _probe_writable(out: Path, given: str) -> None:
+    """Write a file in the output directory (created for the test) now, not after the engine
+    start: permissions mean little to root, and a read-only mount or a path through a file
+    is found only by trying."""
+    created = []  # removed again: a run refused later (or never started) leaves nothing behind
+    p = out
+    while not p.exists() and p != p.parent:
+        created.append(p)
+        p = p.parent
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".vllm-hidden-probe-", dir=out)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"--output: cannot write to {given!r}: {e.strerror or e}") from None
+    finally:
+        for d in created:
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+
+
+def plan_extract(cfg: ExtractConfig) -> Plan:
+    info = model_info(cfg.model)
+    layer_ids = resolve_layer_ids(info.num_layers, cfg.layers, cfg.aux_layers, cfg.layers_from)
+    if cfg.max_model_len and info.max_positions and cfg.max_model_len > info.max_positions:
+        raise ValueError(f"--max-model-len {cfg.max_model_len} is above the model's limit of {info.max_positions} positions")
+    max_prompt_len = cfg.max_model_len or info.max_positions
+    if not max_prompt_len:
+        raise ValueError(f"--max-model-len is required: {cfg.model!r} does not state max_position_embeddings")
+    m = cfg.model
+    model = str(Path(m).expanduser().resolve()) if Path(m).expanduser().is_dir() else m
+    identity = {"format": FORMAT, "model": model, "layer_ids": list(layer_ids), "hidden_size": info.hidden_size}
+    return Plan(info=info, layer_ids=list(layer_ids), max_prompt_len=max_prompt_len, identity=identity)
+
+
+def prompt_reader(cfg: ExtractConfig, plan: Plan, input_path: str | None = None) -> PromptReader:
+    from transformers import AutoTokenizer
+
+    return PromptReader(input_path or cfg.input_path, vocab_size=plan.info.vocab_size,
+                        max_prompt_len=plan.max_prompt_len,
+                        tokenizer_loader=lambda: AutoTokenizer.from_pretrained(cfg.model))
