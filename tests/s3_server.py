@@ -13,7 +13,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from vllm_hidden.warmup import free_port  # noqa: F401 - also used by the server tests
+from vllm_hidden.warmup import free_port
 
 
 class MotoServer:

@@ -1,21 +1,80 @@
-"""Shared pieces of the engine tests: run the real CLI, compute HF references."""
+"""Shared pieces of the engine tests (integration and reliability): run the real CLI, make
+prompt files, read journals and summaries, compute HF references, run a server."""
 
 from __future__ import annotations
 
-import blake3
 import json
 import os
+import random
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
+import blake3
 import torch
 
+from vllm_hidden.storage.journal import JOURNAL
 
-def run_cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    return subprocess.run([sys.executable, "-m", "vllm_hidden.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+CLI = [sys.executable, "-m", "vllm_hidden.cli"]
+
+
+def cli_env() -> dict[str, str]:
+    """The environment a CLI (or server) subprocess gets: ours, with vllm-cpu's KV cache small."""
+    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+
+
+def run_cli(*args: str, timeout: int = 900, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=cli_env(), **kw)
+
+
+def start_cli(*args: str, stdout=subprocess.DEVNULL, **kw) -> subprocess.Popen:
+    """The CLI in the background, in a process group of its own (so that one killpg ends it
+    with vLLM's processes); stderr is a text pipe."""
+    return subprocess.Popen([*CLI, *args], start_new_session=True, env=cli_env(), stdout=stdout,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def last_json(out: subprocess.CompletedProcess | str) -> dict:
+    """The JSON summary a command prints last."""
+    text = out if isinstance(out, str) else out.stdout
+    return json.loads([ln for ln in text.splitlines() if ln.startswith("{")][-1])
+
+
+def journal(out: Path) -> list[dict]:
+    """The durable shards an extract output (or a rank's part) has recorded so far."""
+    p = Path(out) / JOURNAL
+    lines = p.read_text().split("\n") if p.is_file() else []
+    return [json.loads(x) for x in lines[:-1]]  # a line counts once its newline is written
+
+
+def journal_lines(out: Path) -> int:
+    p = Path(out) / JOURNAL
+    return p.read_text().count("\n") if p.is_file() else 0
+
+
+def random_prompts(n: int, seed: int, lengths: tuple[int, int] = (16, 200), vocab: int = 1024,
+                   prefix: str = "s", lognormal: tuple[float, float] | None = None) -> dict[str, list[int]]:
+    """n prompts of random token ids, ids prefix0, prefix1, ...; lengths uniform in `lengths`,
+    or lognormal(mu, sigma) clipped to `lengths` (chat-like: many short, a few long)."""
+    rng = random.Random(seed)
+
+    def length() -> int:
+        if lognormal is None:
+            return rng.randint(*lengths)
+        return int(min(lengths[1], max(lengths[0], rng.lognormvariate(*lognormal))))
+
+    return {f"{prefix}{i}": [rng.randrange(vocab) for _ in range(length())] for i in range(n)}
+
+
+def write_prompts(path: Path, prompts: dict, extra_lines: Iterable[str] = ()) -> dict:
+    """One `{"id", "token_ids"}` line per prompt, then `extra_lines` (bad lines, say); returns `prompts`."""
+    with open(path, "w") as f:
+        for sid, ids in prompts.items():
+            f.write(json.dumps({"id": sid, "token_ids": ids}) + "\n")
+        for line in extra_lines:
+            f.write(line + "\n")
+    return prompts
 
 
 class HFReference:
@@ -46,6 +105,56 @@ def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got - ref).norm() / ref.norm()).item()
 
 
+def token_prompt(seed: int, n: int, hi: int = 500) -> list[int]:
+    """A prompt of n random token ids in [10, hi) (clear of the special tokens)."""
+    rng = random.Random(seed)
+    return [rng.randrange(10, hi) for _ in range(n)]
+
+
+def check_states(ref: HFReference, obj: dict, layers: list[int], ids: list[int] | None = None,
+                 tol: float = 1e-2) -> dict:
+    """A server response's `hidden_states` object: its shape and token ids (`ids`, if given),
+    and every layer against HF within `tol` rel. L2. Returns the decoded tensors."""
+    from vllm_hidden.server import decode
+
+    d = decode(obj)
+    hs, got = d["hidden_states"], d["token_ids"].tolist()
+    assert obj["num_tokens"] == len(got) == hs.shape[0]
+    assert obj["layer_ids"] == layers and hs.shape[1] == len(layers)
+    if ids is not None:
+        assert got == ids
+    states = ref.states(got)
+    for k, layer in enumerate(layers):
+        err = rel_l2(hs[:, k], states[layer])
+        assert err <= tol, (layer, err)
+    return d
+
+
+def check_dataset(out, good: dict, ref: HFReference, layers: list[int], every: int = 1, bound: float = 1e-2,
+                  s3_endpoint_url: str | None = None) -> float:
+    """An extract output read back: every sample of `good` ({id: token ids}) exactly once,
+    its token ids, and (every `every`-th sample) each layer's states against HF within
+    `bound` rel. L2. Returns the worst error seen."""
+    from vllm_hidden.data import HiddenStatesDataset
+
+    ds = HiddenStatesDataset(out, s3_endpoint_url=s3_endpoint_url)
+    assert ds.layer_ids == layers
+    ids = [ds[i]["id"] for i in range(len(ds))]
+    assert sorted(ids, key=str) == sorted(good, key=str) and len(set(ids)) == len(ids)  # each sample exactly once
+    worst = 0.0
+    for i in range(len(ds)):
+        s = ds[i]
+        assert s["token_ids"].tolist() == good[s["id"]]
+        if i % every:
+            continue
+        states = ref.states(good[s["id"]])
+        for k, layer in enumerate(layers):
+            err = rel_l2(s["hidden_states"][:, k], states[layer])
+            worst = max(worst, err)
+            assert err <= bound, (s["id"], layer, err)
+    return worst
+
+
 def verify_checksums(out: Path) -> None:
     m = json.loads((out / "manifest.json").read_text())
     for s in m["shards"]:
@@ -63,7 +172,7 @@ class Server:
         import time
         import urllib.request
 
-        from tests.s3_server import free_port
+        from vllm_hidden.warmup import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -72,12 +181,12 @@ class Server:
         if api_key:
             common += ["--api-key", api_key]
         if layers is not None:
-            cmd = [sys.executable, "-m", "vllm_hidden.cli", "serve", str(model), "--layers", layers, *common]
+            cmd = [*CLI, "serve", str(model), "--layers", layers, *common]
         else:
             code = ("import sys; from vllm_hidden.engine.serving import run_vllm_serve; "
                     "run_vllm_serve(['serve', *sys.argv[1:]])")
             cmd = [sys.executable, "-c", code, str(model), *common]
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+        env = cli_env()
         for k in [k for k in env if k.startswith("VHIDDEN_")]:  # as from a shell: the server sets its own
             del env[k]
         self.log = log
@@ -102,6 +211,10 @@ class Server:
         from openai import OpenAI
 
         return OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none", max_retries=0, **kw)
+
+    def model_name(self) -> str:
+        """The name the server serves its model under."""
+        return self.client().models.list().data[0].id
 
     def post(self, path: str, payload: dict | bytes, headers: dict | None = None, timeout: float = 120):
         """Raw HTTP POST -> (status, parsed JSON or text)."""

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from tests.integration.helpers import HFReference, run_cli
-from tests.integration.test_parallel import ENGINE, check_against_hf, last_json, write_prompts
+from tests.integration.helpers import HFReference, check_dataset, last_json, run_cli
+from tests.integration.test_parallel import ENGINE, dp_prompts
 
 pytestmark = pytest.mark.integration
 
@@ -30,7 +30,7 @@ def cluster():
 def test_ray_cluster_two_workers_to_s3(tiny_models, cluster, s3, tmp_path):
     url, bucket, client = s3
     model = tiny_models("qwen3_next", 4)
-    good = write_prompts(tmp_path / "in.jsonl", 30)
+    good = dp_prompts(tmp_path / "in.jsonl", 30)
     uri = f"s3://{bucket}/ray-run"
     r = run_cli("extract", "-m", str(model), "-i", str(tmp_path / "in.jsonl"), "-o", uri, "--s3-endpoint-url", url,
                 "--layers", "0,3", "--ray", cluster.address, "--dp", "2", *ENGINE)
@@ -46,4 +46,4 @@ def test_ray_cluster_two_workers_to_s3(tiny_models, cluster, s3, tmp_path):
     assert "ray-run/errors.jsonl" in keys and "ray-run/run.json" in keys
     r = run_cli("inspect", uri, "--s3-endpoint-url", url)
     assert r.returncode == 0, r.stdout + r.stderr
-    check_against_hf(uri, good, HFReference(model), [0, 3], every=3, s3_endpoint_url=url)
+    check_dataset(uri, good, HFReference(model), [0, 3], every=3, s3_endpoint_url=url)

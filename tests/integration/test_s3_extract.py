@@ -8,13 +8,11 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 
 import blake3
 
-from tests.integration.helpers import run_cli
+from tests.integration.helpers import last_json, run_cli, start_cli
 from vllm_hidden.data import HiddenStatesDataset
 
 ENGINE = ["--enforce-eager", "--dtype", "bfloat16", "--max-num-seqs", "8", "--max-num-batched-tokens", "256"]
@@ -37,8 +35,7 @@ def test_extract_to_s3_killed_then_resumed_and_read_back(tiny_models, s3, tmp_pa
             "--staging-dir", str(tmp_path / "stage"), "--layers", "3,1", "--max-shard-bytes", str(128 * 1024),
             "--writer-threads", "2", "--no-progress", *ENGINE]
 
-    p = subprocess.Popen([sys.executable, "-m", "vllm_hidden.cli", *args], start_new_session=True,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))
+    p = start_cli(*args)
     t0 = time.monotonic()
     try:
         while len(_shard_objects(client, bucket, "runs/r1")) < 3:
@@ -54,7 +51,7 @@ def test_extract_to_s3_killed_then_resumed_and_read_back(tiny_models, s3, tmp_pa
     assert refused.returncode == 2 and "is not empty; pass --resume" in refused.stderr
     done = run_cli(*args, "--resume")
     assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    summary = last_json(done)
     assert summary["resumed"] >= 1 and summary["resumed"] + summary["samples"] == len(prompts)
     assert not (tmp_path / "stage").exists() or not list((tmp_path / "stage").glob("shard-*"))
 

@@ -4,13 +4,12 @@ official `openai` client, states checked against HF Transformers on the same wei
 from __future__ import annotations
 
 import json
-import random
 import threading
 
 import pytest
 
-from tests.integration.helpers import HFReference, Server, rel_l2
-from vllm_hidden.server import decode
+from tests.integration.helpers import HFReference, Server, check_states
+from tests.integration.helpers import token_prompt as prompt
 
 pytestmark = pytest.mark.integration
 
@@ -18,12 +17,6 @@ LAYERS = [0, 2, 3]  # of a 4-layer model; 3 is the last (taken before the final 
 KEY = "test-key-1"
 MAX_HIDDEN = 400
 MAX_BODY = 200_000
-TOL = 1e-2
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 500) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -45,46 +38,32 @@ def ref(dense):
     return HFReference(dense)
 
 
-def check_states(ref: HFReference, obj: dict, layers: list[int], expect_ids: list[int] | None = None) -> dict:
-    d = decode(obj)
-    hs, ids = d["hidden_states"], d["token_ids"].tolist()
-    assert obj["num_tokens"] == len(ids) == hs.shape[0]
-    assert obj["layer_ids"] == layers and hs.shape[1] == len(layers)
-    if expect_ids is not None:
-        assert ids == expect_ids
-    states = ref.states(ids)
-    for k, layer in enumerate(layers):
-        err = rel_l2(hs[:, k], states[layer])
-        assert err <= TOL, (layer, err)
-    return d
-
-
 def test_completion_prompt_states_match_hf(server, ref):
     c = server.client()
     p = prompt(1, 40)
-    r = c.completions.create(model=str(server_model(server)), prompt=p, max_tokens=4, temperature=0,
+    r = c.completions.create(model=server.model_name(), prompt=p, max_tokens=4, temperature=0,
                              extra_body={"hidden_states": True})
     obj = r.model_extra["hidden_states"]
     assert obj["format"] == "safetensors" and obj["encoding"] == "base64" and obj["tokens"] == "prompt"
-    check_states(ref, obj, LAYERS, expect_ids=p)
+    check_states(ref, obj, LAYERS, ids=p)
     assert r.choices[0].text  # the completion itself is still there
 
 
 def test_completion_all_tokens_cover_generated_tokens(server, ref):
     c = server.client()
     p = prompt(2, 30)
-    r = c.completions.create(model=str(server_model(server)), prompt=p, max_tokens=8, temperature=0,
+    r = c.completions.create(model=server.model_name(), prompt=p, max_tokens=8, temperature=0,
                              extra_body={"hidden_states": {"layers": [3, 0], "tokens": "all"}, "return_token_ids": True})
     gen = list(r.choices[0].token_ids)
     assert len(gen) == r.usage.completion_tokens == 8
     # the last sampled token is never run through the model, so it has no state
-    check_states(ref, r.model_extra["hidden_states"], [3, 0], expect_ids=p + gen[:-1])
+    check_states(ref, r.model_extra["hidden_states"], [3, 0], ids=p + gen[:-1])
 
 
 def test_chat_streaming_states_arrive_with_the_final_chunk(server, ref):
     c = server.client()
     stream = c.chat.completions.create(
-        model=str(server_model(server)), messages=[{"role": "user", "content": "abc de fgh ij"}], max_tokens=5,
+        model=server.model_name(), messages=[{"role": "user", "content": "abc de fgh ij"}], max_tokens=5,
         temperature=0, stream=True, stream_options={"include_usage": True},
         extra_body={"hidden_states": {"layers": [2], "tokens": "all"}})
     chunks = list(stream)
@@ -99,7 +78,7 @@ def test_chat_streaming_states_arrive_with_the_final_chunk(server, ref):
 
 def test_chat_prompt_states_non_streaming(server, ref):
     c = server.client()
-    r = c.chat.completions.create(model=str(server_model(server)),
+    r = c.chat.completions.create(model=server.model_name(),
                                   messages=[{"role": "system", "content": "x y"}, {"role": "user", "content": "hello there"}],
                                   max_tokens=3, temperature=0, extra_body={"hidden_states": {"layers": [0, 3]}})
     obj = r.model_extra["hidden_states"]
@@ -111,17 +90,13 @@ def test_prefix_cache_stays_on_and_a_states_request_gets_every_row(server, ref):
     c = server.client()
     shared = prompt(3, 300)
     a, b = shared + prompt(4, 20), shared + prompt(5, 25)
-    model = str(server_model(server))
+    model = server.model_name()
     c.completions.create(model=model, prompt=a, max_tokens=1, temperature=0)  # fills the cache
     warm = c.completions.create(model=model, prompt=b, max_tokens=1, temperature=0)
     assert warm.usage.prompt_tokens_details.cached_tokens > 0  # plain requests use the cache
     r = c.completions.create(model=model, prompt=b, max_tokens=1, temperature=0, extra_body={"hidden_states": True})
     assert not (r.usage.prompt_tokens_details and r.usage.prompt_tokens_details.cached_tokens)
-    check_states(ref, r.model_extra["hidden_states"], LAYERS, expect_ids=b)
-
-
-def server_model(server: Server) -> str:
-    return server.client().models.list().data[0].id
+    check_states(ref, r.model_extra["hidden_states"], LAYERS, ids=b)
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +125,7 @@ def _sse(text: str) -> list:
 def test_requests_without_the_field_match_a_plain_server(server, plain):
     import requests
 
-    model_ours, model_plain = server_model(server), server_model(plain)
+    model_ours, model_plain = server.model_name(), plain.model_name()
     assert model_ours == model_plain
     cases = [
         ("/v1/completions", {"prompt": prompt(6, 25), "max_tokens": 6, "temperature": 0, "logprobs": 2}),
@@ -177,7 +152,7 @@ def test_requests_without_the_field_match_a_plain_server(server, plain):
 
 
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, ref):
-    model = server_model(server)
+    model = server.model_name()
     base = {"model": model, "prompt": prompt(8, 20), "max_tokens": 2}
     bad = [
         ({"hidden_states": {"layers": [1]}}, 400, "allowed layer ids: [0, 2, 3]"),
@@ -217,13 +192,13 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, ref):
     # still serving, with states
     code, body = server.post("/v1/completions", {**base, "hidden_states": True})
     assert code == 200
-    check_states(ref, body["hidden_states"], LAYERS, expect_ids=base["prompt"])
+    check_states(ref, body["hidden_states"], LAYERS, ids=base["prompt"])
 
 
 def test_concurrent_mixed_load(server, ref):
     """32 clients x 3 requests, with and without states, streaming and not: every response
     complete and correct; the server's memory does not grow with the load."""
-    model = server_model(server)
+    model = server.model_name()
     c = server.client(timeout=300)
     errors: list = []
     results: list = []
@@ -287,20 +262,20 @@ def test_gated_deltanet_hybrid_prompt_and_generated_states(hybrid):
     server, model = hybrid
     ref = HFReference(model)
     c = server.client()
-    name = server_model(server)
+    name = server.model_name()
     for seed, n in ((20, 37), (21, 300)):  # 300: more than one prefill chunk of the GDN kernels
         p = prompt(seed, n)
         r = c.completions.create(model=name, prompt=p, max_tokens=6, temperature=0,
                                  extra_body={"hidden_states": {"tokens": "all"}, "return_token_ids": True})
-        check_states(ref, r.model_extra["hidden_states"], [0, 1, 3], expect_ids=p + list(r.choices[0].token_ids)[:-1])
+        check_states(ref, r.model_extra["hidden_states"], [0, 1, 3], ids=p + list(r.choices[0].token_ids)[:-1])
         r = c.completions.create(model=name, prompt=p, max_tokens=2, temperature=0, extra_body={"hidden_states": True})
-        check_states(ref, r.model_extra["hidden_states"], [0, 1, 3], expect_ids=p)
+        check_states(ref, r.model_extra["hidden_states"], [0, 1, 3], ids=p)
 
 
 def test_client_disconnect_mid_stream_leaves_the_server_serving(server, ref):
     import requests
 
-    model = server_model(server)
+    model = server.model_name()
     for _ in range(3):
         r = requests.post(server.url + "/v1/completions", stream=True, timeout=120,
                           headers={"Authorization": f"Bearer {KEY}"},
@@ -312,4 +287,4 @@ def test_client_disconnect_mid_stream_leaves_the_server_serving(server, ref):
     p = prompt(31, 15)
     code, body = server.post("/v1/completions", {"model": model, "prompt": p, "max_tokens": 3, "hidden_states": True})
     assert code == 200
-    check_states(ref, body["hidden_states"], LAYERS, expect_ids=p)
+    check_states(ref, body["hidden_states"], LAYERS, ids=p)

@@ -6,14 +6,12 @@ once on a cold cache compile once. The states a warm engine writes still match H
 from __future__ import annotations
 
 import json
-import os
-import random
 import subprocess
-import sys
 
 import pytest
 
-from tests.integration.helpers import HFReference, Server, rel_l2, run_cli
+from tests.integration.helpers import (CLI, HFReference, Server, cli_env, last_json, random_prompts, rel_l2, run_cli,
+                                       write_prompts)
 from vllm_hidden.data import HiddenStatesDataset
 
 pytestmark = pytest.mark.integration
@@ -23,16 +21,8 @@ LAYERS = "0,2,3"
 MAX_LEN = "256"
 
 
-def last_json(proc: subprocess.CompletedProcess | str) -> dict:
-    text = proc if isinstance(proc, str) else proc.stdout
-    return json.loads([ln for ln in text.splitlines() if ln.startswith("{")][-1])
-
-
-def write_prompts(path, n: int, seed: int) -> dict[str, list[int]]:
-    rng = random.Random(seed)
-    prompts = {f"p{i}": [rng.randrange(10, 500) for _ in range(rng.randrange(5, 200))] for i in range(n)}
-    path.write_text("".join(json.dumps({"id": k, "token_ids": v}) + "\n" for k, v in prompts.items()))
-    return prompts
+def warmup_prompts(path, n: int, seed: int) -> dict[str, list[int]]:
+    return write_prompts(path, random_prompts(n, seed, lengths=(5, 199), prefix="p"))
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +49,7 @@ def test_warmup_then_extract_compiles_nothing(model, tmp_path):
     assert n["noop"] and n["fingerprint"] == w["fingerprint"]
     assert "Initializing a V1 LLM engine" not in again.stdout + again.stderr  # (vLLM logs to stdout)
 
-    prompts = write_prompts(tmp_path / "in.jsonl", 6, seed=1)
+    prompts = warmup_prompts(tmp_path / "in.jsonl", 6, seed=1)
     out = tmp_path / "out"
     e = run_cli("extract", *args, "-i", str(tmp_path / "in.jsonl"), "-o", str(out), "--no-progress")
     assert e.returncode == 0, e.stderr[-3000:]
@@ -85,16 +75,15 @@ def test_engines_started_at_once_compile_once(model, tmp_path):
     """Two extracts started together on an empty cache: one compiles while the other waits on
     the start lock, then starts from what the first compiled."""
     cache = tmp_path / "cache"
-    write_prompts(tmp_path / "in.jsonl", 4, seed=2)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    warmup_prompts(tmp_path / "in.jsonl", 4, seed=2)
     procs, logs = [], []
     for i in range(2):  # output to files: a full pipe must not stall the engine holding the lock
         out, err = open(tmp_path / f"out{i}.txt", "w+"), open(tmp_path / f"err{i}.txt", "w+")
         logs.append((out, err))
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "vllm_hidden.cli", "extract", "-m", str(model), "--layers", LAYERS, "--max-model-len",
+            [*CLI, "extract", "-m", str(model), "--layers", LAYERS, "--max-model-len",
              MAX_LEN, "--cache-dir", str(cache), *ENGINE, "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / f"out{i}"),
-             "--no-progress"], stdout=out, stderr=err, text=True, env=env))
+             "--no-progress"], stdout=out, stderr=err, text=True, env=cli_env()))
     results = []
     for p, (out, err) in zip(procs, logs):
         p.wait(timeout=900)

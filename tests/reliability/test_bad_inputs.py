@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import codecs
 import json
-import os
 import subprocess
-import sys
 import threading
 import time
 
 import psutil
 from transformers import AutoTokenizer
 
-from tests.integration.helpers import HFReference, rel_l2, run_cli, verify_checksums
+from tests.integration.helpers import CLI, HFReference, cli_env, last_json, rel_l2, run_cli, verify_checksums
 from vllm_hidden.data import HiddenStatesDataset
 
 ENGINE = ["--enforce-eager", "--dtype", "bfloat16", "--max-num-seqs", "8", "--max-num-batched-tokens", "256"]
@@ -97,7 +95,7 @@ def test_every_bad_line_is_an_error_record_and_the_good_ones_match_hf(tiny_model
     r = run_cli("extract", "--model", str(model), "--input", str(inp), "--output", str(out), "--layers", "0,3",
                 "--max-model-len", str(MAX_LEN), "--no-progress", *ENGINE)
     assert r.returncode == 0, r.stderr[-3000:]
-    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    summary = last_json(r)
     assert summary["samples"] == len(good) and summary["errors"] == len(bad), summary
 
     errors = [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
@@ -135,16 +133,16 @@ def test_empty_input_is_a_complete_empty_output(tiny_models, tmp_path):
         r = run_cli("extract", "--model", str(model), "--input", str(inp), "--output", str(out), "--layers", "1",
                     "--max-model-len", str(MAX_LEN), "--no-progress", *ENGINE)
         assert r.returncode == 0, r.stderr[-3000:]
-        summary = json.loads(r.stdout.strip().splitlines()[-1])
+        summary = last_json(r)
         assert summary["samples"] == 0 and summary["errors"] == 0
         assert len(HiddenStatesDataset(out)) == 0
         assert run_cli("inspect", str(out)).returncode == 0
 
 
-def _peak_rss(cmd, env):
+def _peak_rss(cmd):
     """Run `cmd`; the peak resident memory of its main process (where input is read), sampled
     every 50 ms, and the process."""
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak = [0]
     proc = psutil.Process(p.pid)
 
@@ -181,17 +179,16 @@ def test_a_1gb_input_is_streamed_with_bounded_memory(tiny_models, tmp_path, reli
             fb.write('{"id": "b%d", "token_ids": [%s]}\n' % (n_big, filler))
             n_big += 1
     size = big.stat().st_size
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     args = ["--layers", "1", "--max-model-len", str(MAX_LEN), "--no-progress", *ENGINE]
-    base = [sys.executable, "-m", "vllm_hidden.cli", "extract", "--model", str(model)]
-    peak_small, rc, _, err = _peak_rss([*base, "--input", str(small), "--output", str(tmp_path / "o1"), *args], env)
+    base = [*CLI, "extract", "--model", str(model)]
+    peak_small, rc, _, err = _peak_rss([*base, "--input", str(small), "--output", str(tmp_path / "o1"), *args])
     assert rc == 0, err[-3000:]
     t0 = time.monotonic()
-    peak_big, rc, out, err = _peak_rss([*base, "--input", str(big), "--output", str(tmp_path / "o2"), *args], env)
+    peak_big, rc, out, err = _peak_rss([*base, "--input", str(big), "--output", str(tmp_path / "o2"), *args])
     seconds = time.monotonic() - t0
     assert rc == 0, err[-3000:]
     big.unlink()
-    summary = json.loads(out.strip().splitlines()[-1])
+    summary = last_json(out)
     assert summary["samples"] == n_good and summary["errors"] == n_big, summary
     growth = peak_big - peak_small
     # a held file would be >= 1 GiB (as Python objects, several); one line parsed is ~10 MB

@@ -12,40 +12,18 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
 
-from tests.integration.helpers import HFReference, rel_l2, run_cli, verify_checksums
+from tests.integration.helpers import (HFReference, journal, journal_lines, last_json, random_prompts, rel_l2, run_cli,
+                                       start_cli, verify_checksums, write_prompts)
 from vllm_hidden.data import HiddenStatesDataset
-from vllm_hidden.storage.journal import JOURNAL
 from vllm_hidden.storage.verify import verify_output
 
 ENGINE = ["--enforce-eager", "--dtype", "bfloat16", "--max-num-seqs", "8", "--max-num-batched-tokens", "256"]
 TRIALS = 20
 SEED = 20261201
-
-
-def _journal_lines(out) -> int:
-    p = out / JOURNAL
-    return p.read_text().count("\n") if p.is_file() else 0
-
-
-def _env():
-    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-
-
-def _prompts(n, seed):
-    rng = random.Random(seed)
-    return {f"s{i}": [rng.randrange(1024) for _ in range(rng.randint(16, 200))] for i in range(n)}
-
-
-def _write_input(path, prompts):
-    with open(path, "w") as f:
-        for sid, ids in prompts.items():
-            f.write(json.dumps({"id": sid, "token_ids": ids}) + "\n")
-        f.write("not json\n")  # a bad line: one error record at the end, however many attempts
 
 
 def _shard_problems(out) -> list[str]:
@@ -59,17 +37,16 @@ def _shard_problems(out) -> list[str]:
     return [p for p in report.problems if not p.startswith("incomplete:")]
 
 
-def _attempt(cmd, out, rng, timeout=600) -> dict:
+def _attempt(args, out, rng, timeout=600) -> dict:
     """One attempt, SIGKILLed (whole process group) at a random point: after the journal
     grows by 0-3 shards, plus a random delay (0 shards: somewhere in the engine start)."""
     grow = rng.randint(0, 3)
     delay = rng.uniform(0, 6.0) if grow == 0 else rng.uniform(0, 0.3)
-    before = _journal_lines(out)
-    p = subprocess.Popen(cmd, start_new_session=True, env=_env(), stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE)
+    before = journal_lines(out)
+    p = start_cli(*args)
     t0 = time.monotonic()
     try:
-        while _journal_lines(out) < before + grow and p.poll() is None:
+        while journal_lines(out) < before + grow and p.poll() is None:
             if time.monotonic() - t0 > timeout:
                 raise AssertionError("no progress before the kill point")
             time.sleep(0.01)
@@ -86,22 +63,20 @@ def _attempt(cmd, out, rng, timeout=600) -> dict:
         raise AssertionError(f"attempt failed (rc {p.returncode}): {p.stderr.read()[-3000:]}")
     finished = (out / "manifest.json").exists()  # done before its kill point (the manifest is written last)
     return {"grow": grow, "delay_s": round(delay, 3), "killed_at_s": round(time.monotonic() - t0, 2),
-            "shards_before": before, "shards_after": _journal_lines(out), "finished_first": finished}
+            "shards_before": before, "shards_after": journal_lines(out), "finished_first": finished}
 
 
 def test_kill_9_at_random_points_then_resume_exactly_once(tiny_models, tmp_path, reliability_report):
     model = tiny_models("qwen3", 4)
-    prompts = _prompts(600, SEED)
     inp = tmp_path / "in.jsonl"
-    _write_input(inp, prompts)
+    prompts = write_prompts(inp, random_prompts(600, SEED), ["not json"])  # + one bad line: one error record
     out = tmp_path / "out"
     args = ["extract", "--model", str(model), "--input", str(inp), "--output", str(out), "--layers", "0,3",
             "--max-shard-bytes", str(256 * 1024), "--writer-threads", "2", "--no-progress", *ENGINE]
-    cmd = [sys.executable, "-m", "vllm_hidden.cli", *args]
     rng = random.Random(SEED)
     trials = []
     while len(trials) < TRIALS:
-        t = _attempt(cmd + (["--resume"] if trials or out.exists() else []), out, rng)
+        t = _attempt(args + (["--resume"] if trials or out.exists() else []), out, rng)
         if t["finished_first"]:
             break  # the run ended before its kill point: nothing left to interrupt
         trials.append(t)
@@ -111,7 +86,7 @@ def test_kill_9_at_random_points_then_resume_exactly_once(tiny_models, tmp_path,
 
     done = run_cli(*args, "--resume")
     assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    summary = last_json(done)
     assert summary["resumed"] + summary["samples"] == len(prompts) and summary["errors"] == 1, summary
     assert len((out / "errors.jsonl").read_text().splitlines()) == 1
 
@@ -123,7 +98,7 @@ def test_kill_9_at_random_points_then_resume_exactly_once(tiny_models, tmp_path,
         s = ds[i]
         assert s["token_ids"].tolist() == prompts[s["id"]]
     verify_checksums(out)
-    journaled = [json.loads(line)["file"] for line in (out / JOURNAL).read_text().splitlines()]
+    journaled = [x["file"] for x in journal(out)]
     manifest = json.loads((out / "manifest.json").read_text())
     assert sorted(s["file"] for s in manifest["shards"]) == sorted(journaled)
     assert not list(out.glob(".*.tmp"))
@@ -167,17 +142,15 @@ def _group(pgid):
 
 def test_engine_worker_killed_mid_run_fails_clearly_then_resumes(tiny_models, tmp_path, reliability_report):
     model = tiny_models("qwen3", 4)
-    prompts = _prompts(200, SEED + 1)
     inp = tmp_path / "in.jsonl"
-    _write_input(inp, prompts)
+    prompts = write_prompts(inp, random_prompts(200, SEED + 1), ["not json"])
     out = tmp_path / "out"
     args = ["extract", "--model", str(model), "--input", str(inp), "--output", str(out), "--layers", "0,3",
             "--max-shard-bytes", str(256 * 1024), "--writer-threads", "2", "--no-progress", *ENGINE]
-    p = subprocess.Popen([sys.executable, "-m", "vllm_hidden.cli", *args], start_new_session=True, env=_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = start_cli(*args, stdout=subprocess.PIPE)
     try:
         t0 = time.monotonic()
-        while _journal_lines(out) < 2:
+        while journal_lines(out) < 2:
             assert p.poll() is None, p.stderr.read()[-3000:]
             assert time.monotonic() - t0 < 600, "no progress"
             time.sleep(0.05)
@@ -205,7 +178,7 @@ def test_engine_worker_killed_mid_run_fails_clearly_then_resumes(tiny_models, tm
 
     done = run_cli(*args, "--resume")
     assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    summary = last_json(done)
     ds = HiddenStatesDataset(out)
     ids = [ds[i]["id"] for i in range(len(ds))]
     assert sorted(ids) == sorted(prompts) and summary["resumed"] > 0, summary

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.integration.helpers import HFReference, rel_l2, run_cli, verify_checksums
+from tests.integration.helpers import HFReference, last_json, rel_l2, run_cli, verify_checksums, write_prompts
 from vllm_hidden.data import HiddenStatesDataset
 
 POISON = 7  # the token whose embedding row is +Inf
@@ -46,12 +46,12 @@ def test_nan_inf_states_become_error_records_per_sample(arch, tiny_models, tmp_p
         "clean-c": [900, 901, 902],
     }
     inp = tmp_path / "in.jsonl"
-    inp.write_text("".join(json.dumps({"id": k, "token_ids": v}) + "\n" for k, v in prompts.items()))
+    write_prompts(inp, prompts)
     out = tmp_path / "out"
     r = run_cli("extract", "--model", str(model), "--input", str(inp), "--output", str(out), "--layers", "0,1,3",
                 "--max-model-len", "256", "--no-progress", *ENGINE)
     assert r.returncode == 0, r.stderr[-3000:]
-    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    summary = last_json(r)
     errors = {e["id"]: e for e in map(json.loads, (out / "errors.jsonl").read_text().splitlines())}
     assert {"poison-first", "poison-late"} <= set(errors), errors
     if arch == "qwen3":  # dense: nothing crosses from one request to another

@@ -20,8 +20,7 @@ import time
 import pytest
 import requests
 
-from tests.integration.helpers import HFReference, Server, rel_l2
-from vllm_hidden.server import decode
+from tests.integration.helpers import HFReference, Server, check_states, token_prompt
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +33,6 @@ MAX_HIDDEN = 3500
 # Few slots: one lost to a fault shows up as a states request that is never served.
 SLOTS = 4
 MAX_BODY = 32 << 20  # the default --max-request-bytes
-TOL = 1e-2
 # Allowed growth of the server's total RSS (API server, engine core, worker) from after a
 # warm-up round of every storm to after the storms, both settled (least of several samples).
 # After the warm-up the storms push ~350 MB of request bodies (up to 39 MB each) through the
@@ -46,8 +44,7 @@ WORDS = "abcdefghijklmnopqrstuvwxyz"
 
 
 def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 1000) for _ in range(n)]
+    return token_prompt(seed, n, hi=1000)
 
 
 def text(seed: int, n: int) -> str:
@@ -80,17 +77,6 @@ def model(server):
 
 
 # -- checks --------------------------------------------------------------------------------
-
-def check_states(ref: HFReference, obj: dict, layers: list[int], ids: list[int]) -> None:
-    d = decode(obj)
-    hs = d["hidden_states"]
-    assert d["token_ids"].tolist() == ids
-    assert obj["layer_ids"] == layers and obj["num_tokens"] == len(ids) == hs.shape[0] and hs.shape[1] == len(layers)
-    states = ref.states(ids)
-    for k, layer in enumerate(layers):
-        err = rel_l2(hs[:, k], states[layer])
-        assert err <= TOL, (layer, err)
-
 
 def sse_events(body: str) -> list:
     return [json.loads(line[6:]) for line in body.split("\n\n") if line.startswith("data: {")]

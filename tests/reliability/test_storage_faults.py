@@ -6,19 +6,18 @@ every sample exactly once."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import resource
 import subprocess
-import sys
 import threading
 import time
 
 import pytest
 import torch
 
-from tests.integration.helpers import run_cli, verify_checksums
+from tests.integration.helpers import (journal_lines, last_json, random_prompts, run_cli, start_cli, verify_checksums,
+                                       write_prompts)
 from tests.s3_server import FaultyProxy
 from vllm_hidden.config import ShardConfig
 from vllm_hidden.data import HiddenStatesDataset
@@ -26,13 +25,6 @@ from vllm_hidden.storage.manifest import Manifest
 from vllm_hidden.storage.shards import ShardWriter
 
 ENGINE = ["--enforce-eager", "--dtype", "bfloat16", "--max-num-seqs", "8", "--max-num-batched-tokens", "256"]
-
-
-def _input(path, n, seed):
-    rng = random.Random(seed)
-    prompts = {f"s{i}": [rng.randrange(1024) for _ in range(rng.randint(16, 200))] for i in range(n)}
-    path.write_text("".join(json.dumps({"id": k, "token_ids": v}) + "\n" for k, v in prompts.items()))
-    return prompts
 
 
 def _ids(ds):
@@ -68,27 +60,25 @@ class SmallDisk:
 
 def test_disk_full_mid_run_stops_naming_it_then_resume_finishes(tiny_models, tmp_path, reliability_report):
     model = tiny_models("qwen3", 4)
-    prompts = _input(tmp_path / "in.jsonl", 160, 11)  # ~17 MB of shards, 8 times the disk
+    prompts = write_prompts(tmp_path / "in.jsonl", random_prompts(160, 11))  # ~17 MB of shards, 8 times the disk
     disk = SmallDisk(tmp_path / "disk")
     try:
         out = disk.path / "out"
         args = ["extract", "--model", str(model), "--input", str(tmp_path / "in.jsonl"), "--output", str(out),
                 "--layers", "0,3", "--max-shard-bytes", str(512 * 1024), "--writer-threads", "2", "--no-progress",
                 *ENGINE]
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-        r = subprocess.run([sys.executable, "-m", "vllm_hidden.cli", *args], capture_output=True, text=True,
-                           env=env, timeout=900, preexec_fn=disk.preexec)
+        r = run_cli(*args, preexec_fn=disk.preexec)
         assert r.returncode == 2, r.stderr[-3000:]
         msg = next(line for line in r.stderr.splitlines() if line.startswith("error: "))
         assert str(out) in msg and ("No space left on device" in msg or "File too large" in msg), msg
         assert not (out / "manifest.json").exists()
-        durable = (out / "shards.jsonl").read_text().count("\n")
+        durable = journal_lines(out)
         assert durable >= 1 and not list(out.glob(".*.tmp"))  # a failed shard's temporary file is removed
 
         disk.grow(64)
         done = run_cli(*args, "--resume")
         assert done.returncode == 0, done.stderr[-3000:]
-        summary = json.loads(done.stdout.strip().splitlines()[-1])
+        summary = last_json(done)
         assert summary["resumed"] > 0 and summary["resumed"] + summary["samples"] == len(prompts)
         ids, dup = _ids(HiddenStatesDataset(out))
         assert sorted(ids) == sorted(prompts) and dup == 0
@@ -134,7 +124,7 @@ class Outage:
 def test_s3_5xx_storms_restarts_and_an_outage_then_resume(tiny_models, s3, tmp_path, reliability_report):
     url, bucket, client = s3
     model = tiny_models("qwen3", 4)
-    prompts = _input(tmp_path / "in.jsonl", 240, 12)
+    prompts = write_prompts(tmp_path / "in.jsonl", random_prompts(240, 12))
     outage = Outage(int(url.rsplit(":", 1)[1]))
     uri = f"s3://{bucket}/run"
     args = ["extract", "--model", str(model), "--input", str(tmp_path / "in.jsonl"), "--output", uri,
@@ -146,9 +136,7 @@ def test_s3_5xx_storms_restarts_and_an_outage_then_resume(tiny_models, s3, tmp_p
                    if o["Key"].endswith(".safetensors"))
 
     # 1) the endpoint goes away for good mid-run: the run stops once the retries are spent
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    p = subprocess.Popen([sys.executable, "-m", "vllm_hidden.cli", *args], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env)
+    p = start_cli(*args, stdout=subprocess.PIPE)
     t0 = time.monotonic()
     while uploaded() < 3:
         assert p.poll() is None, p.stderr.read()[-3000:]
@@ -184,7 +172,7 @@ def test_s3_5xx_storms_restarts_and_an_outage_then_resume(tiny_models, s3, tmp_p
         stop.set()
         t.join()
     assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    summary = last_json(done)
     assert summary["resumed"] > 0 and summary["resumed"] + summary["samples"] == len(prompts), summary
     ids, dup = _ids(HiddenStatesDataset(uri, s3_endpoint_url=url))
     assert sorted(ids) == sorted(prompts) and dup == 0

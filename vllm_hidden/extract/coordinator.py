@@ -165,6 +165,8 @@ def run_parallel(cfg: ExtractConfig):
         elif kind == "done":
             done[rank] = ev[2]
             failed.pop(rank, None)
+            log.info("vllm-hidden: rank %d done after %.1f s: %d samples in %d durable shards", rank,
+                     time.perf_counter() - t0, ev[2]["samples"], len(ev[2]["shards"]))
         elif kind == "failed":
             if rank in done:  # e.g. its engine's shutdown failed: its shards are durable already
                 log.warning("vllm-hidden: rank %d failed after finishing its work: %s", rank, ev[2])
