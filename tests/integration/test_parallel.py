@@ -100,43 +100,43 @@ def _read_offset(pid, path) -> int | None:
     return None
 
 
-DP_KILL_PROMPTS = 1500  # the run takes ~20 s on two 1-core engines; the kill lands in its first seconds
-
-
 def test_dp2_engine_killed_mid_run_then_resume_exactly_once(model, ref, tmp_path):
-    """kill -9 one engine's process while both write and prompts are still to come: the run
-    fails naming it, the other engine's shards stay durable, and --resume (with a different
-    engine count) finishes every sample exactly once.
+    """kill -9 one engine's process while prompts are still to come: the run fails naming it,
+    the shards made durable stay as they are, and --resume (with a different engine count)
+    finishes every sample exactly once.
 
-    The kill provably hits an engine that still has work: once both engines have a durable
-    shard, both rank process groups are stopped (SIGSTOP), and the kill goes ahead only if
-    the coordinator has not read the prompt file to its end. A rank reports done only after
-    its end marker, and the coordinator puts end markers only after the last prompt, so
-    neither stopped rank can have finished."""
+    The kill provably hits an engine that still has work: a rank reports done only after it
+    took its end marker, and the coordinator puts end markers only after the last prompt of
+    the file. So both rank process groups are stopped (SIGSTOP), and the kill goes ahead only
+    if the coordinator has not read the prompt file to its end. It comes once both engines
+    have a durable shard, or, should one lag, once the other has one and half the file is
+    read (a rank with few prompts makes its first shard durable only at its end)."""
     inp = tmp_path / "in.jsonl"
-    good = dp_prompts(inp, DP_KILL_PROMPTS, seed=1, bad=False)
+    good = dp_prompts(inp, 600, seed=1, bad=False)
     size = inp.stat().st_size
     out = tmp_path / "out"
-    args = ["-m", str(model), "-i", str(inp), "-o", str(out), "--layers", "1,3", "--max-shard-bytes", "200000", *ENGINE]
+    # the layers and engine settings of the test above: both engines start from its compile cache
+    args = ["-m", str(model), "-i", str(inp), "-o", str(out), "--layers", "3,0", "--max-shard-bytes", "200000", *ENGINE]
     proc = start_cli("extract", *args, "--dp", "2", stdout=subprocess.PIPE)
     parts = [out / "rank-000", out / "rank-001"]
     try:
         deadline = time.monotonic() + 600
-        while not all(journal(d) for d in parts):
-            assert proc.poll() is None, f"the run ended before both engines made a shard durable: {proc.stderr.read()[-3000:]}"
-            assert time.monotonic() < deadline, "no shard from both engines in 600 s"
+        while True:
+            durable = [bool(journal(d)) for d in parts]
+            read = _read_offset(proc.pid, inp)
+            if all(durable) or (any(durable) and (read or 0) > size // 2):
+                break
+            assert proc.poll() is None, f"the run ended before the kill: {proc.stderr.read()[-3000:]}"
+            assert time.monotonic() < deadline, "no durable shard in 600 s"
             time.sleep(0.05)
         ranks = _rank_pids(proc.pid)
         assert len(ranks) == 2, ranks
         for r in ranks:
             os.killpg(r, signal.SIGSTOP)  # each rank with its engine: nothing of theirs moves now
         read = _read_offset(proc.pid, inp)
-        assert read is not None and read < size, (
-            f"the coordinator read {read} of {size} bytes of the prompt file before the kill: "
-            f"give the run more prompts (DP_KILL_PROMPTS)")
-        victim, other = ranks[1], ranks[0]
-        os.kill(victim, signal.SIGKILL)
-        os.killpg(other, signal.SIGCONT)
+        assert read is not None and read < size, f"the prompt file was read to its end ({read} of {size} bytes)"
+        os.kill(ranks[1], signal.SIGKILL)
+        os.killpg(ranks[0], signal.SIGCONT)
         stdout, stderr = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
@@ -146,9 +146,10 @@ def test_dp2_engine_killed_mid_run_then_resume_exactly_once(model, ref, tmp_path
     assert "1 of 2 engines failed" in stderr and "--resume" in stderr, stderr[-3000:]
     lost = re.findall(r"rank (\d): its process exited with code -9 without reporting", stderr)
     assert len(lost) == 1, stderr[-3000:]
-    assert f"rank {lost[0]} done" not in stderr  # it had not finished: the kill cost it work in flight
+    assert f"rank {lost[0]} done" not in stderr  # it had not finished: it died with work in flight
     assert not (out / "manifest.json").exists()
     kept = {f"{d.name}/{x['file']}": x["blake3"] for d in parts for x in journal(d)}
+    assert kept
     r = run_cli("extract", *args, "--dp", "1", "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     d = last_json(r.stdout)
@@ -157,7 +158,7 @@ def test_dp2_engine_killed_mid_run_then_resume_exactly_once(model, ref, tmp_path
     listed = {s["file"]: s["blake3"] for s in m["shards"]}
     assert all(listed.get(f) == b for f, b in kept.items())  # durable shards kept as they were
     verify_checksums(out)
-    check_dataset(out, good, ref, [1, 3], every=97)
+    check_dataset(out, good, ref, [3, 0], every=37)
 
 
 def test_serve_tp2_returns_states_matching_hf(model, ref, tmp_path):

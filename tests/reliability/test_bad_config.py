@@ -94,6 +94,7 @@ def test_unknown_model_and_missing_input_and_unusable_output(env, tmp_path, reli
         line = next((x for x in (r.output or "").splitlines() if x.startswith("error: ")), r.output[-500:])
         assert r.exit_code == 2 and all(w in line for w in words), (what, line)
         reliability_report.setdefault("config_errors", {})[what] = line[:240]
+    assert not (tmp_path / "o").exists()  # a refused run leaves no output directory behind
 
 
 def _readonly_dir(path):

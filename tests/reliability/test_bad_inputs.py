@@ -126,17 +126,18 @@ def test_every_bad_line_is_an_error_record_and_the_good_ones_match_hf(tiny_model
 
 
 def test_empty_input_is_a_complete_empty_output(tiny_models, tmp_path):
+    """A file of blank lines only (an empty file reads the same: tests/unit/test_inputs.py)."""
     model = tiny_models("qwen3", 4)
-    for name, content in (("empty.jsonl", b""), ("blank.jsonl", b"\n  \n\n")):
-        inp, out = tmp_path / name, tmp_path / f"out-{name}"
-        inp.write_bytes(content)
-        r = run_cli("extract", "--model", str(model), "--input", str(inp), "--output", str(out), "--layers", "1",
-                    "--max-model-len", str(MAX_LEN), "--no-progress", *ENGINE)
-        assert r.returncode == 0, r.stderr[-3000:]
-        summary = last_json(r)
-        assert summary["samples"] == 0 and summary["errors"] == 0
-        assert len(HiddenStatesDataset(out)) == 0
-        assert run_cli("inspect", str(out)).returncode == 0
+    inp, out = tmp_path / "blank.jsonl", tmp_path / "out"
+    inp.write_bytes(b"\n  \n\r\n\n")
+    r = run_cli("extract", "--model", str(model), "--input", str(inp), "--output", str(out), "--layers", "1",
+                "--max-model-len", str(MAX_LEN), "--no-progress", *ENGINE)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = last_json(r)
+    assert summary["samples"] == 0 and summary["errors"] == 0
+    assert json.loads((out / "manifest.json").read_text())["num_samples"] == 0
+    assert len(HiddenStatesDataset(out)) == 0
+    assert run_cli("inspect", str(out)).returncode == 0
 
 
 def _peak_rss(cmd):

@@ -1,9 +1,10 @@
 """Crash safety, many times over: a chain of seeded kill -9s of the whole extract (CLI,
-engine core, writer threads) at random points (engine start, mid-step, while a shard is
+engine core, writer threads) at every kind of point (three spread over the engine start;
+two each after one, two and three more shards became durable: mid-step or while a shard is
 being finished), each followed by --resume, then one --resume to the end. After every kill
-the durable part must verify; at the end every sample is there exactly once, equal to its
-input, and its states match HF. Also: the engine's worker process dies under a running
-extract."""
+the durable part must verify and stay as it was, and a rerun without --resume is refused;
+at the end every sample is there exactly once, equal to its input, and its states match HF.
+Also: the engine's worker process dies under a running extract."""
 
 from __future__ import annotations
 
@@ -22,8 +23,11 @@ from vllm_hidden.data import HiddenStatesDataset
 from vllm_hidden.storage.verify import verify_output
 
 ENGINE = ["--enforce-eager", "--dtype", "bfloat16", "--max-num-seqs", "8", "--max-num-batched-tokens", "256"]
-TRIALS = 20
 SEED = 20261201
+# (shards that become durable before the kill, seconds after that): 0 shards = before any
+# output, at three depths of the start (imports and checks, engine processes starting, model
+# load and profiling); later kills add no new kind of point, only time
+KILL_POINTS = [(0, (0.0, 4.0)), (0, (4.0, 12.0)), (0, (12.0, 20.0))] + [(g, (0.0, 0.3)) for g in (1, 1, 2, 2, 3, 3)]
 
 
 def _shard_problems(out) -> list[str]:
@@ -37,11 +41,9 @@ def _shard_problems(out) -> list[str]:
     return [p for p in report.problems if not p.startswith("incomplete:")]
 
 
-def _attempt(args, out, rng, timeout=600) -> dict:
-    """One attempt, SIGKILLed (whole process group) at a random point: after the journal
-    grows by 0-3 shards, plus a random delay (0 shards: somewhere in the engine start)."""
-    grow = rng.randint(0, 3)
-    delay = rng.uniform(0, 6.0) if grow == 0 else rng.uniform(0, 0.3)
+def _attempt(args, out, grow, delay, timeout=600) -> dict:
+    """One attempt, SIGKILLed (whole process group) after the journal grows by `grow` shards,
+    plus `delay` seconds (0 shards: somewhere in the engine start)."""
     before = journal_lines(out)
     p = start_cli(*args)
     t0 = time.monotonic()
@@ -74,15 +76,23 @@ def test_kill_9_at_random_points_then_resume_exactly_once(tiny_models, tmp_path,
     args = ["extract", "--model", str(model), "--input", str(inp), "--output", str(out), "--layers", "0,3",
             "--max-shard-bytes", str(256 * 1024), "--writer-threads", "2", "--no-progress", *ENGINE]
     rng = random.Random(SEED)
-    trials = []
-    while len(trials) < TRIALS:
-        t = _attempt(args + (["--resume"] if trials or out.exists() else []), out, rng)
+    points = [(g, rng.uniform(*span)) for g, span in rng.sample(KILL_POINTS, len(KILL_POINTS))]
+    trials, kept, refused = [], {}, False
+    for grow, delay in points:
+        t = _attempt(args + (["--resume"] if trials or out.exists() else []), out, grow, delay)
         if t["finished_first"]:
             break  # the run ended before its kill point: nothing left to interrupt
         trials.append(t)
         assert _shard_problems(out) == []
-    assert len(trials) == TRIALS, f"the run finished after {len(trials)} kills; give it more work"
-    assert not (out / "manifest.json").exists()
+        durable = {x["file"]: (out / x["file"]).stat().st_mtime_ns for x in journal(out)}
+        assert all(durable.get(f) == m for f, m in kept.items())  # what was durable stays, untouched
+        kept = durable
+        if not refused and (out / "run.json").exists():  # without --resume, a begun output is refused
+            again = run_cli(*args)
+            assert again.returncode == 2 and "pass --resume" in again.stderr, again.stderr[-3000:]
+            refused = True
+    assert len(trials) == len(points), f"the run finished after {len(trials)} kills; give it more work"
+    assert not (out / "manifest.json").exists() and refused
 
     done = run_cli(*args, "--resume")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -102,6 +112,9 @@ def test_kill_9_at_random_points_then_resume_exactly_once(tiny_models, tmp_path,
     manifest = json.loads((out / "manifest.json").read_text())
     assert sorted(s["file"] for s in manifest["shards"]) == sorted(journaled)
     assert not list(out.glob(".*.tmp"))
+    assert all((out / f).stat().st_mtime_ns == m for f, m in kept.items())  # durable shards kept, not redone
+    res = run_cli("inspect", str(out))
+    assert res.returncode == 0 and "all shards verified" in res.stdout, res.stdout + res.stderr
     ref = HFReference(model)  # states written across different attempts are the model's
     worst = 0.0
     for i in rng.sample(range(len(ds)), 12):

@@ -70,3 +70,10 @@ def test_text_without_a_tokenizer_is_an_error_record(tmp_path):
     out = list(PromptReader(p, vocab_size=10, max_prompt_len=5, tokenizer_loader=broken))
     assert isinstance(out[0], BadLine) and "cannot load the model's tokenizer" in out[0].reason
     assert out[1] == Prompt(1, "k", [1])
+
+
+def test_empty_and_blank_only_files_give_nothing(tmp_path):
+    for content in (b"", b"\n  \n\r\n\n", b"\xef\xbb\xbf\n"):
+        p = tmp_path / "in.jsonl"
+        p.write_bytes(content)
+        assert list(PromptReader(p, vocab_size=100, max_prompt_len=5, tokenizer_loader=FakeTok)) == [], content
