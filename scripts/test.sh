@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 . .venv/bin/activate
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
-python -m pytest -q -rs tests "$@"
+# the slowest tests are listed at the end: what each costs of the CI machine's time
+python -m pytest -q -rs --durations=25 tests "$@"

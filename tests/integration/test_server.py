@@ -24,10 +24,12 @@ def dense(tiny_models):
     return tiny_models("qwen3", 4)
 
 
+# The dense servers run eager (a compile each would cost the CI machine ~30 s); the hybrid
+# server below runs compiled, vLLM's default, prefill and decode.
 @pytest.fixture(scope="module")
 def server(dense, tmp_path_factory):
     s = Server(dense, tmp_path_factory.mktemp("srv") / "server.log", ",".join(map(str, LAYERS)),
-               "--max-model-len", "1024", "--enable-prompt-tokens-details", "--max-hidden-tokens", str(MAX_HIDDEN),
+               "--max-model-len", "1024", "--enforce-eager", "--enable-prompt-tokens-details", "--max-hidden-tokens", str(MAX_HIDDEN),
                "--max-request-bytes", str(MAX_BODY), api_key=KEY)
     yield s
     s.stop()
@@ -102,7 +104,7 @@ def test_prefix_cache_stays_on_and_a_states_request_gets_every_row(server, ref):
 @pytest.fixture(scope="module")
 def plain(dense, tmp_path_factory):
     s = Server(dense, tmp_path_factory.mktemp("plain") / "server.log", None, "--max-model-len", "1024",
-               "--enable-prompt-tokens-details", api_key=KEY)
+               "--enforce-eager", "--enable-prompt-tokens-details", api_key=KEY)  # as `server`
     yield s
     s.stop()
 
