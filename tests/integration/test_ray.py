@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tests.integration.helpers import HFReference, check_dataset, last_json, run_cli
-from tests.integration.test_parallel import ENGINE, dp_prompts
+from tests.integration.test_parallel import DP_ENGINE, dp_prompts
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +33,7 @@ def test_ray_cluster_two_workers_to_s3(tiny_models, cluster, s3, tmp_path):
     good = dp_prompts(tmp_path / "in.jsonl", 30)
     uri = f"s3://{bucket}/ray-run"
     r = run_cli("extract", "-m", str(model), "-i", str(tmp_path / "in.jsonl"), "-o", uri, "--s3-endpoint-url", url,
-                "--layers", "3,0", "--ray", cluster.address, "--dp", "2", *ENGINE)  # test_parallel's: compiled already
+                "--layers", "3,0", "--ray", cluster.address, "--dp", "2", *DP_ENGINE)
     assert r.returncode == 0, r.stderr[-4000:] + r.stdout[-2000:]
     d = last_json(r.stdout)
     assert d["dp"] == 2 and d["samples"] == 30 and d["errors"] == 2
