@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from vllm_hidden.config import DEFAULT_MAX_SHARD_BYTES, DEFAULT_WRITER_THREADS, ServeConfig
+from vllm_hidden.config import DEFAULT_MAX_SHARD_BYTES, DEFAULT_S3_RETRY_S, DEFAULT_WRITER_THREADS, ServeConfig
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Extract hidden states from vLLM for drafter training.")
 
@@ -59,6 +59,8 @@ def extract(
                                          "durable shards are skipped, the rest are extracted (each exactly once).")] = False,
     s3_endpoint_url: Annotated[Optional[str], typer.Option(help="S3 endpoint (default: boto3's chain, e.g. AWS_ENDPOINT_URL).")] = None,
     staging_dir: Annotated[Optional[Path], typer.Option(help="S3 output: local directory shards are written to before upload (e.g. /dev/shm/x).")] = None,
+    s3_retry_seconds: Annotated[float, typer.Option(help="S3 output: how long a shard's upload is tried again through errors "
+                                                    "that pass (connection failures, 5xx, throttling) before the run stops.")] = DEFAULT_S3_RETRY_S,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
     cache_dir: CacheDir = None,
     tp: Tp = 1,
@@ -79,7 +81,8 @@ def extract(
             layers_from=str(layers_from) if layers_from else None, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, dtype=dtype,
             max_shard_bytes=max_shard_bytes, writer_threads=writer_threads, ring_slots=ring_slots, resume=resume,
-            s3_endpoint_url=s3_endpoint_url, staging_dir=str(staging_dir) if staging_dir else None, progress=progress,
+            s3_endpoint_url=s3_endpoint_url, staging_dir=str(staging_dir) if staging_dir else None, s3_retry_s=s3_retry_seconds,
+            progress=progress,
             engine_args=list(ctx.args), cache_dir=str(cache_dir) if cache_dir else None, tp=tp, dp=dp, ray_address=ray,
         )
         from vllm_hidden.extract import run_extract

@@ -56,6 +56,9 @@ DEFAULT_MAX_SHARD_BYTES = 1 << 30
 # One 27B GPU emits ~0.6 GB/s; one thread hashes and writes ~1-1.5 GB/s to disk. Four keep
 # several GPUs per host fed, and bound host memory at (threads + 1) shards.
 DEFAULT_WRITER_THREADS = 4
+# S3 output: how long a shard's upload is tried again through errors that pass (connection
+# failures, 5xx, throttling) before the run stops naming it
+DEFAULT_S3_RETRY_S = 120.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,8 +73,10 @@ class ShardConfig:
     upload_uri: str | None = None  # s3://bucket/prefix: upload each shard once durable, then evict it
     s3_endpoint_url: str | None = None
     upload_pending: int = 4  # shards queued or uploading before the writers wait (backpressure)
+    upload_retry_s: float = DEFAULT_S3_RETRY_S  # how long a shard's upload is tried again through transient errors
 
     def __post_init__(self) -> None:
+        _non_negative("upload_retry_s", self.upload_retry_s)
         if self.upload_uri is not None and not self.upload_uri.startswith("s3://"):
             raise ValueError(f"upload_uri must be s3://bucket/prefix, got {self.upload_uri!r}")
         if isinstance(self.upload_pending, bool) or not isinstance(self.upload_pending, int) or self.upload_pending < 1:
@@ -114,6 +119,7 @@ class ExtractConfig:
     resume: bool = False
     s3_endpoint_url: str | None = None
     staging_dir: str | None = None  # local directory shards are written to before their upload (S3 output)
+    s3_retry_s: float = DEFAULT_S3_RETRY_S  # S3 output: how long a shard's upload rides out transient errors
     progress: bool = True
     engine_args: list[str] = field(default_factory=list)
     cache_dir: str | None = None  # compile/kernel caches (default: $VHIDDEN_CACHE_DIR or ~/.cache/vllm-hidden)
@@ -124,6 +130,7 @@ class ExtractConfig:
     def __post_init__(self) -> None:
         for name in ("tp", "dp"):
             _positive_int(f"--{name}", getattr(self, name))
+        _non_negative("--s3-retry-seconds", self.s3_retry_s)
         if self.ray_address is not None and not self.ray_address:
             raise ValueError(f"--ray must name a cluster address (or 'auto'), got {self.ray_address!r}")
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
@@ -158,6 +165,12 @@ class Plan:
     layer_ids: list[int]
     max_prompt_len: int
     identity: dict[str, Any]  # run.json: what the output is (checked by --resume)
+
+
+def _non_negative(name: str, v: object) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v == float("inf"):
+        raise ValueError(f"{name} must be a non-negative number of seconds, got {v!r}")
+    return float(v)
 
 
 def _positive_int(name: str, v: object) -> int:

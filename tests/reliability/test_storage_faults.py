@@ -135,8 +135,8 @@ def test_s3_5xx_storms_restarts_and_an_outage_then_resume(tiny_models, s3, tmp_p
         return sum(1 for o in client.list_objects_v2(Bucket=bucket, Prefix="run/").get("Contents", [])
                    if o["Key"].endswith(".safetensors"))
 
-    # 1) the endpoint goes away for good mid-run: the run stops once the retries are spent
-    p = start_cli(*args, stdout=subprocess.PIPE)
+    # 1) the endpoint goes away for good mid-run: the run stops once the retries (5 s of them) are spent
+    p = start_cli(*args, "--s3-retry-seconds", "5", stdout=subprocess.PIPE)
     t0 = time.monotonic()
     while uploaded() < 3:
         assert p.poll() is None, p.stderr.read()[-3000:]
@@ -155,11 +155,19 @@ def test_s3_5xx_storms_restarts_and_an_outage_then_resume(tiny_models, s3, tmp_p
     stop = threading.Event()
 
     def chaos():
+        # from the resume's first upload on (before it, its engine is starting and nothing
+        # talks to S3), storms and restarts in turn while it uploads
+        while uploaded() <= first:
+            if stop.wait(0.1):
+                return
         rng = random.Random(3)
-        while not stop.wait(rng.uniform(2, 4)):
-            if rng.random() < 0.5:
+        for storm in (True, False, True, False):  # 503 storm, restart, storm, restart; then calm
+            if stop.wait(rng.uniform(1, 2)):
+                return
+            if storm:
                 outage.storm(rng.uniform(1, 3))
-            elif outage.restarts < 3:
+                time.sleep(outage.storm_until - time.monotonic())
+            else:
                 outage.down()
                 time.sleep(rng.uniform(1, 3))
                 outage.up()
@@ -172,6 +180,7 @@ def test_s3_5xx_storms_restarts_and_an_outage_then_resume(tiny_models, s3, tmp_p
         stop.set()
         t.join()
     assert done.returncode == 0, done.stderr[-3000:]
+    assert outage.injected > 0 and outage.restarts == 3, (outage.injected, outage.restarts)  # the faults happened
     summary = last_json(done)
     assert summary["resumed"] > 0 and summary["resumed"] + summary["samples"] == len(prompts), summary
     ids, dup = _ids(HiddenStatesDataset(uri, s3_endpoint_url=url))

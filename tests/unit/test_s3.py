@@ -1,6 +1,9 @@
 """S3 output and reader against a real local S3 endpoint (moto's server mode), with faults
 injected by a proxy in front of it: 503s, slow answers, connections cut mid-upload."""
 
+import threading
+import time
+
 import blake3
 import pytest
 import torch
@@ -9,7 +12,7 @@ from tests.s3_server import FaultyProxy
 from vllm_hidden.config import ShardConfig
 from vllm_hidden.data import HiddenStatesDataset
 from vllm_hidden.storage.manifest import Manifest
-from vllm_hidden.storage.s3 import S3Location, read_done_ids
+from vllm_hidden.storage.s3 import S3Location, read_done_ids, transient
 from vllm_hidden.storage.shards import ShardWriter
 
 K, H = 2, 64  # 256 B per row
@@ -24,9 +27,10 @@ def _data(n=30):
     return out
 
 
-def _write(staging, uri, endpoint, data, rows=40, pending=2):
+def _write(staging, uri, endpoint, data, rows=40, pending=2, retry_s=120.0):
     w = ShardWriter(ShardConfig(output_dir=str(staging), max_shard_bytes=rows * (K * H * 2 + 8), writer_threads=2,
-                                upload_uri=uri, s3_endpoint_url=endpoint, upload_pending=pending),
+                                upload_uri=uri, s3_endpoint_url=endpoint, upload_pending=pending,
+                                upload_retry_s=retry_s),
                     [3, 5], H, torch.bfloat16)
     try:
         for sid, (tok, hs) in data.items():
@@ -103,8 +107,10 @@ def test_an_upload_that_exhausts_its_retries_stops_the_run_naming_the_shard(s3, 
     port = int(url.rsplit(":", 1)[1])
     proxy = FaultyProxy(port, lambda m, p, n: ("status", 500) if "shard-00001" in p else None)
     try:
+        t0 = time.monotonic()
         with pytest.raises(OSError, match="shard shard-00001.safetensors was not uploaded"):
-            _write(tmp_path / "stage", f"s3://{bucket}/broken", proxy.url, _data())
+            _write(tmp_path / "stage", f"s3://{bucket}/broken", proxy.url, _data(), retry_s=3.0)
+        assert time.monotonic() - t0 < 60  # tried again for retry_s (3 s), then given up
     finally:
         proxy.stop()
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="broken/").get("Contents", [])]
@@ -124,3 +130,66 @@ def test_inspect_over_s3_names_a_corrupted_object(s3, tmp_path):
     client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
     r = verify_output(f"s3://{bucket}/insp", s3_endpoint_url=url)
     assert r.problems == [f"{shards[0].file}: BLAKE3 does not match the recorded {shards[0].blake3[:16]}... (corrupted)"]
+
+
+def test_a_fault_longer_than_boto3s_own_retries_is_ridden_out(s3, tmp_path):
+    """Every request answered 503 for 6 s, then the endpoint gone for 3 s, while shards
+    upload: boto3's per-request retries (and its client-wide retry quota) are spent within
+    seconds of that, so the uploader tries each failed shard again, and nothing is lost."""
+    url, bucket, _ = s3
+    port = int(url.rsplit(":", 1)[1])
+    storm = {"until": None, "injected": 0}
+
+    def rule(method, path, n):
+        if storm["until"] is None:
+            storm["until"] = time.monotonic() + 6.0  # from the first request on
+        if time.monotonic() < storm["until"]:
+            storm["injected"] += 1
+            return ("status", 503)
+        return None
+
+    proxy = FaultyProxy(port, rule)
+    pport = proxy.server.server_address[1]
+
+    def restart():
+        while storm["until"] is None or time.monotonic() < storm["until"]:
+            time.sleep(0.05)
+        proxy.stop()
+        time.sleep(3.0)
+        holder.append(FaultyProxy(port, rule, port=pport))
+
+    holder: list = []
+    t = threading.Thread(target=restart, daemon=True)
+    t.start()
+    data = _data()
+    try:
+        shards, _ = _write(tmp_path / "stage", f"s3://{bucket}/storm", proxy.url, data)
+    finally:
+        t.join()
+        for p in holder:
+            p.stop()
+    assert storm["injected"] > 0 and len(shards) > 3
+    ds = HiddenStatesDataset(f"s3://{bucket}/storm", s3_endpoint_url=url)
+    assert sorted(ds[i]["id"] for i in range(len(ds))) == sorted(data)
+    for i in range(len(ds)):
+        tok, hs = data[ds[i]["id"]]
+        assert torch.equal(ds[i]["token_ids"], tok) and torch.equal(ds[i]["hidden_states"], hs)
+
+
+def test_transient_errors_are_told_from_the_others():
+    from botocore.exceptions import ClientError, EndpointConnectionError
+
+    def client_error(status, code):
+        return ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+
+    assert transient(EndpointConnectionError(endpoint_url="http://x"))
+    assert transient(client_error(503, "ServiceUnavailable")) and transient(client_error(400, "SlowDown"))
+    assert not transient(client_error(403, "AccessDenied")) and not transient(client_error(404, "NoSuchBucket"))
+    assert not transient(OSError("shard-00001.safetensors: S3 holds 3 bytes, the shard has 4"))
+    try:  # wrapped, as boto3's transfer manager wraps the client's error
+        try:
+            raise client_error(500, "InternalError")
+        except ClientError as e:
+            raise RuntimeError("Failed to upload") from e
+    except RuntimeError as wrapped:
+        assert transient(wrapped)

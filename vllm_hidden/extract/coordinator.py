@@ -110,7 +110,8 @@ def _killpg(pgid: int | None, sig: int) -> None:
 def rank_specs(cfg: ExtractConfig, output: Output, envs: list[dict[str, str]]) -> list[dict[str, Any]]:
     specs = []
     for r, env in enumerate(envs):
-        shard = output.shard_config(r, max_shard_bytes=cfg.max_shard_bytes, writer_threads=cfg.writer_threads)
+        shard = output.shard_config(r, max_shard_bytes=cfg.max_shard_bytes, writer_threads=cfg.writer_threads,
+                                    upload_retry_s=cfg.s3_retry_s)
         rank_cfg = {**asdict(cfg), "progress": False, "dp": 1, "ray_address": None}
         specs.append({"rank": r, "cfg": rank_cfg, "shard": shard.to_dict(), "env": env})
     return specs

@@ -105,7 +105,7 @@ def extract_file(ex: Extractor, input_path: str, output_dir: str, progress: bool
     bar = ProgressBar(count_lines(input_path), cfg.progress if progress is None else progress)
     try:
         res = ex.extract(feed, output.shard_config(None, max_shard_bytes=cfg.max_shard_bytes,
-                                                   writer_threads=cfg.writer_threads),
+                                                   writer_threads=cfg.writer_threads, upload_retry_s=cfg.s3_retry_s),
                          on_progress=lambda n, t: bar.update(n + feed.resumed, t, output.num_errors))
     finally:
         bar.close()

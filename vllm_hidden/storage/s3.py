@@ -159,17 +159,45 @@ class S3Location:
         return infos
 
 
+_THROTTLING = frozenset({"Throttling", "ThrottlingException", "SlowDown", "RequestTimeout", "RequestTimeTooSkewed",
+                         "RequestLimitExceeded", "TooManyRequestsException", "ProvisionedThroughputExceededException"})
+
+
+def transient(e: BaseException | None) -> bool:
+    """Whether a failed S3 call may succeed when tried again: a connection that failed or
+    dropped, a 5xx, throttling (anywhere in the exception's chain: the transfer manager
+    wraps the client's error)."""
+    from botocore.exceptions import ClientError, ConnectionError, HTTPClientError
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (ConnectionError, HTTPClientError)):
+            return True
+        if isinstance(e, ClientError):
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            return status >= 500 or status == 429 or e.response.get("Error", {}).get("Code") in _THROTTLING
+        e = e.__cause__ or e.__context__
+    return False
+
+
 class S3Uploader:
     """Uploads closed shards in the background. `submit` blocks while `max_pending` uploads
     are queued or running (backpressure all the way to the engine); a confirmed upload
-    (size checked with a HEAD) evicts the staged file; the first failure (after boto3's
-    retries) is kept and raised, naming the shard, on the next submit or at close."""
+    (size checked with a HEAD) evicts the staged file; the first failure is kept and raised,
+    naming the shard, on the next submit or at close.
+
+    boto3 retries each request, but its budget is spent in seconds when many fail at once
+    (a storm of 503s, an endpoint restart: its exponential backoff starts at a fraction of a
+    second, and its client-wide retry quota runs dry), so a shard whose upload failed for a
+    transient reason is uploaded again, with backoff up to 30 s, for `retry_for_s` seconds."""
 
     def __init__(self, loc: S3Location, max_pending: int = 4, part_concurrency: int = 8,
-                 on_uploaded: Callable[[ShardInfo], None] | None = None) -> None:
+                 on_uploaded: Callable[[ShardInfo], None] | None = None, retry_for_s: float = 120.0) -> None:
         from boto3.s3.transfer import TransferConfig
 
         self.loc = loc
+        self.retry_for_s = retry_for_s
         self.transfer = TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=64 << 20,
                                        max_concurrency=part_concurrency, use_threads=True)
         self._slots = threading.BoundedSemaphore(max_pending)
@@ -195,16 +223,29 @@ class S3Uploader:
             self._slots.release()
             raise
 
+    def _put(self, local: Path, info: ShardInfo) -> None:
+        key = self.loc.key(info.file)
+        meta = {"blake3": info.blake3, "num-samples": str(info.num_samples), "num-tokens": str(info.num_tokens)}
+        self.loc.client.upload_file(str(local), self.loc.bucket, key, ExtraArgs={"Metadata": meta}, Config=self.transfer)
+        size = self.loc.client.head_object(Bucket=self.loc.bucket, Key=key)["ContentLength"]
+        if size != info.bytes:
+            raise OSError(f"{info.file}: S3 holds {size} bytes, the shard has {info.bytes}")
+
     def _upload(self, local: Path, info: ShardInfo) -> None:
         t0 = time.perf_counter()
         try:
-            key = self.loc.key(info.file)
-            meta = {"blake3": info.blake3, "num-samples": str(info.num_samples), "num-tokens": str(info.num_tokens)}
-            self.loc.client.upload_file(str(local), self.loc.bucket, key, ExtraArgs={"Metadata": meta},
-                                        Config=self.transfer)
-            size = self.loc.client.head_object(Bucket=self.loc.bucket, Key=key)["ContentLength"]
-            if size != info.bytes:
-                raise OSError(f"{info.file}: S3 holds {size} bytes, the shard has {info.bytes}")
+            deadline, wait = time.monotonic() + self.retry_for_s, 1.0
+            while True:
+                try:
+                    self._put(local, info)
+                    break
+                except Exception as e:  # noqa: BLE001 - tried again if transient, else raised
+                    if not transient(e) or time.monotonic() + wait > deadline:
+                        raise
+                    log.warning("vllm-hidden: upload of %s to %s failed (%r); trying again in %.0f s", info.file,
+                                self.loc.uri, e, wait)
+                    time.sleep(wait)
+                    wait = min(2 * wait, 30.0)
             local.unlink()  # confirmed on S3: evict the staged copy
             with self._lock:
                 self.uploaded.append(info)

@@ -172,7 +172,8 @@ class ShardWriter:
         if cfg.upload_uri:
             from vllm_hidden.storage.s3 import S3Location, S3Uploader
 
-            self._uploader = S3Uploader(S3Location(cfg.upload_uri, cfg.s3_endpoint_url), max_pending=cfg.upload_pending)
+            self._uploader = S3Uploader(S3Location(cfg.upload_uri, cfg.s3_endpoint_url), max_pending=cfg.upload_pending,
+                                        retry_for_s=cfg.upload_retry_s)
         self._shards: list[tuple[int, ShardInfo]] = []
         self._not_finite: list[list[Any]] = []  # [sample id, input line, what] of samples refused
         self._error: BaseException | None = None
