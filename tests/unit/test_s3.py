@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.s3_server import FaultyProxy
-from vllm_hidden.config import ShardConfig
+from vllm_hidden.config import ExtractConfig, ShardConfig
 from vllm_hidden.data import HiddenStatesDataset
 from vllm_hidden.storage.manifest import Manifest
 from vllm_hidden.storage.s3 import S3Location, read_done_ids, transient
@@ -193,3 +193,11 @@ def test_transient_errors_are_told_from_the_others():
             raise RuntimeError("Failed to upload") from e
     except RuntimeError as wrapped:
         assert transient(wrapped)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), "5", True])
+def test_a_bad_retry_time_is_refused_naming_it(bad, tmp_path):
+    with pytest.raises(ValueError, match=r"--s3-retry-seconds must be a non-negative number of seconds, got "):
+        ExtractConfig(model="m", input_path="in.jsonl", output_dir=str(tmp_path / "o"), s3_retry_s=bad)
+    with pytest.raises(ValueError, match=r"upload_retry_s must be a non-negative number of seconds, got "):
+        ShardConfig(output_dir=str(tmp_path), upload_retry_s=bad)

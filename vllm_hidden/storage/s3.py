@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from vllm_hidden.config import DEFAULT_S3_RETRY_S
 from vllm_hidden.storage.files import ShardInfo, shard_number
 
 log = logging.getLogger("vllm_hidden")
@@ -193,7 +194,8 @@ class S3Uploader:
     transient reason is uploaded again, with backoff up to 30 s, for `retry_for_s` seconds."""
 
     def __init__(self, loc: S3Location, max_pending: int = 4, part_concurrency: int = 8,
-                 on_uploaded: Callable[[ShardInfo], None] | None = None, retry_for_s: float = 120.0) -> None:
+                 on_uploaded: Callable[[ShardInfo], None] | None = None,
+                 retry_for_s: float = DEFAULT_S3_RETRY_S) -> None:
         from boto3.s3.transfer import TransferConfig
 
         self.loc = loc
