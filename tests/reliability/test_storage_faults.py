@@ -155,18 +155,21 @@ def test_s3_5xx_storms_restarts_and_an_outage_then_resume(tiny_models, s3, tmp_p
     stop = threading.Event()
 
     def chaos():
-        # from the resume's first upload on (before it, its engine is starting and nothing
-        # talks to S3), storms and restarts in turn while it uploads
-        while uploaded() <= first:
-            if stop.wait(0.1):
-                return
+        # storms and restarts in turn while the resume uploads, each after 2 more shards are up
+        # (counted, not timed, so all 4 happen however fast it runs: the outage run's 17 shards
+        # held 33 of the 240 samples, so the resume uploads ~100; before its first upload its
+        # engine is starting and nothing talks to S3)
         rng = random.Random(3)
+        last = first
         for storm in (True, False, True, False):  # 503 storm, restart, storm, restart; then calm
-            if stop.wait(rng.uniform(1, 2)):
-                return
+            while uploaded() < last + 2:
+                if stop.wait(0.1):
+                    return
+            last = uploaded()
             if storm:
-                outage.storm(rng.uniform(1, 3))
-                time.sleep(outage.storm_until - time.monotonic())
+                seconds = rng.uniform(1, 3)
+                outage.storm(seconds)
+                time.sleep(seconds)
             else:
                 outage.down()
                 time.sleep(rng.uniform(1, 3))
