@@ -36,14 +36,16 @@ CacheDir = Annotated[Optional[Path], typer.Option(help="Compile and kernel cache
 
 @app.command(
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-    help="Run prefill over a JSONL prompt file and write the selected layers' hidden states as "
-    "safetensors shards plus manifest.json. Unknown options are passed to vLLM's engine "
+    help="Run prefill over a prompt file (JSONL, or Parquet by extension) and write the selected layers' hidden "
+    "states, per-token loss masks (and with --final-state the final normed state) as safetensors shards plus "
+    "manifest.json. Unknown options are passed to vLLM's engine "
     "(e.g. --enforce-eager, --tensor-parallel-size 2, --gdn-prefill-backend triton).",
 )
 def extract(
     ctx: typer.Context,
     model: Model,
-    input: Annotated[Path, typer.Option("--input", "-i", help="JSONL: token_ids | text | messages per line, optional id.")],
+    input: Annotated[Path, typer.Option("--input", "-i", help="JSONL or .parquet; per record one of token_ids (optional "
+                                        "loss_mask) | text | messages | conversations (optional tools), optional id.")],
     output: Annotated[str, typer.Option("--output", "-o", help="Output directory or s3://bucket/prefix (new or empty, or --resume).")],
     layers: Layers = None,
     aux_layers: AuxLayers = None,
@@ -69,10 +71,19 @@ def extract(
     ray: Annotated[Optional[str], typer.Option("--ray", help="Run the --dp engines as actors of this Ray cluster "
                                                "('auto': the one this machine joined); output on S3 or a shared "
                                                "file system.")] = None,
+    loss_mask: Annotated[Optional[str], typer.Option(help="Per-token loss mask: assistant (every assistant turn, through "
+                                                     "its end-of-turn token), last-assistant, all, none (no mask stored). "
+                                                     "Default: assistant for messages/conversations; the record's own "
+                                                     "loss_mask, else all, for token_ids/text.")] = None,
+    final_state: Annotated[str, typer.Option(help="none, or post-norm: also store the model's final normed state "
+                                             "per token (final_hidden_states [T, H]).")] = "none",
+    input_columns: Annotated[Optional[str], typer.Option(help="Fields from differently named columns (keys), e.g. "
+                                                         "'conversations=conv,id=uid'.")] = None,
 ) -> None:
     from vllm_hidden.config import ExtractConfig
     from vllm_hidden.engine.extractor import CaptureFailed, EngineDied
     from vllm_hidden.extract.coordinator import RankFailed
+    from vllm_hidden.inputs import parse_columns
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -84,6 +95,7 @@ def extract(
             s3_endpoint_url=s3_endpoint_url, staging_dir=str(staging_dir) if staging_dir else None, s3_retry_s=s3_retry_seconds,
             progress=progress,
             engine_args=list(ctx.args), cache_dir=str(cache_dir) if cache_dir else None, tp=tp, dp=dp, ray_address=ray,
+            loss_mask=loss_mask, final_state=final_state, input_columns=parse_columns(input_columns),
         )
         from vllm_hidden.extract import run_extract
 

@@ -74,6 +74,8 @@ class ShardConfig:
     s3_endpoint_url: str | None = None
     upload_pending: int = 4  # shards queued or uploading before the writers wait (backpressure)
     upload_retry_s: float = DEFAULT_S3_RETRY_S  # how long a shard's upload is tried again through transient errors
+    final_state: bool = False  # also `final_hidden_states` [R, H]: the model's output after its final norm
+    loss_mask: bool = False  # also `loss_mask` [R] uint8, from each sample's spans
 
     def __post_init__(self) -> None:
         _non_negative("upload_retry_s", self.upload_retry_s)
@@ -97,6 +99,8 @@ class ShardConfig:
 
 
 DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")  # what vLLM's --dtype takes
+LOSS_MASKS = ("assistant", "last-assistant", "all", "none")  # --loss-mask (None: the default per input kind)
+FINAL_STATES = ("none", "post-norm")  # --final-state
 
 
 @dataclass(kw_only=True)
@@ -126,8 +130,15 @@ class ExtractConfig:
     tp: int = 1  # GPUs (CPU: core groups) per engine: vLLM's tensor parallelism
     dp: int = 1  # engines, each writing its own shards under rank-NNN/, fed from one shared input
     ray_address: str | None = None  # run the dp engines as Ray actors on this cluster ("auto": the local one)
+    loss_mask: str | None = None  # None: assistant turns for conversations, the line's own mask or all otherwise
+    final_state: str = "none"  # "post-norm": also the model's output after its final norm, per token
+    input_columns: dict[str, str] = field(default_factory=dict)  # record field -> input column (Parquet/JSONL)
 
     def __post_init__(self) -> None:
+        if self.loss_mask is not None and self.loss_mask not in LOSS_MASKS:
+            raise ValueError(f"--loss-mask must be one of {', '.join(LOSS_MASKS)}, got {self.loss_mask!r}")
+        if self.final_state not in FINAL_STATES:
+            raise ValueError(f"--final-state must be one of {', '.join(FINAL_STATES)}, got {self.final_state!r}")
         for name in ("tp", "dp"):
             _positive_int(f"--{name}", getattr(self, name))
         _non_negative("--s3-retry-seconds", self.s3_retry_s)
@@ -145,6 +156,12 @@ class ExtractConfig:
             raise ValueError(f"--writer-threads must be in 1..64, got {self.writer_threads!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    def shard_options(self) -> dict[str, Any]:
+        """The ShardConfig fields every engine of the run shares (each part's paths aside)."""
+        return dict(max_shard_bytes=self.max_shard_bytes, writer_threads=self.writer_threads,
+                    upload_retry_s=self.s3_retry_s, final_state=self.final_state == "post-norm",
+                    loss_mask=self.loss_mask != "none")
 
 
 @dataclass(frozen=True, kw_only=True)

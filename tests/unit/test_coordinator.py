@@ -95,7 +95,7 @@ class FakeRanks:
             self.ends += 1
         else:
             assert self.ends == 0, "a prompt was put after an end marker"
-            assert isinstance(item, tuple) and len(item) == 3, item
+            assert isinstance(item, tuple) and len(item) == 4, item
             if self.first_prompt_call is None:
                 self.first_prompt_call = self.calls
             self.prompts.append({"item": item, "at": time.perf_counter(), "call": self.calls,
@@ -222,7 +222,7 @@ class Harness:
         self.capacity = 4
         monkeypatch.setattr(plan, "check_paths", lambda *a, **k: None)
         monkeypatch.setattr(plan, "plan_extract", lambda cfg: PLAN)
-        monkeypatch.setattr(plan, "prompt_reader", lambda cfg, plan, input_path=None: iter(self.items))
+        monkeypatch.setattr(plan, "prompt_reader", lambda cfg, plan, input_path=None: _Reader(self.items))
 
         def rank_envs(dp, tp, gpu=None):
             self.envs_calls.append((dp, tp))
@@ -269,6 +269,13 @@ class Harness:
         return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
 
 
+class _Reader(list):
+    """The prompt reader's part the coordinator uses: its items, and what the manifest says of them."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"format": "jsonl", "kinds": {"token_ids": len(self)}}
+
+
 @pytest.fixture
 def h(tmp_path, monkeypatch):
     # CacheDirs.apply (run_parallel's first step) sets these: restore them, present or absent
@@ -298,7 +305,7 @@ def test_two_ranks_every_prompt_once_then_one_end_marker_each_and_one_manifest(h
 
     # every good prompt put exactly once, as (line, id, token_ids); no bad line put
     assert Counter(put_ids(fake)) == Counter(p.id for p in good)
-    assert [p["item"] for p in fake.prompts] == [(p.line, p.id, p.token_ids) for p in good]
+    assert [p["item"] for p in fake.prompts] == [(p.line, p.id, p.token_ids, p.loss_spans) for p in good]
     # one end marker per engine, after every prompt, and no more
     assert fake.ends == 2
     assert [x for k, x in fake.trace if k == "put"][-2:] == [None, None]

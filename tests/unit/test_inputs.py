@@ -16,13 +16,18 @@ class FakeTok:
 def read(tmp_path, lines, **kw):
     p = tmp_path / "in.jsonl"
     p.write_text("\n".join(lines) + "\n")
-    return list(PromptReader(p, vocab_size=kw.get("vocab", 100), max_prompt_len=kw.get("max_len", 5), tokenizer_loader=FakeTok))
+    return list(PromptReader(p, vocab_size=kw.get("vocab", 100), max_prompt_len=kw.get("max_len", 5), tokenizer_loader=FakeTok,
+                             loss_mask=kw.get("loss_mask")))
 
 
 def test_good_lines_and_default_ids(tmp_path):
     out = read(tmp_path, [json.dumps({"token_ids": [1, 2]}), json.dumps({"id": "x", "text": "ab cde"}),
-                          json.dumps({"messages": [{"role": "user", "content": "hey"}]})])
-    assert out == [Prompt(0, 0, [1, 2]), Prompt(1, "x", [2, 3]), Prompt(2, 2, [3])]
+                          json.dumps({"token_ids": [1, 2, 3], "loss_mask": [0, 1, 1]})])
+    # the default mask: all tokens for text/token_ids, unless the line carries one
+    assert out == [Prompt(0, 0, [1, 2], [(0, 2)]), Prompt(1, "x", [2, 3], [(0, 2)]), Prompt(2, 2, [1, 2, 3], [(1, 3)])]
+    out = read(tmp_path, [json.dumps({"token_ids": [1, 2]}), json.dumps({"token_ids": [1, 2], "loss_mask": [1, 0]})],
+               loss_mask="none")
+    assert out == [Prompt(0, 0, [1, 2], None), Prompt(1, 1, [1, 2], None)]
 
 
 def test_bad_lines_become_error_records(tmp_path):
@@ -49,7 +54,7 @@ def test_bad_lines_become_error_records(tmp_path):
     assert "not a JSON object" in bad[6]
     assert "token id -1 out of range" in bad["neg"]
     assert bad["emptytext"] == "prompt has no tokens"
-    assert [p for p in out if isinstance(p, Prompt)] == [Prompt(7, "ok", [1])]
+    assert [p for p in out if isinstance(p, Prompt)] == [Prompt(7, "ok", [1], [(0, 1)])]
     assert any(b.reason == "duplicate id 'ok'" for b in out if isinstance(b, BadLine))
 
 
@@ -69,7 +74,7 @@ def test_text_without_a_tokenizer_is_an_error_record(tmp_path):
     p.write_text(json.dumps({"id": "t", "text": "hi"}) + "\n" + json.dumps({"id": "k", "token_ids": [1]}) + "\n")
     out = list(PromptReader(p, vocab_size=10, max_prompt_len=5, tokenizer_loader=broken))
     assert isinstance(out[0], BadLine) and "cannot load the model's tokenizer" in out[0].reason
-    assert out[1] == Prompt(1, "k", [1])
+    assert out[1] == Prompt(1, "k", [1], [(0, 1)])
 
 
 def test_empty_and_blank_only_files_give_nothing(tmp_path):

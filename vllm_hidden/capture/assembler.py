@@ -40,6 +40,7 @@ class NewRequest:
     # sample is complete when the request finishes, with the rows captured by then.
     rows: int | None = None
     line: int | None = None  # the input line (extract), for the sink's error reports
+    loss_spans: list[list[int]] | None = None  # [start, end) token spans with loss 1 (extract)
 
     @property
     def until_finished(self) -> bool:
@@ -68,16 +69,19 @@ class CaptureError(RuntimeError):
 
 class Slot(Protocol):
     buf: torch.Tensor  # [T, K, H], filled by the assembler
+    final: torch.Tensor | None  # [T, H]: the ring's last column (the final normed state), if it has one
 
 
 class Sink(Protocol):
-    def reserve(self, sample_id: Any, token_ids: list[int], *, line: int | None = None) -> Slot: ...
+    def reserve(self, sample_id: Any, token_ids: list[int], *, line: int | None = None,
+                loss_spans: list[list[int]] | None = None) -> Slot: ...
     def commit(self, slot: Any) -> None: ...
     def drop(self, slot: Any) -> None: ...
 
 
 class _MemSlot:
     __slots__ = ("sample_id", "token_ids", "buf")
+    final = None
 
     def __init__(self, sample_id: Any, token_ids: list[int], buf: torch.Tensor) -> None:
         self.sample_id, self.token_ids, self.buf = sample_id, token_ids, buf
@@ -94,7 +98,7 @@ class MemorySink:
         self.on_failure = on_failure
 
     def reserve(self, sample_id: Any, token_ids: list[int], rows: int | None = None, *,
-                line: int | None = None) -> _MemSlot:
+                line: int | None = None, loss_spans: list[list[int]] | None = None) -> _MemSlot:
         n = len(token_ids) if rows is None else rows
         return _MemSlot(sample_id, token_ids, torch.empty((n, *self.row_shape), dtype=self.dtype))
 
@@ -176,7 +180,8 @@ class Assembler:
             req = self._pending.pop(seg.req_id, None)
             if req is None:
                 return  # a request we were not asked to capture, or one already complete
-            slot = (self.sink.reserve(req.sample_id, req.token_ids, line=req.line) if req.rows is None
+            slot = (self.sink.reserve(req.sample_id, req.token_ids, line=req.line, loss_spans=req.loss_spans)
+                    if req.rows is None
                     else self.sink.reserve(req.sample_id, req.token_ids, rows=req.rows))
             part = self._partial[seg.req_id] = _Partial(req, slot)
         total = part.total
@@ -191,7 +196,13 @@ class Assembler:
             )
         keep = min(seg.count, total - seg.pos)  # rows past `total`: tokens nobody asked for
         if keep > 0:
-            part.slot.buf[seg.pos : seg.pos + keep].copy_(host[seg.row : seg.row + keep])
+            rows = host[seg.row : seg.row + keep]
+            final = part.slot.final
+            if final is None:
+                part.slot.buf[seg.pos : seg.pos + keep].copy_(rows)
+            else:  # the last column is the final state, stored apart
+                part.slot.buf[seg.pos : seg.pos + keep].copy_(rows[:, :-1])
+                final[seg.pos : seg.pos + keep].copy_(rows[:, -1])
             part.filled = seg.pos + keep
         if part.filled >= total and not part.req.until_finished:
             del self._partial[seg.req_id]

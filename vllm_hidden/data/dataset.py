@@ -14,13 +14,17 @@ from safetensors import safe_open
 
 from vllm_hidden.storage.manifest import MANIFEST, Manifest
 
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64}
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64, "U8": torch.uint8}
+# what a shard may hold besides hidden_states and token_ids, returned under the same key
+_OPTIONAL = ("final_hidden_states", "loss_mask")
 
 
 class HiddenStatesDataset(torch.utils.data.Dataset):
     """`ds[i]` -> {"id", "token_ids" int64 [T], "hidden_states" [T, K, H]} with K in
-    `ds.layer_ids` order. Shards are opened lazily per process, so the dataset can be
-    handed to DataLoader workers.
+    `ds.layer_ids` order, plus "loss_mask" (bool [T]) and "final_hidden_states" ([T, H],
+    after the model's final norm) when the output holds them. Row t of every tensor belongs
+    to token t (unshifted: a trainer predicting token t+1 from row t shifts). Shards are
+    opened lazily per process, so the dataset can be handed to DataLoader workers.
 
     A shard is checked when a process first opens it, and refused (ValueError naming it) if
     it differs from the manifest: its size always; with `verify` (the default) on a local
@@ -53,13 +57,13 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
             self._starts.append(n)
             n += s.num_samples
         self._len = n
-        self._open: dict[int, tuple[Any, list[list[Any]]]] = {}
+        self._open: dict[int, tuple[Any, list[list[Any]], list[str]]] = {}
         self._pid = os.getpid()
 
     def __len__(self) -> int:
         return self._len
 
-    def _shard(self, k: int) -> tuple[Any, list[list[Any]]]:
+    def _shard(self, k: int) -> tuple[Any, list[list[Any]], list[str]]:
         if self._pid != os.getpid():  # forked into a DataLoader worker: reopen there
             self._open.clear()
             self._pid = os.getpid()
@@ -72,12 +76,14 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
                 f, data_start = self._s3.safetensors_header(info.file)
                 f["__data_start__"] = data_start
                 index = json.loads(f["__metadata__"]["samples"])
+                names = set(f)
             else:
                 f = safe_open(str(self.root / info.file), framework="pt")
                 index = json.loads(f.metadata()["samples"])
+                names = set(f.keys())
             if len(index) != info.num_samples:
                 raise ValueError(f"shard {info.file!r}: index has {len(index)} samples, manifest says {info.num_samples}")
-            self._open[k] = (f, index)
+            self._open[k] = (f, index, [n for n in _OPTIONAL if n in names])
         return self._open[k]
 
     def _check(self, info: Any) -> None:
@@ -101,17 +107,17 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
             raise IndexError(f"index {i} out of range for {self._len} samples")
         i %= self._len
         k = bisect.bisect_right(self._starts, i) - 1
-        f, index = self._shard(k)
+        f, index, optional = self._shard(k)
         sid, row, count = index[i - self._starts[k]]
-        if self._s3 is not None:
-            name = self.manifest.shards[k].file
-            return {"id": sid, "token_ids": self._s3_rows(name, f, "token_ids", row, count),
-                    "hidden_states": self._s3_rows(name, f, "hidden_states", row, count)}
-        return {
-            "id": sid,
-            "token_ids": f.get_slice("token_ids")[row : row + count],
-            "hidden_states": f.get_slice("hidden_states")[row : row + count],
-        }
+        out: dict[str, Any] = {"id": sid}
+        for name in ("token_ids", "hidden_states", *optional):
+            if self._s3 is not None:
+                out[name] = self._s3_rows(self.manifest.shards[k].file, f, name, row, count)
+            else:
+                out[name] = f.get_slice(name)[row : row + count]
+        if "loss_mask" in out:
+            out["loss_mask"] = out["loss_mask"].bool()
+        return out
 
     def _s3_rows(self, name: str, header: dict[str, Any], tensor: str, row: int, count: int) -> torch.Tensor:
         t = header[tensor]

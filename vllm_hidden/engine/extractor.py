@@ -194,7 +194,7 @@ class Extractor:
         `max_inflight_tokens` prompt tokens) are in the engine at once: enough to fill every
         step, few enough that engines sharing one feed finish together."""
         from vllm_hidden.engine import compat
-        from vllm_hidden.engine.runner import LINE_KEY, REQUEST_KEY
+        from vllm_hidden.engine.runner import LINE_KEY, LOSS_KEY, REQUEST_KEY
 
         engine = self.engine
         if engine is None:
@@ -217,7 +217,10 @@ class Extractor:
                     if item is None:
                         break
                     rid = str(item.line)
-                    params = compat.prefill_sampling_params({REQUEST_KEY: item.id, LINE_KEY: item.line})
+                    extra = {REQUEST_KEY: item.id, LINE_KEY: item.line}
+                    if item.loss_spans is not None:  # a few [start, end) pairs, not a per-token list
+                        extra[LOSS_KEY] = [list(s) for s in item.loss_spans]
+                    params = compat.prefill_sampling_params(extra)
                     try:
                         engine.add_request(rid, {"prompt_token_ids": item.token_ids}, params)
                     except ValueError as e:  # the engine's own validation

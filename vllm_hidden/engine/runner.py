@@ -28,6 +28,7 @@ log = logging.getLogger("vllm_hidden")
 # SamplingParams.extra_args key marking a request for capture; its value is the sample id.
 REQUEST_KEY = "vllm_hidden_id"
 LINE_KEY = "vllm_hidden_line"  # its input line, named in the sink's error reports
+LOSS_KEY = "vllm_hidden_loss"  # its loss mask as [start, end) token spans of ones
 
 
 class Capture:
@@ -38,15 +39,9 @@ class Capture:
         self.hidden_size = mc.get_hidden_size()
         self.writer_rank = compat.is_writer_rank()
         self.transfer: StepTransfer | None = None
+        self.final_state = False  # the model's output (final, normed) rides as one more column
         if self.writer_rank:
-            self.transfer = StepTransfer(
-                runner.scheduler_config.max_num_batched_tokens,
-                len(cfg.layer_ids),
-                self.hidden_size,
-                mc.dtype,
-                runner.device,
-                cfg.ring_slots,
-            )
+            self.transfer = self._new_transfer(len(cfg.layer_ids))
         self.max_model_len = mc.max_model_len
         self.thread: AssemblerThread | None = None
         self.writer: ShardWriter | None = None
@@ -56,6 +51,22 @@ class Capture:
         self._stats = _StepStats()
         self.start_probe: StartProbe | None = StartProbe()
         self.start_report: dict[str, Any] | None = None
+
+    def _new_transfer(self, columns: int) -> StepTransfer:
+        r = self.runner
+        return StepTransfer(r.scheduler_config.max_num_batched_tokens, columns, self.hidden_size, r.model_config.dtype,
+                            r.device, self.cfg.ring_slots)
+
+    def _set_final_state(self, on: bool) -> None:
+        """--final-state post-norm: the device buffer and ring get a column for the model's own
+        output (after the final norm), so it travels in the step's one gather and one copy.
+        Set per sink at open (not in additional_config, which vLLM hashes: the compiled model
+        is the same either way, so it must not recompile)."""
+        columns = len(self.cfg.layer_ids) + on
+        if self.transfer.shape[1] != columns:
+            self.transfer = None  # the old buffers go before the new ones are allocated
+            self.transfer = self._new_transfer(columns)
+        self.final_state = on
 
     def finish_start(self, compilation_seconds: float | None) -> None:
         """End of the engine's start-up (after vLLM's warm-up): say whether it was warm."""
@@ -72,6 +83,7 @@ class Capture:
             return False
         if self.thread is not None:
             raise RuntimeError(f"a capture sink ({self.sink_kind}) is already open on this worker")
+        self._set_final_state(shard_cfg.final_state)
         self.writer = ShardWriter(shard_cfg, list(self.cfg.layer_ids), self.hidden_size, self.transfer.device_buf.dtype)
         self.thread = AssemblerThread(Assembler(self.transfer, self.writer),
                                       cpus=compat.cpus_off_the_forward(self.runner.device))
@@ -128,6 +140,7 @@ class Capture:
                       "start the server with `vllm-hidden serve`")
             return False
         pub = Publisher(address)
+        self._set_final_state(False)
         sink = MemorySink(self.transfer.shape[1:], self.transfer.device_buf.dtype, pub.send_sample, pub.send_failure)
         self.thread = AssemblerThread(Assembler(self.transfer, sink), cpus=compat.cpus_off_the_forward(self.runner.device))
         self.sink_kind = "publish"
@@ -138,7 +151,7 @@ class Capture:
         if REQUEST_KEY in extra:
             if self.sink_kind != "shards" or not prompt:
                 return None
-            return NewRequest(extra[REQUEST_KEY], prompt, line=extra.get(LINE_KEY))
+            return NewRequest(extra[REQUEST_KEY], prompt, line=extra.get(LINE_KEY), loss_spans=extra.get(LOSS_KEY))
         spec = extra.get(WORKER_KEY)
         if not isinstance(spec, dict) or not prompt or self.sink_kind == "shards":
             return None
@@ -214,7 +227,10 @@ class Capture:
         t0 = time.perf_counter()
         slot = self.transfer.acquire()  # blocks while the host side is behind (backpressure)
         t1 = time.perf_counter()
-        self.transfer.submit([aux[i] for i in self.order], hi - lo, slot, lo)  # gathered in layer_ids order
+        layers = [aux[i] for i in self.order]  # gathered in layer_ids order
+        if self.final_state:
+            layers.append(state.hidden_states)  # the model's output: after the final norm
+        self.transfer.submit(layers, hi - lo, slot, lo)
         thread.put(StepRecord(slot, hi - lo, segments, new, frozenset(ended)))
         st.steps += 1
         st.rows += hi - lo

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_hidden.config import ExtractConfig
 from vllm_hidden.extract.feed import QUEUE_PER_ENGINE, ReaderFeed, pack
 from vllm_hidden.extract.rank import rank_process
-from vllm_hidden.inputs import count_lines
+from vllm_hidden.inputs import count_records
 
 if TYPE_CHECKING:
     from vllm_hidden.storage.output import Output
@@ -110,8 +110,7 @@ def _killpg(pgid: int | None, sig: int) -> None:
 def rank_specs(cfg: ExtractConfig, output: Output, envs: list[dict[str, str]]) -> list[dict[str, Any]]:
     specs = []
     for r, env in enumerate(envs):
-        shard = output.shard_config(r, max_shard_bytes=cfg.max_shard_bytes, writer_threads=cfg.writer_threads,
-                                    upload_retry_s=cfg.s3_retry_s)
+        shard = output.shard_config(r, **cfg.shard_options())
         rank_cfg = {**asdict(cfg), "progress": False, "dp": 1, "ray_address": None}
         specs.append({"rank": r, "cfg": rank_cfg, "shard": shard.to_dict(), "env": env})
     return specs
@@ -140,8 +139,9 @@ def run_parallel(cfg: ExtractConfig):
         ray_ranks = RayRanks(cfg)
     output = Output(cfg.output_dir, plan.identity, s3_endpoint_url=cfg.s3_endpoint_url, staging_dir=cfg.staging_dir)
     state = output.begin(cfg.resume)
-    feed = ReaderFeed(prompt_reader(cfg, plan), state.done_ids, output.record_error)
-    total = count_lines(cfg.input_path)
+    reader = prompt_reader(cfg, plan)
+    feed = ReaderFeed(reader, state.done_ids, output.record_error)
+    total = count_records(cfg.input_path)
     t0 = time.perf_counter()
     ready: dict[int, dict[str, Any]] = {}
     done: dict[int, dict[str, Any]] = {}
@@ -253,5 +253,5 @@ def run_parallel(cfg: ExtractConfig):
                      for r, res in enumerate(results)]
     engine = dict(done[0]["engine"])
     engine["data_parallel_size"] = cfg.dp
-    output.finish(summary.shards, **manifest_fields(cfg, plan, engine))
+    output.finish(summary.shards, **manifest_fields(cfg, plan, engine, reader))
     return summary

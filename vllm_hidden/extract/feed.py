@@ -37,8 +37,8 @@ class ReaderFeed:
         return None
 
 
-def pack(p: Prompt) -> tuple[int, Any, list[int]]:
-    return (p.line, p.id, p.token_ids)
+def pack(p: Prompt) -> tuple[int, Any, list[int], list[tuple[int, int]] | None]:
+    return (p.line, p.id, p.token_ids, p.loss_spans)
 
 
 class QueueFeed:
@@ -70,5 +70,4 @@ class QueueFeed:
             self.exhausted = True
             return None
         self.taken += 1
-        line, sid, ids = item
-        return Prompt(line, sid, ids)
+        return Prompt(*item)

@@ -13,7 +13,7 @@ from vllm_hidden.config import ExtractConfig, Plan
 from vllm_hidden.engine.extractor import Extractor
 from vllm_hidden.extract.feed import ReaderFeed
 from vllm_hidden.extract.plan import check_paths, plan_extract, prompt_reader
-from vllm_hidden.inputs import count_lines
+from vllm_hidden.inputs import count_records
 from vllm_hidden.layers import SEMANTICS
 from vllm_hidden.storage.files import ShardInfo
 from vllm_hidden.storage.output import Output
@@ -79,14 +79,15 @@ class ProgressBar:
 
 
 
-def manifest_fields(cfg: ExtractConfig, plan: Plan, engine: dict[str, Any]) -> dict[str, Any]:
+def manifest_fields(cfg: ExtractConfig, plan: Plan, engine: dict[str, Any], reader: Any) -> dict[str, Any]:
     """The manifest's description of the run (everything but shards and errors)."""
     from vllm_hidden.engine import compat
 
     return dict(model=cfg.model, layer_ids=plan.layer_ids, layer_semantics=SEMANTICS,
                 num_model_layers=plan.info.num_layers, hidden_size=plan.info.hidden_size,
                 dtype=engine.pop("dtype"), versions={"vllm": compat.VLLM_VERSION, "vllm_hidden": __version__},
-                engine=engine)
+                engine=engine, input=reader.describe(), final_state=cfg.final_state)
+
 
 
 def extract_file(ex: Extractor, input_path: str, output_dir: str, progress: bool | None = None,
@@ -99,13 +100,13 @@ def extract_file(ex: Extractor, input_path: str, output_dir: str, progress: bool
     check_paths(cfg.model, input_path, output_dir, resume, cfg.s3_endpoint_url)
     output = Output(output_dir, ex.plan.identity, s3_endpoint_url=cfg.s3_endpoint_url, staging_dir=cfg.staging_dir)
     state = output.begin(resume)
-    feed = ReaderFeed(prompt_reader(cfg, ex.plan, input_path), state.done_ids, output.record_error)
+    reader = prompt_reader(cfg, ex.plan, input_path)
+    feed = ReaderFeed(reader, state.done_ids, output.record_error)
     summary = Summary(engine_init_seconds=ex.engine_init_seconds, output_dir=output.where,
                       engine_start=ex.start_report)
-    bar = ProgressBar(count_lines(input_path), cfg.progress if progress is None else progress)
+    bar = ProgressBar(count_records(input_path), cfg.progress if progress is None else progress)
     try:
-        res = ex.extract(feed, output.shard_config(None, max_shard_bytes=cfg.max_shard_bytes,
-                                                   writer_threads=cfg.writer_threads, upload_retry_s=cfg.s3_retry_s),
+        res = ex.extract(feed, output.shard_config(None, **cfg.shard_options()),
                          on_progress=lambda n, t: bar.update(n + feed.resumed, t, output.num_errors))
     finally:
         bar.close()
@@ -117,7 +118,7 @@ def extract_file(ex: Extractor, input_path: str, output_dir: str, progress: bool
     summary.shards, summary.capture_stats = res.shards, res.capture_stats
     summary.seconds, summary.flush_seconds = res.seconds, res.flush_seconds
     summary.first_sample_seconds = ex.first_sample_at or 0.0
-    output.finish(res.shards, **manifest_fields(cfg, ex.plan, ex.engine_info()))
+    output.finish(res.shards, **manifest_fields(cfg, ex.plan, ex.engine_info(), reader))
     return summary
 
 

@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 from vllm_hidden.config import ExtractConfig, ModelInfo, Plan
-from vllm_hidden.inputs import PromptReader
+from vllm_hidden.inputs import PromptReader, parse_columns
 from vllm_hidden.layers import resolve_layer_ids
 from vllm_hidden.storage.files import FORMAT
 from vllm_hidden.storage.journal import RUN
@@ -100,7 +100,8 @@ def plan_extract(cfg: ExtractConfig) -> Plan:
         raise ValueError(f"--max-model-len is required: {cfg.model!r} does not state max_position_embeddings")
     m = cfg.model
     model = str(Path(m).expanduser().resolve()) if Path(m).expanduser().is_dir() else m
-    identity = {"format": FORMAT, "model": model, "layer_ids": list(layer_ids), "hidden_size": info.hidden_size}
+    identity = {"format": FORMAT, "model": model, "layer_ids": list(layer_ids), "hidden_size": info.hidden_size,
+                "final_state": cfg.final_state, "loss_mask": cfg.loss_mask or "default"}
     return Plan(info=info, layer_ids=list(layer_ids), max_prompt_len=max_prompt_len, identity=identity)
 
 
@@ -109,4 +110,5 @@ def prompt_reader(cfg: ExtractConfig, plan: Plan, input_path: str | None = None)
 
     return PromptReader(input_path or cfg.input_path, vocab_size=plan.info.vocab_size,
                         max_prompt_len=plan.max_prompt_len,
-                        tokenizer_loader=lambda: AutoTokenizer.from_pretrained(cfg.model))
+                        tokenizer_loader=lambda: AutoTokenizer.from_pretrained(cfg.model),
+                        loss_mask=cfg.loss_mask, columns=parse_columns(cfg.input_columns))

@@ -27,6 +27,10 @@ class Manifest:
     errors_file: str | None = None
     versions: dict[str, str] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=dict)
+    # what the input was and how it was tokenized and masked (format, kinds, tokenizer,
+    # chat template hash, special tokens, loss-mask rule); rows are unshifted: row t is token t
+    input: dict[str, Any] = field(default_factory=dict)
+    final_state: str = "none"  # "post-norm": shards hold final_hidden_states [R, H]
     format: str = FORMAT
 
     @property

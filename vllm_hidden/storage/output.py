@@ -120,9 +120,12 @@ class Output:
                      self.state.removed[:5])
         return self.state
 
+    # what an output written before these were recorded was extracted with
+    _IDENTITY_DEFAULTS = {"final_state": "none", "loss_mask": "none"}
+
     def _check_identity(self, prev: dict[str, Any]) -> None:
-        for k in ("format", "model", "layer_ids", "hidden_size"):
-            if prev.get(k) != self.identity[k]:
+        for k in ("format", "model", "layer_ids", "hidden_size", "final_state", "loss_mask"):
+            if prev.get(k, self._IDENTITY_DEFAULTS.get(k)) != self.identity.get(k, self._IDENTITY_DEFAULTS.get(k)):
                 raise ValueError(f"--resume: {self.where!r} was written with {k}={prev.get(k)!r}, "
                                  f"this run has {k}={self.identity[k]!r}")
 

@@ -15,9 +15,12 @@ The pool of arenas bounds host memory: when every arena is full or being finishe
 `reserve` blocks, the assembler stops taking steps, and the engine waits on the capture
 ring (backpressure instead of growth).
 
-A shard holds `hidden_states` [R, K, H], `token_ids` [R] int64, and in its metadata the
-per-sample index [id, row offset, token count]. Rows the index does not list (a request
-aborted mid-prefill) are zeros.
+A shard holds `hidden_states` [R, K, H], then (with --final-state) `final_hidden_states`
+[R, H], `token_ids` [R] int64, (with a loss mask) `loss_mask` [R] uint8, and in its metadata
+the per-sample index [id, row offset, token count]. Rows the index does not list (a request
+aborted mid-prefill) are zeros. Only `hidden_states` is streamed out as samples complete;
+the smaller tensors after it, whose offsets depend on the shard's final row count, are
+written from memory when the shard is finished.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ from vllm_hidden.storage.files import FORMAT, ShardInfo, fsync_dir, shard_file
 
 log = logging.getLogger("vllm_hidden")
 
-_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64"}
+_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64",
+              torch.uint8: "U8"}
 _WRITE_BATCH = 32 << 20  # completed rows handed to a writer thread in batches of this size
 _SYNC_EVERY = 256 << 20  # fdatasync as data accumulates, so the final fsync has little left
 _HEADER_FIXED = 4096  # header bytes besides the sample index (tensor entries, format, layer ids)
@@ -66,22 +70,37 @@ def _entry_bytes(sample_id: Any, row: int, count: int) -> int:
 class SampleSlot:
     """Rows reserved for one sample; the assembler fills `buf` [T, K, H], then commits."""
 
-    __slots__ = ("arena", "sample_id", "token_ids", "row", "buf", "state", "line")
+    __slots__ = ("arena", "sample_id", "token_ids", "row", "buf", "final", "state", "line", "loss_spans")
     # NOT_FINITE: committed, then refused by its writer thread (NaN/Inf); left out like DROPPED
     RESERVED, COMMITTED, DROPPED, NOT_FINITE = 0, 1, 2, 3
 
     def __init__(self, arena: "_Arena", sample_id: Any, token_ids: torch.Tensor, row: int,
-                 line: int | None = None) -> None:
+                 line: int | None = None, loss_spans: list[list[int]] | None = None) -> None:
         self.arena = arena
         self.sample_id = sample_id
         self.token_ids = token_ids
         self.row = row
-        self.buf = arena.buf[row : row + token_ids.shape[0]]
+        n = token_ids.shape[0]
+        self.buf = arena.buf[row : row + n]
+        self.final = arena.final[row : row + n] if arena.final is not None else None
         self.state = SampleSlot.RESERVED
         self.line = line
+        self.loss_spans = loss_spans
+
+    def zero(self) -> None:
+        self.buf.zero_()
+        if self.final is not None:
+            self.final.zero_()
 
 
-def not_finite(buf: torch.Tensor, layer_ids: list[int]) -> str | None:
+def slot_not_finite(slot: SampleSlot, layer_ids: list[int]) -> str | None:
+    why = not_finite(slot.buf, layer_ids)
+    if why is None and slot.final is not None:
+        why = not_finite(slot.final[:, None], ["final"])
+    return why
+
+
+def not_finite(buf: torch.Tensor, layer_ids: list[Any]) -> str | None:
     """None if every value of `buf` [T, K, H] is finite, else what is wrong and where. One
     allocation-free reduction (min/max propagate NaN and reach +-Inf), ~10 GB/s per core on
     bf16; the counts are only worked out for a bad sample."""
@@ -101,11 +120,11 @@ def not_finite(buf: torch.Tensor, layer_ids: list[int]) -> str | None:
 class _Arena:
     """One shard in the making: its rows in memory, its temporary file, its pending writes."""
 
-    __slots__ = ("buf", "rows", "slots", "pending", "sealed", "pooled", "tmp", "fd", "index_bytes", "batch",
+    __slots__ = ("buf", "final", "rows", "slots", "pending", "sealed", "pooled", "tmp", "fd", "index_bytes", "batch",
                  "batch_bytes", "writes", "unsynced")
 
-    def __init__(self, buf: torch.Tensor, pooled: bool, tmp: Path) -> None:
-        self.buf = buf
+    def __init__(self, bufs: tuple[torch.Tensor, torch.Tensor | None], pooled: bool, tmp: Path) -> None:
+        self.buf, self.final = bufs
         self.rows = 0
         self.slots: list[SampleSlot] = []
         self.pending = 0  # reserved, not yet committed or dropped
@@ -119,8 +138,9 @@ class _Arena:
         self.writes: list[Future] = []
         self.unsynced = 0
 
-    def add(self, sample_id: Any, token_ids: torch.Tensor, entry_bytes: int, line: int | None = None) -> SampleSlot:
-        slot = SampleSlot(self, sample_id, token_ids, self.rows, line)
+    def add(self, sample_id: Any, token_ids: torch.Tensor, entry_bytes: int, line: int | None = None,
+            loss_spans: list[list[int]] | None = None) -> SampleSlot:
+        slot = SampleSlot(self, sample_id, token_ids, self.rows, line, loss_spans)
         self.rows += token_ids.shape[0]
         self.slots.append(slot)
         self.pending += 1
@@ -145,11 +165,13 @@ class ShardWriter:
         self.dtype = dtype
         self.row_shape = (len(self.layer_ids), hidden_size)
         self.row_bytes = len(self.layer_ids) * hidden_size * dtype.itemsize
+        self.final_row_bytes = hidden_size * dtype.itemsize if cfg.final_state else 0
         # Room for the header at the front of each file, so rows can be written at their final
         # offsets before the index is known; a shard rolls early if its index would overflow it.
         # Padding the header JSON with spaces is valid safetensors. `max_shard_bytes` bounds the
         # tensor data; the header adds at most 1 MiB.
-        self.rows_per_shard = max(1, cfg.max_shard_bytes // (self.row_bytes + 8))  # + the token id
+        extra = self.final_row_bytes + 8 + cfg.loss_mask  # + the final state, token id and mask byte
+        self.rows_per_shard = max(1, cfg.max_shard_bytes // (self.row_bytes + extra))
         room = _HEADER_FIXED + 32 * min(self.rows_per_shard, 1 << 15)
         self.header_room = min(room + (-room % 8), 1 << 20)
         # one arena being filled + one per writer thread; more only when every other arena
@@ -157,7 +179,7 @@ class ShardWriter:
         self.max_arenas = cfg.writer_threads + 1
         self._pool = ThreadPoolExecutor(cfg.writer_threads, thread_name_prefix="vllm-hidden-writer")
         self._cv = threading.Condition()
-        self._free: list[torch.Tensor] = []
+        self._free: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._allocated = 0
         self._finishing = 0
         self._futures: list[Future] = []
@@ -182,12 +204,13 @@ class ShardWriter:
         self._reserve_wait_s = 0.0  # assembler blocked on a free arena (backpressure)
 
     # -- arenas ------------------------------------------------------------------------
-    def _new_buffer(self, rows: int) -> torch.Tensor:
+    def _new_buffer(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         # untouched until rows are filled: a small run costs only what it writes; arenas
         # are reused, so the first-touch page faults are paid once per arena
-        return torch.empty((rows, *self.row_shape), dtype=self.dtype)
+        final = torch.empty((rows, self.row_shape[1]), dtype=self.dtype) if self.final_row_bytes else None
+        return torch.empty((rows, *self.row_shape), dtype=self.dtype), final
 
-    def _take_buffer(self) -> torch.Tensor:
+    def _take_buffer(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         t0 = time.perf_counter()
         with self._cv:
             while True:
@@ -205,14 +228,15 @@ class ShardWriter:
             self._reserve_wait_s += time.perf_counter() - t0
         return self._new_buffer(self.rows_per_shard)
 
-    def _new_arena(self, buf: torch.Tensor, pooled: bool) -> _Arena:
+    def _new_arena(self, bufs: tuple[torch.Tensor, torch.Tensor | None], pooled: bool) -> _Arena:
         self._seq += 1
-        a = _Arena(buf, pooled, self.dir / f".{self.cfg.prefix}-{os.getpid()}-{self._seq}.tmp")
+        a = _Arena(bufs, pooled, self.dir / f".{self.cfg.prefix}-{os.getpid()}-{self._seq}.tmp")
         self._open.append(a)
         return a
 
     # -- samples -----------------------------------------------------------------------
-    def reserve(self, sample_id: Any, token_ids: Any, *, line: int | None = None) -> SampleSlot:
+    def reserve(self, sample_id: Any, token_ids: Any, *, line: int | None = None,
+                loss_spans: list[list[int]] | None = None) -> SampleSlot:
         self._raise_error()
         if self._closed:
             raise RuntimeError("the shard writer is closed")
@@ -220,13 +244,19 @@ class ShardWriter:
         n = tok.shape[0]
         if n < 1:
             raise ValueError(f"sample {sample_id!r} has no tokens")
+        if self.cfg.loss_mask:
+            if loss_spans is None:
+                raise ValueError(f"sample {sample_id!r} has no loss mask, and this output stores one per sample")
+            for span in loss_spans:
+                if len(span) != 2 or not 0 <= span[0] < span[1] <= n:
+                    raise ValueError(f"sample {sample_id!r}: loss span {span!r} is not within its {n} tokens")
         a = self._current
         entry = _entry_bytes(sample_id, a.rows if a is not None else 0, n)
         if _HEADER_FIXED + entry > self.header_room:
             raise ValueError(f"sample id {str(sample_id)[:80]!r}... is too long to index ({entry} bytes)")
         if n > self.rows_per_shard:  # larger than a shard: a shard of its own
             big = self._new_arena(self._new_buffer(n), pooled=False)
-            slot = big.add(sample_id, tok, entry, line)
+            slot = big.add(sample_id, tok, entry, line, loss_spans)
             big.sealed = True
             return slot
         if a is None or a.rows + n > self.rows_per_shard or _HEADER_FIXED + a.index_bytes + entry > self.header_room:
@@ -234,23 +264,29 @@ class ShardWriter:
             if a is not None:
                 self._seal(a)
             a = self._current = self._new_arena(self._take_buffer(), pooled=True)
-        return a.add(sample_id, tok, entry, line)
+        return a.add(sample_id, tok, entry, line, loss_spans)
 
     def commit(self, slot: SampleSlot) -> None:
         self._resolve(slot, SampleSlot.COMMITTED)
 
     def drop(self, slot: SampleSlot) -> None:
         if slot.state == SampleSlot.RESERVED:
-            slot.buf.zero_()  # its rows in the file stay unwritten (zeros): keep memory equal for the checksum
+            slot.zero()  # its rows in the file stay unwritten (zeros): keep memory equal for the checksum
         self._resolve(slot, SampleSlot.DROPPED)
 
-    def add(self, sample_id: Any, token_ids: torch.Tensor, hidden_states: torch.Tensor) -> None:
+    def add(self, sample_id: Any, token_ids: torch.Tensor, hidden_states: torch.Tensor, *,
+            final_hidden_states: torch.Tensor | None = None, loss_spans: list[list[int]] | None = None) -> None:
         """A whole sample at once (one copy into its shard's arena)."""
         if tuple(hidden_states.shape[1:]) != self.row_shape or hidden_states.shape[0] != len(token_ids):
             raise ValueError(f"sample {sample_id!r}: hidden_states shape {tuple(hidden_states.shape)} does not "
                              f"match [{len(token_ids)}, {self.row_shape[0]}, {self.row_shape[1]}]")
-        slot = self.reserve(sample_id, token_ids)
+        if (final_hidden_states is not None) != bool(self.final_row_bytes):
+            raise ValueError(f"sample {sample_id!r}: final_hidden_states must be given exactly when the output "
+                             f"stores them (final_state={self.cfg.final_state})")
+        slot = self.reserve(sample_id, token_ids, loss_spans=loss_spans)
         slot.buf.copy_(hidden_states)
+        if slot.final is not None:
+            slot.final.copy_(final_hidden_states)
         self.commit(slot)
 
     def _resolve(self, slot: SampleSlot, state: int) -> None:
@@ -284,9 +320,9 @@ class ShardWriter:
         try:
             nbytes = 0
             for s in batch:
-                why = not_finite(s.buf, self.layer_ids)
+                why = slot_not_finite(s, self.layer_ids)
                 if why is not None:  # never written: its rows stay zeros (file and memory), the index skips it
-                    s.buf.zero_()
+                    s.zero()
                     s.state = SampleSlot.NOT_FINITE
                     with self._cv:
                         self._not_finite.append([s.sample_id, s.line, why])
@@ -333,27 +369,38 @@ class ShardWriter:
             rows = a.rows
             hs_bytes = rows * self.row_bytes
             tokens = torch.zeros(rows, dtype=torch.int64)
+            mask = torch.zeros(rows, dtype=torch.uint8) if self.cfg.loss_mask else None
             for s in done:
                 tokens[s.row : s.row + s.token_ids.shape[0]] = s.token_ids
+                if mask is not None:
+                    for lo, hi in s.loss_spans:
+                        mask[s.row + lo : s.row + hi] = 1
+            # after hidden_states (streamed out already), in file order
+            tail = [("final_hidden_states", a.final[:rows] if a.final is not None else None), ("token_ids", tokens),
+                    ("loss_mask", mask)]
+            tail = [(name, t) for name, t in tail if t is not None]
             meta = {"format": FORMAT, "layer_ids": json.dumps(self.layer_ids),
                     "samples": json.dumps([[s.sample_id, s.row, int(s.token_ids.shape[0])] for s in done])}
-            header = json.dumps({
-                "__metadata__": meta,
-                "hidden_states": {"dtype": _ST_DTYPES[self.dtype], "shape": [rows, *self.row_shape],
-                                  "data_offsets": [0, hs_bytes]},
-                "token_ids": {"dtype": "I64", "shape": [rows], "data_offsets": [hs_bytes, hs_bytes + rows * 8]},
-            }, separators=(",", ":")).encode()
+            entries = {"hidden_states": {"dtype": _ST_DTYPES[self.dtype], "shape": [rows, *self.row_shape],
+                                         "data_offsets": [0, hs_bytes]}}
+            end = hs_bytes
+            for name, t in tail:
+                nbytes = t.numel() * t.element_size()
+                entries[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [end, end + nbytes]}
+                end += nbytes
+            header = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode()
             if len(header) > self.header_room - 8:
                 raise RuntimeError(f"shard header of {len(header)} bytes overflows its {self.header_room - 8} reserved")
             head = struct.pack("<Q", self.header_room - 8) + header + b" " * (self.header_room - 8 - len(header))
-            _pwrite_all(a.fd, _raw(tokens), self.header_room + hs_bytes)
+            for name, t in tail:
+                _pwrite_all(a.fd, _raw(t), self.header_room + entries[name]["data_offsets"][0])
             _pwrite_all(a.fd, memoryview(head), 0)
             h = blake3.blake3(max_threads=blake3.blake3.AUTO)  # from memory, beside the fsync
             failed: list[BaseException] = []
 
             def digest() -> None:
                 try:
-                    for part in (memoryview(head), _raw(a.buf[:rows]), _raw(tokens)):
+                    for part in (memoryview(head), _raw(a.buf[:rows]), *(_raw(t) for _, t in tail)):
                         h.update(part)
                 except BaseException as e:  # noqa: BLE001 - re-raised below
                     failed.append(e)
@@ -371,7 +418,7 @@ class ShardWriter:
             name = shard_file(index, self.cfg.prefix)
             os.replace(a.tmp, self.dir / name)
             fsync_dir(self.dir)  # the rename is durable...
-            info = ShardInfo(file=name, bytes=self.header_room + hs_bytes + rows * 8, blake3=h.hexdigest(),
+            info = ShardInfo(file=name, bytes=self.header_room + end, blake3=h.hexdigest(),
                              num_samples=len(done), num_tokens=sum(int(s.token_ids.shape[0]) for s in done))
             self._journal.record(info)  # ...before its samples count as done
             with self._cv:
@@ -392,7 +439,7 @@ class ShardWriter:
                 self._finishing -= 1
                 self._write_s += time.perf_counter() - t0
                 if a.pooled:
-                    self._free.append(a.buf)
+                    self._free.append((a.buf, a.final))
                 self._cv.notify_all()
 
     def _raise_error(self) -> None:
@@ -427,7 +474,7 @@ class ShardWriter:
             for a in list(self._open):
                 for s in a.slots:
                     if s.state == SampleSlot.RESERVED:
-                        s.buf.zero_()
+                        s.zero()
                         s.state = SampleSlot.DROPPED
                         a.pending -= 1
                 self._seal(a)

@@ -59,11 +59,11 @@ def _check_shard(root: Path, s: ShardInfo, layers: int | None) -> list[str]:
     try:
         with safe_open(str(p), framework="pt") as f:
             index = json.loads(f.metadata()["samples"])
-            hs = f.get_slice("hidden_states").get_shape()
-            tok = f.get_slice("token_ids").get_shape()
+            shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+            hs, tok = shapes["hidden_states"], shapes["token_ids"]
     except Exception as e:  # noqa: BLE001 - reported, not raised
         return [*out, f"{s.file}: not a readable shard ({e})"]
-    return out + _index_problems(s, index, hs, tok, layers)
+    return out + _index_problems(s, index, hs, tok, layers) + _optional_problems(s, shapes)
 
 
 def _check_s3_shard(loc, s: ShardInfo, layers: int | None) -> list[str]:
@@ -82,8 +82,17 @@ def _check_s3_shard(loc, s: ShardInfo, layers: int | None) -> list[str]:
     out = [] if h.hexdigest() == s.blake3 else [f"{s.file}: BLAKE3 does not match the recorded {s.blake3[:16]}... (corrupted)"]
     header, _ = loc.safetensors_header(s.file)
     index = json.loads(header["__metadata__"]["samples"])
-    hs, tok = header["hidden_states"]["shape"], header["token_ids"]["shape"]
-    return out + _index_problems(s, index, hs, tok, layers)
+    shapes = {k: v["shape"] for k, v in header.items() if isinstance(v, dict) and "shape" in v}
+    hs, tok = shapes["hidden_states"], shapes["token_ids"]
+    return out + _index_problems(s, index, hs, tok, layers) + _optional_problems(s, shapes)
+
+
+def _optional_problems(s: ShardInfo, shapes: dict[str, list[int]]) -> list[str]:
+    """final_hidden_states [R, H] and loss_mask [R], where a shard has them, cover its rows."""
+    hs = shapes["hidden_states"]
+    want = {"final_hidden_states": [hs[0], hs[2]], "loss_mask": [hs[0]]}
+    return [f"{s.file}: {name} has shape {shapes[name]}, expected {shape}"
+            for name, shape in want.items() if name in shapes and list(shapes[name]) != shape]
 
 
 def _index_problems(s: ShardInfo, index, hs, tok, layers: int | None) -> list[str]:

@@ -1,0 +1,185 @@
+"""Conversations -> token ids and loss masks, with a real tokenizer and a multi-turn template
+written by the tests; every mask is checked against tests/chat_model.py's independent
+computation. Also Parquet input (row groups, nulls, column names) against the same records
+as JSONL, and the error records bad conversations get."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests import chat_model
+from vllm_hidden.inputs import BadLine, Prompt, PromptReader, parse_columns
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return chat_model.tokenizer(tmp_path_factory.mktemp("chat"))
+
+
+def reader(tmp_path, tok, records, name="in.jsonl", **kw):
+    p = tmp_path / name
+    if name.endswith(".parquet"):
+        write_parquet(p, records, kw.pop("row_group_size", 7))
+    else:
+        p.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return PromptReader(p, vocab_size=kw.pop("vocab", 512), max_prompt_len=kw.pop("max_len", 4096),
+                        tokenizer_loader=lambda: tok, **kw)
+
+
+def write_parquet(path, records, row_group_size):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    # nested turns as JSON-typed structs would need one schema for every row; a column of
+    # lists of structs with every key present (nulls for absent ones) is what datasets write
+    keys = sorted({k for r in records for k in r})
+    cols = {k: [r.get(k) for r in records] for k in keys}
+    pq.write_table(pa.table(cols), path, row_group_size=row_group_size)
+
+
+def mask_of(p: Prompt) -> list[int]:
+    m = [0] * len(p.token_ids)
+    for lo, hi in p.loss_spans:
+        m[lo:hi] = [1] * (hi - lo)
+    return m
+
+
+@pytest.mark.parametrize("rule", ["assistant", "last-assistant", "all"])
+def test_every_conversations_mask_matches_the_independent_one(tmp_path, tok, rule):
+    recs = chat_model.conversations(40)
+    out = list(reader(tmp_path, tok, recs, loss_mask=None if rule == "assistant" else rule))
+    assert all(isinstance(p, Prompt) for p in out), [p for p in out if isinstance(p, BadLine)]
+    kinds = set()
+    for rec, p in zip(recs, out):
+        msgs = chat_model.messages_of(rec)
+        ids, mask = chat_model.expected(tok, msgs, rec.get("tools"), rule)
+        assert p.id == rec["id"]
+        assert p.token_ids == ids, rec["id"]
+        # the tokens are exactly what the template gives through Transformers, tokenized whole
+        whole = tok.apply_chat_template(msgs, tools=rec.get("tools"), tokenize=True, add_generation_prompt=False)
+        assert p.token_ids == list(whole["input_ids"] if hasattr(whole, "keys") else whole)
+        assert mask_of(p) == mask, rec["id"]
+        kinds |= {k for k in ("messages", "conversations") if k in rec} | ({"tools"} if "tools" in rec else set())
+    assert kinds == {"messages", "conversations", "tools"}
+
+
+def test_sharegpt_and_role_content_give_the_same_tokens_and_mask(tmp_path, tok):
+    msgs = chat_model.messages_of(chat_model.conversations(3)[0])
+    recs = [{"id": "a", "messages": msgs}, {"id": "b", "conversations": msgs},
+            {"id": "c", "conversations": chat_model.to_sharegpt(msgs)}]
+    a, b, c = reader(tmp_path, tok, recs)
+    assert a.token_ids == b.token_ids == c.token_ids and a.loss_spans == b.loss_spans == c.loss_spans
+    assert len(a.loss_spans) == sum(m["role"] == "assistant" for m in msgs) >= 1
+
+
+def test_the_end_of_turn_token_is_in_the_mask_and_the_header_is_not(tmp_path, tok):
+    msgs = [{"role": "user", "content": "x a"}, {"role": "assistant", "content": "b c d"}]
+    (p,) = reader(tmp_path, tok, [{"messages": msgs}])
+    toks = tok.convert_ids_to_tokens(p.token_ids)
+    ((lo, hi),) = p.loss_spans
+    assert toks == ["<|user|>", "x", "a", "<|end|>", "<|assistant|>", "b", "c", "d", "<|end|>"]
+    assert (lo, hi) == (5, 9)
+
+
+def test_bad_conversations_are_error_records_naming_the_value(tmp_path, tok):
+    recs = [
+        {"id": "role", "messages": [{"role": "wizard", "content": "x"}]},
+        {"id": "from", "conversations": [{"from": "bot", "value": "x"}]},
+        {"id": "empty", "conversations": []},
+        {"id": "content", "messages": [{"role": "user", "content": ["a", "b"]}]},
+        {"id": "no-assistant", "messages": [{"role": "user", "content": "the"}]},
+        {"id": "mask-len", "token_ids": [1, 2, 3], "loss_mask": [1, 0]},
+        {"id": "mask-val", "token_ids": [1, 2], "loss_mask": [1, 2]},
+        {"id": "mask-text", "text": "the a", "loss_mask": [1, 1]},
+        {"id": "tools-text", "text": "the a", "tools": chat_model.TOOLS},
+        {"id": "turn", "conversations": ["hello"]},
+        {"id": "ok", "messages": [{"role": "user", "content": "the"}, {"role": "assistant", "content": "a"}]},
+    ]
+    out = {p.id: p for p in reader(tmp_path, tok, recs)}
+    why = {k: p.reason for k, p in out.items() if isinstance(p, BadLine)}
+    assert "unknown role 'wizard'" in why["role"]
+    assert "unknown ShareGPT 'from' 'bot'" in why["from"]
+    assert why["empty"] == "prompt has no tokens"
+    assert "content must be a string, got list" in why["content"]
+    assert "no assistant turn" in why["no-assistant"]
+    assert "loss_mask has 2 values for 3 token_ids" in why["mask-len"]
+    assert "got 2 at 1" in why["mask-val"]
+    assert "loss_mask goes with token_ids" in why["mask-text"]
+    assert "tools go with messages/conversations" in why["tools-text"]
+    assert "turn 0 must be an object, got str" in why["turn"]
+    assert isinstance(out["ok"], Prompt)
+
+
+def test_a_template_that_rewrites_earlier_turns_is_an_error_record_never_a_wrong_mask(tmp_path):
+    # earlier assistant turns lose their content once a later one exists (as thinking templates do)
+    rewriting = chat_model.TEMPLATE.replace("<|assistant|> {{ m.content }}",
+                                            "<|assistant|> {% if loop.last %}{{ m.content }}{% endif %}")
+    tok = chat_model.tokenizer(tmp_path, rewriting)
+    two = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "the"},
+           {"role": "user", "content": "of"}, {"role": "assistant", "content": "to"}]
+    bad, good = reader(tmp_path, tok, [{"id": "two", "messages": two}, {"id": "one", "messages": two[:2]}])
+    assert isinstance(bad, BadLine) and "assistant turn 1" in bad.reason and "not a prefix" in bad.reason
+    assert isinstance(good, Prompt) and len(good.loss_spans) == 1
+    # under last-assistant only the last turn is located: that works
+    (p,) = reader(tmp_path, tok, [{"id": "two", "messages": two}], loss_mask="last-assistant")
+    assert isinstance(p, Prompt)
+
+
+def test_a_template_failure_is_an_error_record(tmp_path):
+    tok = chat_model.tokenizer(tmp_path, "{{ raise_exception('roles must alternate') }}")
+    (p,) = reader(tmp_path, tok, [{"id": "x", "messages": [{"role": "user", "content": "a"}]}])
+    assert isinstance(p, BadLine) and "chat template failed" in p.reason and "roles must alternate" in p.reason
+
+
+def test_loss_mask_none_stores_no_mask_and_assistant_on_text_is_refused(tmp_path, tok):
+    recs = chat_model.conversations(4) + [{"id": "t", "text": "the a of"}]
+    out = list(reader(tmp_path, tok, recs, loss_mask="none"))
+    assert all(isinstance(p, Prompt) and p.loss_spans is None for p in out)
+    out = list(reader(tmp_path, tok, recs, loss_mask="assistant"))
+    assert isinstance(out[-1], BadLine) and "needs a messages/conversations record" in out[-1].reason
+
+
+def test_parquet_with_row_groups_nulls_and_a_bad_row_equals_the_same_records_as_jsonl(tmp_path, tok):
+    import pyarrow.parquet as pq
+
+    # one kind per column, nulls elsewhere (a table mixing kinds row by row); a bad row
+    recs = [{"id": f"t{i}", "token_ids": [3 + i, 4, 5], "loss_mask": [0, 1, 1]} for i in range(5)]
+    recs += [{"id": f"x{i}", "text": "the a of to"[: 3 + i]} for i in range(5)]
+    recs += [{"id": r["id"], "messages": chat_model.messages_of(r)} for r in chat_model.conversations(12)]
+    recs.insert(9, {"id": "bad", "token_ids": [1, 99999]})
+    jsonl = list(reader(tmp_path, tok, recs))
+    pq_reader = reader(tmp_path, tok, recs, name="in.parquet", row_group_size=4)
+    assert pq.ParquetFile(str(tmp_path / "in.parquet")).num_row_groups > 2
+    parquet = list(pq_reader)
+    assert parquet == jsonl
+    assert sum(isinstance(p, BadLine) for p in parquet) == 1 and "99999" in next(
+        p.reason for p in parquet if isinstance(p, BadLine))
+    assert pq_reader.describe()["format"] == "parquet"
+    assert pq_reader.describe()["kinds"] == {"messages": 12, "text": 5, "token_ids": 6}
+
+
+def test_parquet_columns_are_mapped_by_input_columns(tmp_path, tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    convs = [chat_model.to_sharegpt(chat_model.messages_of(r)) for r in chat_model.conversations(6) if "tools" not in r]
+    pq.write_table(pa.table({"uid": [f"u{i}" for i in range(len(convs))], "conv": convs}), tmp_path / "c.parquet",
+                   row_group_size=2)
+    mapped = PromptReader(tmp_path / "c.parquet", vocab_size=512, max_prompt_len=4096, tokenizer_loader=lambda: tok,
+                          columns=parse_columns("conversations=conv,id=uid"))
+    out = list(mapped)
+    assert [p.id for p in out] == [f"u{i}" for i in range(len(convs))] and all(isinstance(p, Prompt) for p in out)
+    with pytest.raises(ValueError, match="no column holds token_ids"):
+        list(PromptReader(tmp_path / "c.parquet", vocab_size=512, max_prompt_len=4096))
+    with pytest.raises(ValueError, match="has no column 'nope'"):
+        list(PromptReader(tmp_path / "c.parquet", vocab_size=512, max_prompt_len=4096,
+                          columns=parse_columns("text=nope")))
+
+
+@pytest.mark.parametrize("spec,msg", [("text", "expected field=column"), ("bogus=x", "unknown field 'bogus'"),
+                                      ("text=a,text=b", "given twice"), ("=a", "expected field=column")])
+def test_bad_input_columns_are_refused_naming_them(spec, msg):
+    with pytest.raises(ValueError, match=msg):
+        parse_columns(spec)

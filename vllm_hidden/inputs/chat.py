@@ -1,0 +1,164 @@
+"""Conversations -> token ids and loss-mask spans, with the model's own chat template.
+
+The assistant spans are found without relying on generation markers in the template: for
+each assistant turn j the conversation is rendered up to it with the generation prompt
+(`before`) and up to and including it (`after`); both renderings must be prefixes of the
+whole conversation's rendering, and the turn's tokens are those whose characters lie between
+the two ends. The whole rendering is tokenized once (with character offsets), so the mask is
+of the sample's own tokens. A template that rewrites earlier turns (a prefix that is not a
+prefix of the whole) or a token across a turn's boundary makes the sample an error, never a
+silently wrong mask. A turn's span is everything the template writes for it after the
+generation prompt: its content, its end-of-turn token and whatever follows that (for Qwen
+templates `<|im_end|>` and its newline), as SpecForge and vllm-project/speculators mark it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+from typing import Any
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system", "tool": "tool"}
+MASK_RULES = ("assistant", "last-assistant", "all", "none")
+
+
+def normalize_conversations(turns: Any) -> list[dict[str, Any]]:
+    """`conversations`: turns of {role, content} or ShareGPT {from, value} -> messages."""
+    if not isinstance(turns, list):
+        raise ValueError(f"conversations must be a list of turns, got {type(turns).__name__}")
+    out = []
+    for j, t in enumerate(turns):
+        if not isinstance(t, dict):
+            raise ValueError(f"conversations turn {j} must be an object, got {type(t).__name__}")
+        if "from" in t:
+            who = t["from"]
+            role = SHAREGPT_ROLES.get(who) if isinstance(who, str) else None
+            if role is None:
+                raise ValueError(f"conversations turn {j}: unknown ShareGPT 'from' {who!r} "
+                                 f"(expected one of {', '.join(SHAREGPT_ROLES)})")
+            if "value" not in t:
+                raise ValueError(f"conversations turn {j}: a ShareGPT turn needs 'value', got keys {sorted(t)}")
+            out.append({"role": role, "content": t["value"]})
+        else:
+            out.append(t)
+    return check_messages(out, "conversations")
+
+
+def check_messages(messages: Any, key: str = "messages") -> list[dict[str, Any]]:
+    if not isinstance(messages, list):
+        raise ValueError(f"{key} must be a list of {{role, content}} objects, got {type(messages).__name__}")
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m:
+            raise ValueError(f"{key} turn {j} must be a {{role, content}} object, got {str(m)[:80]!r}")
+        if m["role"] not in ROLES:
+            raise ValueError(f"{key} turn {j}: unknown role {m['role']!r} (expected one of {', '.join(ROLES)})")
+        c = m.get("content")
+        if not isinstance(c, str) and not (c is None and m["role"] == "assistant" and m.get("tool_calls")):
+            raise ValueError(f"{key} turn {j} ({m['role']}): content must be a string, got {type(c).__name__}")
+    return messages
+
+
+def template_hash(tokenizer: Any) -> str | None:
+    t = getattr(tokenizer, "chat_template", None)
+    if isinstance(t, dict):  # several named templates
+        t = "\n".join(f"{k}\n{v}" for k, v in sorted(t.items()))
+    return hashlib.sha256(t.encode()).hexdigest() if isinstance(t, str) else None
+
+
+class ChatEncoder:
+    """Renders and tokenizes conversations with `tokenizer`'s chat template (tokens as
+    `apply_chat_template(..., tokenize=True)` gives them: the template writes the special
+    tokens, none are added)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("the model's tokenizer has no chat template; messages/conversations input needs one")
+
+    def render(self, messages: list[dict[str, Any]], tools: Any, generation_prompt: bool) -> str:
+        try:
+            return self.tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                add_generation_prompt=generation_prompt)
+        except Exception as e:  # noqa: BLE001 - the template's own message names the problem
+            raise ValueError(f"chat template failed: {type(e).__name__}: {e}") from None
+
+    def encode(self, messages: list[dict[str, Any]], tools: Any, rule: str) -> tuple[list[int], list[tuple[int, int]] | None]:
+        """-> (token ids, loss spans [start, end) in tokens, or None under rule 'none')."""
+        if not messages:
+            raise ValueError("conversation is empty")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise ValueError(f"tools must be a list of objects, got {str(tools)[:80]!r}")
+        full = self.render(messages, tools, False)
+        if rule in ("all", "none"):
+            ids = self._ids(full, offsets=False)[0]
+            return ids, ([(0, len(ids))] if rule == "all" and ids else None)
+        turns = [j for j, m in enumerate(messages) if m["role"] == "assistant"]
+        if not turns:
+            raise ValueError(f"loss mask {rule!r}: the conversation has no assistant turn")
+        if rule == "last-assistant":
+            turns = turns[-1:]
+        ids, offsets = self._ids(full, offsets=True)
+        ends = [e for _, e in offsets]
+        starts = [s for s, _ in offsets]
+        spans = []
+        for j in turns:
+            before = self.render(messages[:j], tools, True) if j else self._generation_prompt_only(tools)
+            after = self.render(messages[: j + 1], tools, False)
+            for what, text in (("up to", before), ("through", after)):
+                if not full.startswith(text):
+                    raise ValueError(f"assistant turn {j}: the chat template's rendering of the conversation {what} "
+                                     "this turn is not a prefix of the whole conversation's (the template rewrites "
+                                     "earlier turns), so its tokens cannot be located")
+            lo = _token_at(starts, ends, len(before), j, "start")
+            hi = _token_at(starts, ends, len(after), j, "end")
+            if hi <= lo:
+                raise ValueError(f"assistant turn {j} has no tokens")
+            spans.append((lo, hi))
+        return ids, spans
+
+    def _generation_prompt_only(self, tools: Any) -> str:
+        try:  # a conversation that begins with an assistant turn
+            return self.render([], tools, True)
+        except ValueError:
+            return ""
+
+    def _ids(self, text: str, offsets: bool) -> tuple[list[int], list[tuple[int, int]]]:
+        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=offsets)
+        ids = list(enc["input_ids"])
+        if not offsets:
+            return ids, []
+        offs = [tuple(o) for o in enc["offset_mapping"]]
+        return ids, offs
+
+
+def _token_at(starts: list[int], ends: list[int], char: int, turn: int, which: str) -> int:
+    """The index of the first token at or after character `char`, which must fall on a token
+    boundary (no token both before and after it)."""
+    k = bisect.bisect_left(starts, char)
+    if k > 0 and ends[k - 1] > char:
+        raise ValueError(f"assistant turn {turn}: a token spans the turn's {which} (character {char}); "
+                         "the tokenizer merges across the template's boundary, so no exact mask exists")
+    return k
+
+
+def spans_from_mask(mask: Any, n: int) -> list[tuple[int, int]]:
+    """A per-token 0/1 mask (a line's `loss_mask`) -> spans [start, end) of ones."""
+    if not isinstance(mask, list):
+        raise ValueError(f"loss_mask must be a list of 0/1, got {type(mask).__name__}")
+    if len(mask) != n:
+        raise ValueError(f"loss_mask has {len(mask)} values for {n} token_ids")
+    spans = []
+    start = None
+    for t, v in enumerate(mask):
+        if v not in (0, 1) or isinstance(v, float):
+            raise ValueError(f"loss_mask values must be 0/1 or booleans, got {v!r} at {t}")
+        if v and start is None:
+            start = t
+        elif not v and start is not None:
+            spans.append((start, t))
+            start = None
+    if start is not None:
+        spans.append((start, n))
+    return spans

@@ -1,0 +1,132 @@
+"""Where input records come from: a JSONL file (one JSON object per line) or a Parquet file
+(one row per sample, read one row group at a time, never whole), chosen by the extension.
+Both yield (record number, dict | error text); the record number is the line's 0-based
+index (JSONL) or the row's (Parquet), and is what `id` defaults to."""
+
+from __future__ import annotations
+
+import codecs
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+PARQUET_SUFFIXES = (".parquet", ".pq")
+# what a record may hold; a Parquet column of another name is mapped to one with --input-columns
+FIELDS = ("id", "token_ids", "loss_mask", "text", "messages", "conversations", "tools")
+
+
+def input_format(path: str | Path) -> str:
+    return "parquet" if str(path).lower().endswith(PARQUET_SUFFIXES) else "jsonl"
+
+
+def parse_columns(spec: str | dict[str, str] | None) -> dict[str, str]:
+    """--input-columns "field=column,..." -> {field: column}; fields are those in FIELDS."""
+    if not spec:
+        return {}
+    if isinstance(spec, dict):
+        pairs = list(spec.items())
+    else:
+        pairs = []
+        for part in spec.split(","):
+            field, sep, col = part.strip().partition("=")
+            if not sep or not field.strip() or not col.strip():
+                raise ValueError(f"--input-columns: expected field=column, got {part.strip()!r}")
+            pairs.append((field.strip(), col.strip()))
+    out: dict[str, str] = {}
+    for field, col in pairs:
+        if field not in FIELDS:
+            raise ValueError(f"--input-columns: unknown field {field!r}; fields are {', '.join(FIELDS)}")
+        if field in out:
+            raise ValueError(f"--input-columns: field {field!r} given twice")
+        out[field] = col
+    return out
+
+
+def _pyarrow_parquet():
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError("Parquet input needs pyarrow: pip install 'vllm-hidden[parquet]' (or pip install pyarrow)") from None
+    return pq
+
+
+def count_records(path: str | Path) -> int:
+    """Samples the file holds, for the progress bar (JSONL: lines; Parquet: rows, from its footer)."""
+    if input_format(path) == "parquet":
+        return _pyarrow_parquet().ParquetFile(str(path)).metadata.num_rows
+    return count_lines(path)
+
+
+def count_lines(path: str | Path) -> int:
+    n = 0
+    last = b"\n"
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            n += chunk.count(b"\n")
+            last = chunk[-1:]
+    return n + (last != b"\n")
+
+
+def jsonl_records(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | str]]:
+    """Streams the file line by line; blank lines are skipped (not samples)."""
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f):
+            if i == 0 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8):]  # files saved by some editors begin with one
+            if not raw.strip():
+                continue
+            yield i, parse_json(raw)
+
+
+def parse_json(raw: bytes | str) -> dict[str, Any] | str:
+    try:
+        # decoded as UTF-8 ourselves: json.loads would guess UTF-16/32 from a stray BOM
+        obj = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
+    except UnicodeDecodeError as e:
+        return f"line is not UTF-8: {e}"
+    except json.JSONDecodeError as e:
+        return f"invalid JSON: {e}"
+    if not isinstance(obj, dict):
+        return f"line is not a JSON object (got {type(obj).__name__})"
+    return obj
+
+
+def parquet_records(path: str | Path, columns: dict[str, str]) -> Iterator[tuple[int, dict[str, Any] | str]]:
+    """One row group in memory at a time. Columns are mapped to record fields (`columns`:
+    field -> column; unmapped fields are read from a column of their own name); a null is an
+    absent field, so a table can mix kinds row by row."""
+    pf = _pyarrow_parquet().ParquetFile(str(path))
+    names = set(pf.schema_arrow.names)
+    missing = sorted(col for col in columns.values() if col not in names)
+    if missing:
+        raise ValueError(f"--input-columns: {str(path)!r} has no column {missing[0]!r} (columns: {sorted(names)})")
+    want = {f: columns.get(f, f) for f in FIELDS if columns.get(f, f) in names}
+    if not any(f in want for f in ("token_ids", "text", "messages", "conversations")):
+        raise ValueError(f"{str(path)!r}: no column holds token_ids, text, messages or conversations "
+                         f"(columns: {sorted(names)}); map one with --input-columns")
+    i = 0
+    for g in range(pf.num_row_groups):
+        table = pf.read_row_group(g, columns=sorted(set(want.values())))
+        cols = {f: table.column(c).to_pylist() for f, c in want.items()}
+        for r in range(table.num_rows):
+            yield i, {f: v[r] for f, v in cols.items() if v[r] is not None}
+            i += 1
+
+
+def records(path: str | Path, columns: dict[str, str] | None = None) -> Iterator[tuple[int, dict[str, Any] | str]]:
+    if input_format(path) == "parquet":
+        return parquet_records(path, columns or {})
+    if columns:
+        return _renamed(jsonl_records(path), columns)
+    return jsonl_records(path)
+
+
+def _renamed(recs: Iterator[tuple[int, dict[str, Any] | str]],
+             columns: dict[str, str]) -> Iterator[tuple[int, dict[str, Any] | str]]:
+    """JSONL lines whose keys are named otherwise (--input-columns applies to both formats)."""
+    for i, obj in recs:
+        if isinstance(obj, dict):
+            obj = {**{k: v for k, v in obj.items() if k not in columns},
+                   **{f: obj[c] for f, c in columns.items() if c in obj}}
+        yield i, obj
