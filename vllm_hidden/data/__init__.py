@@ -1,5 +1,6 @@
-"""Training-side reader."""
+"""Training-side reader, and the hand-off to drafter trainers."""
 
 from vllm_hidden.data.dataset import HiddenStatesDataset
+from vllm_hidden.data.trainers import DFlashCollator, Eagle3Collator, export_speculators, pad_batch
 
-__all__ = ["HiddenStatesDataset"]
+__all__ = ["DFlashCollator", "Eagle3Collator", "HiddenStatesDataset", "export_speculators", "pad_batch"]

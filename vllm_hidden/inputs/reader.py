@@ -10,6 +10,7 @@ length), `text`, `messages` (OpenAI role/content, optional `tools`) or `conversa
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -59,6 +60,16 @@ def mask_rule_for(rule: str | None, kind: str, has_mask: bool) -> str:
         raise ValueError(f"loss mask {rule!r} needs a messages/conversations record (or token_ids with a "
                          f"loss_mask); this one has {kind}")
     return "all"
+
+
+def _tools(tools: Any) -> Any:
+    """Tools as given, or as a JSON string (how many datasets store them in a table column)."""
+    if isinstance(tools, str):
+        try:
+            return json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"tools is a string but not JSON: {e}") from None
+    return tools
 
 
 class PromptReader:
@@ -165,7 +176,7 @@ class PromptReader:
             msgs = normalize_conversations(val) if kind == "conversations" else check_messages(val)
             if not msgs:
                 return [], None
-            ids, spans = self._chat_encoder().encode(msgs, obj.get("tools"), rule)
+            ids, spans = self._chat_encoder().encode(msgs, _tools(obj.get("tools")), rule)
             self._check_vocab(ids)
             return ids, spans
         self._check_vocab(ids)

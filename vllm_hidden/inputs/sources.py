@@ -110,8 +110,18 @@ def parquet_records(path: str | Path, columns: dict[str, str]) -> Iterator[tuple
         table = pf.read_row_group(g, columns=sorted(set(want.values())))
         cols = {f: table.column(c).to_pylist() for f, c in want.items()}
         for r in range(table.num_rows):
-            yield i, {f: v[r] for f, v in cols.items() if v[r] is not None}
+            yield i, {f: _without_nulls(v[r]) for f, v in cols.items() if v[r] is not None}
             i += 1
+
+
+def _without_nulls(v: Any) -> Any:
+    """A struct's null field is an absent one: a column of turns holds every key any turn has
+    (ShareGPT `from`/`value` beside `role`/`content`, `tool_calls`), null where a turn has none."""
+    if isinstance(v, dict):
+        return {k: _without_nulls(x) for k, x in v.items() if x is not None}
+    if isinstance(v, list):
+        return [_without_nulls(x) for x in v]
+    return v
 
 
 def records(path: str | Path, columns: dict[str, str] | None = None) -> Iterator[tuple[int, dict[str, Any] | str]]:
