@@ -15,6 +15,7 @@ case and runs every workload):
   upstream     vLLM's `extract_hidden_states` + ExampleHiddenStatesConnector to tmpfs, until
                every file is written (its per-file locks released)
   extract-tuned  extract with extra engine settings (--tuned-arg), vs plain at the reference ones
+  extract-final  extract with --final-state post-norm (the final normed state as one more column)
 Every output is verified after its clock stops: every sample present with its token ids,
 no NaN/inf, and (extract) every shard's checksum. Results: one JSON under benchmarks/results/
 (command, versions, git revision, per case and workload: tok/s, samples/s, ratio to plain,
@@ -37,7 +38,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CASES = ("plain", "extract", "extract-shm", "upstream", "extract-tuned")
+CASES = ("plain", "extract", "extract-shm", "upstream", "extract-tuned", "extract-final")
 # BRIEF's workloads: lognormal lengths clipped, random token ids, seed 0
 WORKLOADS = {
     "w-chat": {"samples": 512, "median": 384, "sigma": 0.8, "min": 32, "max": 2048},
@@ -136,7 +137,7 @@ def verify_extract(out: Path, prompts: list[list[int]]) -> dict:
 
     def finite(s) -> bool:
         with safe_open(str(out / s.file), framework="pt") as f:
-            return _check_finite(f.get_tensor("hidden_states"))
+            return all(_check_finite(f.get_tensor(k)) for k in ("hidden_states", "final_hidden_states") if k in f.keys())
 
     with ThreadPoolExecutor(8) as pool:
         sums = all(pool.map(sum_ok, m.shards))
@@ -149,7 +150,9 @@ def verify_extract(out: Path, prompts: list[list[int]]) -> dict:
     present = set(seen) == set(range(len(prompts))) and all(len(v) == 1 for v in seen.values())
     tokens_ok = present and all(seen[i][0] == p for i, p in enumerate(prompts))
     return {"all_samples_present_once": present, "token_ids_match": tokens_ok, "checksums_ok": sums,
-            "finite": fin, "bytes": sum(s.bytes for s in m.shards), "shards": len(m.shards)}
+            "finite": fin, "bytes": sum(s.bytes for s in m.shards), "shards": len(m.shards),
+            "bytes_per_token": round(sum(s.bytes for s in m.shards) / max(1, m.num_tokens), 1),
+            "final_state": m.final_state}
 
 
 def _start_engine(args: list[str], max_len: int):
@@ -185,7 +188,8 @@ def run_plain(args: list[str], max_len: int, workloads: dict[str, list[list[int]
 
 
 def run_extract(args: list[str], max_len: int, workloads: dict[str, list[list[int]]], out_root: Path,
-                inputs: dict[str, Path], layers: str | None, writer_threads: int | None, save) -> dict:
+                inputs: dict[str, Path], layers: str | None, writer_threads: int | None, save,
+                final_state: str = "none") -> dict:
     from vllm_hidden.config import ExtractConfig
     from vllm_hidden.extract.job import extract_file, start_extractor
 
@@ -193,7 +197,7 @@ def run_extract(args: list[str], max_len: int, workloads: dict[str, list[list[in
     first = next(iter(workloads))
     kw = {"writer_threads": writer_threads} if writer_threads else {}
     cfg = ExtractConfig(model=args[0], input_path=str(inputs[first]), output_dir=str(out_root / first), layers=layers,
-                        max_model_len=max_len, progress=False, engine_args=args[1:], **kw)
+                        max_model_len=max_len, progress=False, engine_args=args[1:], final_state=final_state, **kw)
     res = {"workloads": {}}
     with start_extractor(cfg) as ex:
         res["engine_init_seconds"] = ex.engine_init_seconds
@@ -283,9 +287,10 @@ def child(spec_path: str) -> None:
 
     if case == "plain":
         run_plain(args, max_len, workloads, save)
-    elif case in ("extract", "extract-tuned"):
+    elif case in ("extract", "extract-tuned", "extract-final"):
         run_extract([*args, *(spec["tuned_args"] if case == "extract-tuned" else [])], max_len, workloads,
-                    Path(spec["out_dir"]) / case, inputs, spec["layers"], spec["writer_threads"], save)
+                    Path(spec["out_dir"]) / case, inputs, spec["layers"], spec["writer_threads"], save,
+                    final_state="post-norm" if case == "extract-final" else "none")
     elif case == "extract-shm":
         run_extract(args, max_len, workloads, Path(spec["shm_dir"]) / case, inputs, spec["layers"],
                     spec["writer_threads"], save)

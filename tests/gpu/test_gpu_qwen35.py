@@ -2,7 +2,8 @@
 (`Qwen3_5ForConditionalGeneration`, served with --language-model-only) at Qwen3.6-27B's widths
 with 4 layers (3 Gated DeltaNet, then 1 gated full attention), with torch.compile + CUDA graphs
 (vLLM defaults) and with enforce_eager, checked against HF Transformers in float32 on the same
-weights. Run: `pytest -q -s tests/gpu` on the GPU host."""
+weights. The CUDA-graph run also captures the final normed state (--final-state post-norm),
+checked against HF's output_hidden_states[-1]. Run: `pytest -q -s tests/gpu` on the GPU host."""
 
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ def test_gpu_qwen35_capture_matches_hf_graphs_and_eager(tmp_path):
         s = run_extract(ExtractConfig(model=str(model), input_path=str(tmp_path / "in.jsonl"),
                                       output_dir=str(outs[mode]), layers=",".join(map(str, LAYERS)),
                                       max_model_len=MAX_LEN, max_num_batched_tokens=BATCHED, dtype="bfloat16",
-                                      progress=False, engine_args=ENGINE + extra))
+                                      progress=False, engine_args=ENGINE + extra,
+                                      final_state="post-norm" if mode == "graphs" else "none"))
         assert s.samples == len(good) and s.errors == 0
         summaries[mode] = s.to_dict()
         print(f"qwen3_5 {mode}: {summaries[mode]}")
@@ -76,11 +78,13 @@ def test_gpu_qwen35_capture_matches_hf_graphs_and_eager(tmp_path):
     worst = {m: [0.0] * len(LAYERS) for m in outs}
     worst_modes = [0.0] * len(LAYERS)
     min_neighbour = [float("inf")] * len(LAYERS)
+    worst_final, min_final_vs_last = 0.0, float("inf")
     for sid, ids in good.items():
         with torch.no_grad():
             r = hf(torch.tensor([ids], device="cuda"), output_hidden_states=True, use_cache=False)
         # states[0] = embeddings, states[k + 1] = output of layer k (the last one before the final norm)
         states = [h[0] for h in r.hidden_states[: len(LAYERS)]] + [last["h"][0]]
+        post_norm = r.hidden_states[-1][0]  # HF applies the final norm to its last entry
         del r
         got = {}
         for m in outs:
@@ -91,6 +95,14 @@ def test_gpu_qwen35_capture_matches_hf_graphs_and_eager(tmp_path):
                 err = _rel(got[m][:, k], states[layer + 1])
                 worst[m][k] = max(worst[m][k], err)
                 assert err <= BOUND, (m, sid, layer, err)
+        final = by_id["graphs"][sid]["final_hidden_states"].cuda().float()
+        assert "final_hidden_states" not in by_id["eager"][sid]
+        err = _rel(final, post_norm)
+        worst_final = max(worst_final, err)
+        assert err <= BOUND, ("final state", sid, err)
+        if len(ids) >= 1000:  # the check can fail: the state before the norm is far from it
+            min_final_vs_last = min(min_final_vs_last, _rel(final, states[-1]))
+            assert min_final_vs_last > NEIGHBOUR, ("final state vs last layer", sid, min_final_vs_last)
         for k in range(len(LAYERS)):
             diff = _rel(got["eager"][:, k], got["graphs"][:, k])
             worst_modes[k] = max(worst_modes[k], diff)
@@ -104,10 +116,12 @@ def test_gpu_qwen35_capture_matches_hf_graphs_and_eager(tmp_path):
                         assert d > NEIGHBOUR, ("neighbour", sid, layer, j, d)
     hf_s = time.perf_counter() - t1
     assert all(v < float("inf") for v in min_neighbour)
+    print(f"qwen3_5 final state (post-norm, graphs) worst rel L2 {worst_final}, min vs last layer {min_final_vs_last}")
     print(f"qwen3_5 worst rel L2 per layer {LAYERS}: {worst}; eager vs graphs {worst_modes}; "
           f"min neighbour-layer rel L2 {min_neighbour}; build {build_s:.1f}s, HF reference {hf_s:.1f}s")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "gpu-parity-qwen3_5.json"), "w") as f:
             json.dump({"arch": "qwen3_5", "worst_rel_l2": worst, "layers": LAYERS, "eager_vs_graphs": worst_modes,
-                       "min_neighbour_rel_l2": min_neighbour, "build_seconds": round(build_s, 1),
+                       "min_neighbour_rel_l2": min_neighbour, "final_state_worst_rel_l2": worst_final,
+                       "final_state_min_vs_last_layer": min_final_vs_last, "build_seconds": round(build_s, 1),
                        "hf_reference_seconds": round(hf_s, 1), "extract": summaries}, f)
