@@ -25,6 +25,10 @@ def env(tiny_models, tmp_path_factory):
     (root / "other.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     (root / "broken.json").write_text("{not json")
     (root / "a-file").write_text("x")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": ["a b"]}), root / "in.parquet")
     full = root / "full"
     full.mkdir()
     (full / "something").write_text("x")
@@ -64,6 +68,11 @@ CASES = [
     (["--ray", ""], ["--ray"]),
     (["--enable-prefix-caching"], ["--enable-prefix-caching"]),
     (["--no-such-engine-flag", "1"], ["--no-such-engine-flag"]),
+    (["--loss-mask", "assistants"], ["--loss-mask", "'assistants'"]),
+    (["--final-state", "pre-norm"], ["--final-state", "'pre-norm'"]),
+    (["--input-columns", "text"], ["--input-columns", "'text'"]),
+    (["--input-columns", "prompt=p"], ["--input-columns", "'prompt'"]),
+    (["--input", "{root}/in.parquet", "--input-columns", "text=nope"], ["--input-columns", "'nope'"]),
 ]
 
 

@@ -125,7 +125,7 @@ def run_parallel(cfg: ExtractConfig):
     from vllm_hidden.storage.output import Output, in_part
 
     CacheDirs.resolve(cfg.cache_dir).apply()  # every engine inherits the cache locations
-    check_paths(cfg.model, cfg.input_path, cfg.output_dir, cfg.resume, cfg.s3_endpoint_url)
+    check_paths(cfg.model, cfg.input_path, cfg.output_dir, cfg.resume, cfg.s3_endpoint_url, cfg.input_columns)
     cfg = replace(cfg, tp=resolve_tp(cfg.engine_args, cfg.tp))  # each rank's devices depend on it
     plan = plan_extract(cfg)
     # devices (or the cluster) first: a bad --dp/--tp fails before any output is written

@@ -97,7 +97,7 @@ def extract_file(ex: Extractor, input_path: str, output_dir: str, progress: bool
     resume = cfg.resume if resume is None else resume
     if ex.engine is None:
         raise RuntimeError("the extractor is closed")
-    check_paths(cfg.model, input_path, output_dir, resume, cfg.s3_endpoint_url)
+    check_paths(cfg.model, input_path, output_dir, resume, cfg.s3_endpoint_url, cfg.input_columns)
     output = Output(output_dir, ex.plan.identity, s3_endpoint_url=cfg.s3_endpoint_url, staging_dir=cfg.staging_dir)
     state = output.begin(resume)
     reader = prompt_reader(cfg, ex.plan, input_path)
@@ -126,6 +126,6 @@ def start_extractor(cfg: ExtractConfig, *, start: bool = True, check_io: bool = 
     """Check what can be checked before the (slow) engine start, plan the run, then build its
     engine (input and output unchecked for a data-parallel rank: its coordinator did that)."""
     check_paths(cfg.model, cfg.input_path if check_io else None, cfg.output_dir if check_io else None,
-                cfg.resume, cfg.s3_endpoint_url)
+                cfg.resume, cfg.s3_endpoint_url, cfg.input_columns)
     return Extractor(cfg, plan_extract(cfg), start=start)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from vllm_hidden.config import ExtractConfig, ModelInfo, Plan
 from vllm_hidden.inputs import PromptReader, parse_columns
+from vllm_hidden.inputs.sources import check_input
 from vllm_hidden.layers import resolve_layer_ids
 from vllm_hidden.storage.files import FORMAT
 from vllm_hidden.storage.journal import RUN
@@ -33,11 +34,13 @@ def model_info(model: str) -> ModelInfo:
 
 
 def check_paths(model: str, input_path: str | None, output_dir: str | None, resume: bool = False,
-                s3_endpoint_url: str | None = None) -> None:
+                s3_endpoint_url: str | None = None, input_columns: dict[str, str] | None = None) -> None:
     """Fail before the (slow) engine start on anything we can check up front (input and
     output: unless None, as in a data-parallel rank, whose coordinator checked them)."""
-    if input_path is not None and not Path(input_path).is_file():
-        raise ValueError(f"--input: no such file {input_path!r}")
+    if input_path is not None:
+        if not Path(input_path).is_file():
+            raise ValueError(f"--input: no such file {input_path!r}")
+        check_input(input_path, parse_columns(input_columns))
     if (model.startswith((".", "/", "~")) or Path(model).exists()) and not Path(model).expanduser().is_dir():
         raise ValueError(f"--model: no such model directory {model!r}")
     if output_dir is None:

@@ -92,11 +92,19 @@ def parse_json(raw: bytes | str) -> dict[str, Any] | str:
     return obj
 
 
-def parquet_records(path: str | Path, columns: dict[str, str]) -> Iterator[tuple[int, dict[str, Any] | str]]:
-    """One row group in memory at a time. Columns are mapped to record fields (`columns`:
-    field -> column; unmapped fields are read from a column of their own name); a null is an
-    absent field, so a table can mix kinds row by row."""
-    pf = _pyarrow_parquet().ParquetFile(str(path))
+def check_input(path: str | Path, columns: dict[str, str]) -> None:
+    """What can be checked of an input before the engine starts: a Parquet file's footer
+    (readable, holding the mapped columns and one of the kinds)."""
+    if input_format(path) == "parquet":
+        pq = _pyarrow_parquet()
+        try:
+            pf = pq.ParquetFile(str(path))
+        except Exception as e:  # noqa: BLE001 - pyarrow's own message, with the file named
+            raise ValueError(f"--input: {str(path)!r} is not a readable Parquet file: {e}") from None
+        _parquet_fields(pf, path, columns)
+
+
+def _parquet_fields(pf: Any, path: str | Path, columns: dict[str, str]) -> dict[str, str]:
     names = set(pf.schema_arrow.names)
     missing = sorted(col for col in columns.values() if col not in names)
     if missing:
@@ -105,6 +113,15 @@ def parquet_records(path: str | Path, columns: dict[str, str]) -> Iterator[tuple
     if not any(f in want for f in ("token_ids", "text", "messages", "conversations")):
         raise ValueError(f"{str(path)!r}: no column holds token_ids, text, messages or conversations "
                          f"(columns: {sorted(names)}); map one with --input-columns")
+    return want
+
+
+def parquet_records(path: str | Path, columns: dict[str, str]) -> Iterator[tuple[int, dict[str, Any] | str]]:
+    """One row group in memory at a time. Columns are mapped to record fields (`columns`:
+    field -> column; unmapped fields are read from a column of their own name); a null is an
+    absent field, so a table can mix kinds row by row."""
+    pf = _pyarrow_parquet().ParquetFile(str(path))
+    want = _parquet_fields(pf, path, columns)
     i = 0
     for g in range(pf.num_row_groups):
         table = pf.read_row_group(g, columns=sorted(set(want.values())))
