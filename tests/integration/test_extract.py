@@ -93,6 +93,13 @@ def check_output(out, model_dir, good, bad, layer_ids):
             # the check can fail: a neighbouring layer is far outside the bound
             other = states[lid + 1] if lid + 1 < len(states) else states[lid - 1]
             assert rel_l2(hs[:, k], other) > 5 * BOUND, f"sample {sid!r} layer {lid} matches a neighbour"
+        if ds.manifest.final_state == "post-norm":
+            err = rel_l2(s["final_hidden_states"], ref.post_norm)
+            worst["final"] = max(worst.get("final", 0.0), err)
+            assert err <= BOUND, f"sample {sid!r} final state: rel L2 {err:.4f}"
+            assert rel_l2(s["final_hidden_states"], states[-1]) > 5 * BOUND, f"sample {sid!r}: final == pre-norm"
+        else:
+            assert "final_hidden_states" not in s
     assert seen == set(good)
     print(f"parity worst rel L2 per layer: {worst}")
     return worst
@@ -113,9 +120,11 @@ def compiled(tiny_models, tmp_path_factory):
             root = tmp_path_factory.mktemp(f"compiled-{arch}")
             good, bad = make_input(root / "in.jsonl", AutoTokenizer.from_pretrained(str(model)))
             out = root / "out"
+            # the final normed state too: it rides as one more column of the compiled model's step
             r = run_cli("extract", "--model", str(model), "--input", str(root / "in.jsonl"), "--output", str(out),
                         "--layers", ",".join(map(str, LAYERS)), "--max-model-len", str(MAX_LEN),
-                        "--max-num-batched-tokens", "64", "--dtype", "bfloat16", "--no-progress")
+                        "--max-num-batched-tokens", "64", "--dtype", "bfloat16", "--no-progress",
+                        "--final-state", "post-norm")
             assert r.returncode == 0, r.stderr[-4000:]
             assert f"{len(good)} samples" in r.stdout and f"{len(bad)} errors" in r.stdout
             runs[arch] = (model, root, out, good, bad)

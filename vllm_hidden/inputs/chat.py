@@ -125,7 +125,11 @@ class ChatEncoder:
             return ""
 
     def _ids(self, text: str, offsets: bool) -> tuple[list[int], list[tuple[int, int]]]:
-        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=offsets)
+        try:
+            enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=offsets)
+        except NotImplementedError:
+            raise ValueError(f"the tokenizer ({type(self.tok).__name__}) gives no character offsets, which loss masks "
+                             "from a chat template need; use --loss-mask all or none") from None
         ids = list(enc["input_ids"])
         if not offsets:
             return ids, []
