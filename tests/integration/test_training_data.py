@@ -176,6 +176,7 @@ def test_speculators_export_reads_back_as_its_loader_does(run):
         assert hs["hidden_states"].shape == (len(row["input_ids"]), 3, 256) and torch.isfinite(hs["hidden_states"]).all()
         assert torch.equal(hs["hidden_states"][:, :-1].flatten(1), s["hidden_states"][:, :2].flatten(1))
         assert torch.equal(hs["hidden_states"][:, -1], s["hidden_states"][:, 2])  # layer 7, before the norm
+    assert not list(root.glob(".speculators-export-*"))  # its scratch table is gone
     bad = run_cli("export", str(root / "out-jsonl"), "--to", "speculators", str(root / "spec2"), "--layers", "1,3",
                   "--no-progress")
     assert bad.returncode == 2 and "the last exported layer is 3" in bad.stderr and "layer id 7" in bad.stderr

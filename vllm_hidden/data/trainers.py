@@ -17,6 +17,7 @@ BEFORE the norm (it applies the norm), so the last exported layer must be the mo
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,7 @@ def export_speculators(src: str, dst: str | Path, *, layers: Sequence[int] | Non
     last must be the model's last layer. Returns a summary."""
     try:
         import datasets
+        import pyarrow as pa
     except ImportError:
         raise ImportError("export --to speculators needs the datasets package: pip install 'vllm-hidden[export]' "
                           "(or pip install datasets)") from None
@@ -129,23 +131,43 @@ def export_speculators(src: str, dst: str | Path, *, layers: Sequence[int] | Non
         raise ValueError(f"export: {str(dst)!r} exists and is not an empty directory")
     hs_dir = out / "hidden_states"
     hs_dir.mkdir(parents=True)
-    input_ids, loss_mask, seq_len = [], [], []
     it: Any = range(len(ds))
     if progress:
         from rich.progress import track
 
         it = track(it, description="export")
-    tokens = 0
-    for i in it:
-        s = ds[i]
-        hs = s["hidden_states"] if cols == list(range(len(ds.layer_ids))) else s["hidden_states"][:, cols]
-        tok = s["token_ids"]
-        save_file({"hidden_states": hs.contiguous(), "token_ids": tok.contiguous()}, str(hs_dir / f"hs_{i}.safetensors"))
-        input_ids.append(tok.numpy())
-        loss_mask.append(_mask(s).to(torch.int64).numpy())
-        seq_len.append(int(tok.shape[0]))
-        tokens += int(tok.shape[0])
-    table = datasets.Dataset.from_dict({"input_ids": input_ids, "loss_mask": loss_mask, "seq_len": seq_len})
-    table.set_format(type="torch")  # speculators compares input_ids with torch.equal
-    table.save_to_disk(str(out))
+    # the table is streamed to an Arrow file in batches (never all rows in memory), then
+    # memory-mapped by datasets and saved in its own layout; the file is beside the output,
+    # not in it: datasets will not save a table over the file it maps
+    ids_t = pa.list_(pa.int64())
+    schema = pa.schema([("input_ids", ids_t), ("loss_mask", ids_t), ("seq_len", pa.int64())])
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}-export-", dir=out.parent) as scratch:
+        stream = Path(scratch) / "table.arrow"
+        rows: tuple[list[Any], list[Any], list[int]] = ([], [], [])
+        tokens = 0
+        with pa.OSFile(str(stream), "wb") as sink, pa.ipc.new_stream(sink, schema) as table_out:
+            def flush() -> None:
+                if rows[2]:
+                    table_out.write_batch(pa.record_batch([pa.array(rows[0], ids_t), pa.array(rows[1], ids_t),
+                                                           pa.array(rows[2], pa.int64())], schema=schema))
+                    for r in rows:
+                        r.clear()
+
+            for i in it:
+                s = ds[i]
+                hs = s["hidden_states"] if cols is None else s["hidden_states"][:, cols]
+                tok = s["token_ids"]
+                save_file({"hidden_states": hs.contiguous(), "token_ids": tok.contiguous()},
+                          str(hs_dir / f"hs_{i}.safetensors"))
+                rows[0].append(tok.numpy())
+                rows[1].append(_mask(s).to(torch.int64).numpy())
+                rows[2].append(int(tok.shape[0]))
+                tokens += int(tok.shape[0])
+                if len(rows[2]) >= 1024:
+                    flush()
+            flush()
+        table = datasets.Dataset.from_file(str(stream))
+        table.set_format(type="torch")  # speculators compares input_ids with torch.equal
+        table.save_to_disk(str(out))
+        del table
     return {"samples": len(ds), "tokens": tokens, "layer_ids": use, "output": str(out)}

@@ -13,6 +13,8 @@ import logging
 import time
 from typing import Any
 
+import torch
+
 from vllm_hidden.capture.assembler import (Assembler, AssemblerThread, CaptureError, MemorySink, NewRequest, Segment,
                                            StepRecord)
 from vllm_hidden.capture.ring import StepTransfer
@@ -64,7 +66,9 @@ class Capture:
         is the same either way, so it must not recompile)."""
         columns = len(self.cfg.layer_ids) + on
         if self.transfer.shape[1] != columns:
-            self.transfer = None  # the old buffers go before the new ones are allocated
+            self.transfer = None  # the old buffers go before the new ones are allocated...
+            if self.runner.device.type == "cuda":
+                torch.cuda.empty_cache()  # ...and back to the device: the KV cache took the rest of the budget
             self.transfer = self._new_transfer(columns)
         self.final_state = on
 
