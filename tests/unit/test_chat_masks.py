@@ -128,11 +128,34 @@ def test_a_template_that_rewrites_earlier_turns_is_an_error_record_never_a_wrong
     two = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "the"},
            {"role": "user", "content": "of"}, {"role": "assistant", "content": "to"}]
     bad, good = reader(tmp_path, tok, [{"id": "two", "messages": two}, {"id": "one", "messages": two[:2]}])
-    assert isinstance(bad, BadLine) and "assistant turn 1" in bad.reason and "not a prefix" in bad.reason
+    assert isinstance(bad, BadLine) and "assistant turn 1" in bad.reason and "cannot be located" in bad.reason
     assert isinstance(good, Prompt) and len(good.loss_spans) == 1
     # under last-assistant only the last turn is located: that works
     (p,) = reader(tmp_path, tok, [{"id": "two", "messages": two}], loss_mask="last-assistant")
     assert isinstance(p, Prompt)
+
+
+def test_a_thinking_template_that_marks_only_the_last_turn_still_gets_exact_masks(tmp_path):
+    # as Qwen3's template writes an (empty) think block into the last assistant turn only, so
+    # the conversation through an earlier turn is not a prefix of the whole
+    thinking = chat_model.TEMPLATE.replace("<|assistant|> {{ m.content }}",
+                                           "<|assistant|> {% if loop.last %}c d {% endif %}{{ m.content }}")
+    tok = chat_model.tokenizer(tmp_path, thinking)
+    two = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "e"},
+           {"role": "user", "content": "f"}, {"role": "assistant", "content": "g"}]
+    (p,) = reader(tmp_path, tok, [{"id": "two", "messages": two}])
+    assert isinstance(p, Prompt), p
+    toks = tok.convert_ids_to_tokens(p.token_ids)
+    assert toks == ["<|user|>", "a", "<|end|>", "<|assistant|>", "e", "<|end|>", "<|user|>", "f", "<|end|>",
+                    "<|assistant|>", "c", "d", "g", "<|end|>"]
+    assert mask_of(p) == [0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1]
+    # tool calls written after the content belong to the turn too
+    calls = [{"role": "user", "content": "a"},
+             {"role": "assistant", "content": "e", "tool_calls": [{"type": "function", "function": {"name": "h"}}]},
+             {"role": "tool", "content": "i"}, {"role": "assistant", "content": "g"}]
+    (q,) = reader(tmp_path, tok, [{"id": "calls", "messages": calls}])
+    qt = tok.convert_ids_to_tokens(q.token_ids)
+    assert [t for t, m in zip(qt, mask_of(q)) if m] == ["e", "<unk>", "h", "<|end|>", "c", "d", "g", "<|end|>"]
 
 
 def test_a_template_failure_is_an_error_record(tmp_path):

@@ -5,11 +5,20 @@ each assistant turn j the conversation is rendered up to it with the generation 
 (`before`) and up to and including it (`after`); both renderings must be prefixes of the
 whole conversation's rendering, and the turn's tokens are those whose characters lie between
 the two ends. The whole rendering is tokenized once (with character offsets), so the mask is
-of the sample's own tokens. A template that rewrites earlier turns (a prefix that is not a
-prefix of the whole) or a token across a turn's boundary makes the sample an error, never a
-silently wrong mask. A turn's span is everything the template writes for it after the
-generation prompt: its content, its end-of-turn token and whatever follows that (for Qwen
-templates `<|im_end|>` and its newline), as SpecForge and vllm-project/speculators mark it.
+of the sample's own tokens.
+
+Thinking templates render a turn differently once later turns exist (only the last
+assistant turn gets an empty think block), which fails the prefix test; such a turn is
+located instead by rendering the whole conversation with its content replaced by a marker:
+outside the marker's place that rendering must equal the real one, so what stands there is
+the turn's content as the template wrote it, and the turn ends with what the template
+writes after its content (`_by_slot`). Anything else (a template that drops or rewrites an
+earlier turn, a token across a turn's boundary) makes the sample an error record naming the
+turn, never a silently wrong mask.
+
+A turn's span is everything the template writes for it after the generation prompt (or its
+role header): its content, its end-of-turn token and whatever follows that (for Qwen's
+ChatML `<|im_end|>` and its newline), as SpecForge and vllm-project/speculators mark it.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "tool": "tool"}
 MASK_RULES = ("assistant", "last-assistant", "all", "none")
+_SLOT = "\ue000vllm-hidden-turn\ue000"  # stands in for a turn's content (private-use characters)
 
 
 def normalize_conversations(turns: Any) -> list[dict[str, Any]]:
@@ -104,19 +114,45 @@ class ChatEncoder:
         starts = [s for s, _ in offsets]
         spans = []
         for j in turns:
-            before = self.render(messages[:j], tools, True) if j else self._generation_prompt_only(tools)
-            after = self.render(messages[: j + 1], tools, False)
-            for what, text in (("up to", before), ("through", after)):
-                if not full.startswith(text):
-                    raise ValueError(f"assistant turn {j}: the chat template's rendering of the conversation {what} "
-                                     "this turn is not a prefix of the whole conversation's (the template rewrites "
-                                     "earlier turns), so its tokens cannot be located")
-            lo = _token_at(starts, ends, len(before), j, "start")
-            hi = _token_at(starts, ends, len(after), j, "end")
+            lo_char, hi_char = self._by_prefix(messages, tools, j, full) or self._by_slot(messages, tools, j, full)
+            lo = _token_at(starts, ends, lo_char, j, "start")
+            hi = _token_at(starts, ends, hi_char, j, "end")
             if hi <= lo:
                 raise ValueError(f"assistant turn {j} has no tokens")
             spans.append((lo, hi))
         return ids, spans
+
+    def _by_prefix(self, messages: list[dict[str, Any]], tools: Any, j: int, full: str) -> tuple[int, int] | None:
+        """Turn j's characters in `full`: from the end of the conversation rendered up to it with
+        the generation prompt to the end of the conversation rendered through it; None unless
+        both renderings are prefixes of the whole."""
+        before = self.render(messages[:j], tools, True) if j else self._generation_prompt_only(tools)
+        after = self.render(messages[: j + 1], tools, False)
+        if full.startswith(before) and full.startswith(after):
+            return len(before), len(after)
+        return None
+
+    def _by_slot(self, messages: list[dict[str, Any]], tools: Any, j: int, full: str) -> tuple[int, int]:
+        """For templates that render a turn differently once later turns exist (thinking
+        templates add an empty think block to the last assistant turn only): the whole
+        conversation rendered with turn j's content replaced by a marker must equal `full`
+        outside the marker's place, so what stands there in `full` is the turn's content as the
+        template wrote it; the turn ends with what the template writes after its content (as
+        the conversation through it, rendered with the marker, shows), which must follow."""
+        slot = [*messages[:j], {**messages[j], "content": _SLOT}, *messages[j + 1:]]
+        marked = self.render(slot, tools, False)
+        through = self.render(slot[: j + 1], tools, False)
+        if marked.count(_SLOT) == 1 and through.count(_SLOT) == 1:
+            k = marked.index(_SLOT)
+            head, tail = marked[:k], marked[k + len(_SLOT):]
+            closing = through[through.index(_SLOT) + len(_SLOT):]
+            end = len(full) - len(tail)
+            if len(head) <= end and full.startswith(head) and full.endswith(tail) and \
+                    full.startswith(closing, end):
+                return len(head), end + len(closing)
+        raise ValueError(f"assistant turn {j}: the chat template renders this turn differently within the whole "
+                         "conversation than up to it, and not as its content in one place, so its tokens cannot be "
+                         "located")
 
     def _generation_prompt_only(self, tools: Any) -> str:
         try:  # a conversation that begins with an assistant turn
