@@ -120,19 +120,29 @@ def test_bad_conversations_are_error_records_naming_the_value(tmp_path, tok):
     assert isinstance(out["ok"], Prompt)
 
 
-def test_a_template_that_rewrites_earlier_turns_is_an_error_record_never_a_wrong_mask(tmp_path):
-    # earlier assistant turns lose their content once a later one exists (as thinking templates do)
-    rewriting = chat_model.TEMPLATE.replace("<|assistant|> {{ m.content }}",
-                                            "<|assistant|> {% if loop.last %}{{ m.content }}{% endif %}")
-    tok = chat_model.tokenizer(tmp_path, rewriting)
-    two = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "the"},
-           {"role": "user", "content": "of"}, {"role": "assistant", "content": "to"}]
-    bad, good = reader(tmp_path, tok, [{"id": "two", "messages": two}, {"id": "one", "messages": two[:2]}])
-    assert isinstance(bad, BadLine) and "assistant turn 1" in bad.reason and "cannot be located" in bad.reason
-    assert isinstance(good, Prompt) and len(good.loss_spans) == 1
-    # under last-assistant only the last turn is located: that works
-    (p,) = reader(tmp_path, tok, [{"id": "two", "messages": two}], loss_mask="last-assistant")
-    assert isinstance(p, Prompt)
+def test_a_template_that_drops_earlier_turns_content_is_masked_as_it_is_written(tmp_path):
+    # earlier assistant turns lose their content once a later one exists (as templates drop
+    # earlier reasoning): the sample holds only what was written, and that is what is masked
+    dropping = chat_model.TEMPLATE.replace("<|assistant|> {{ m.content }}",
+                                           "<|assistant|> {% if loop.last %}{{ m.content }}{% endif %}")
+    tok = chat_model.tokenizer(tmp_path, dropping)
+    two = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+           {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    (p,) = reader(tmp_path, tok, [{"id": "two", "messages": two}])
+    toks = tok.convert_ids_to_tokens(p.token_ids)
+    assert toks == ["<|user|>", "a", "<|end|>", "<|assistant|>", "<|end|>", "<|user|>", "c", "<|end|>",
+                    "<|assistant|>", "d", "<|end|>"]
+    assert mask_of(p) == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 1]
+
+
+def test_a_token_across_a_turns_boundary_is_an_error_record_never_a_wrong_mask(tmp_path):
+    # the generation prompt ends inside what becomes one token with the content ("x" + "b")
+    glued = chat_model.TEMPLATE.replace("<|assistant|> {{ m.content }}", "<|assistant|> x{{ m.content }}").replace(
+        "{%- if add_generation_prompt %} <|assistant|>", "{%- if add_generation_prompt %} <|assistant|> x")
+    tok = chat_model.tokenizer(tmp_path, glued)
+    (p,) = reader(tmp_path, tok, [{"id": "g", "messages": [{"role": "user", "content": "a"},
+                                                            {"role": "assistant", "content": "b"}]}])
+    assert isinstance(p, BadLine) and "assistant turn 1: a token spans the turn's start" in p.reason
 
 
 def test_a_thinking_template_that_marks_only_the_last_turn_still_gets_exact_masks(tmp_path):
@@ -140,6 +150,9 @@ def test_a_thinking_template_that_marks_only_the_last_turn_still_gets_exact_mask
     # the conversation through an earlier turn is not a prefix of the whole
     thinking = chat_model.TEMPLATE.replace("<|assistant|> {{ m.content }}",
                                            "<|assistant|> {% if loop.last %}c d {% endif %}{{ m.content }}")
+    # ...and, as Qwen3's does, a separator before tool calls only after non-empty content
+    thinking = thinking.replace("{%- if m.tool_calls %} call", "{%- if m.tool_calls %}{% if m.content %} y{% endif %} call")
+    assert thinking.count("loop.last") == 1 and thinking.count(" y{% endif %}") == 1
     tok = chat_model.tokenizer(tmp_path, thinking)
     two = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "e"},
            {"role": "user", "content": "f"}, {"role": "assistant", "content": "g"}]
@@ -155,7 +168,14 @@ def test_a_thinking_template_that_marks_only_the_last_turn_still_gets_exact_mask
              {"role": "tool", "content": "i"}, {"role": "assistant", "content": "g"}]
     (q,) = reader(tmp_path, tok, [{"id": "calls", "messages": calls}])
     qt = tok.convert_ids_to_tokens(q.token_ids)
-    assert [t for t, m in zip(qt, mask_of(q)) if m] == ["e", "<unk>", "h", "<|end|>", "c", "d", "g", "<|end|>"]
+    assert [t for t, m in zip(qt, mask_of(q)) if m] == ["e", "y", "<unk>", "h", "<|end|>", "c", "d", "g", "<|end|>"]
+    # a tool-call turn with empty content: a marker in its place would change what is written
+    # around it (the separator), so its end is found from the turn followed by a user turn
+    empty = [{**m, "content": ""} if m.get("tool_calls") else m for m in calls]
+    (e,) = reader(tmp_path, tok, [{"id": "empty", "messages": empty}])
+    et = tok.convert_ids_to_tokens(e.token_ids)
+    assert isinstance(e, Prompt) and "y" not in et
+    assert [t for t, m in zip(et, mask_of(e)) if m] == ["<unk>", "h", "<|end|>", "c", "d", "g", "<|end|>"]
 
 
 def test_a_template_failure_is_an_error_record(tmp_path):

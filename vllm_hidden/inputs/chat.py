@@ -8,13 +8,17 @@ the two ends. The whole rendering is tokenized once (with character offsets), so
 of the sample's own tokens.
 
 Thinking templates render a turn differently once later turns exist (only the last
-assistant turn gets an empty think block), which fails the prefix test; such a turn is
-located instead by rendering the whole conversation with its content replaced by a marker:
+assistant turn gets an empty think block; earlier turns lose their reasoning), which fails
+the prefix test at the turn's end. The end is then found from the conversation through the
+turn followed by a user turn (a marker as its content), which renders the turn as within
+the whole and must be a prefix of the whole up to that user turn's header. Failing that, the
+turn is located by rendering the whole conversation with its content replaced by a marker:
 outside the marker's place that rendering must equal the real one, so what stands there is
-the turn's content as the template wrote it, and the turn ends with what the template
-writes after its content (`_by_slot`). Anything else (a template that drops or rewrites an
-earlier turn, a token across a turn's boundary) makes the sample an error record naming the
-turn, never a silently wrong mask.
+the turn's content as written, followed by what the template writes after a turn's content
+(`_by_slot`). Either way the sample's own rendering decides; anything else (a token across
+a turn's boundary, a turn no method can place) makes the sample an error record naming the
+turn, never a silently wrong mask. What a template dropped (earlier reasoning) is not in the
+sample, so it is not in the mask either.
 
 A turn's span is everything the template writes for it after the generation prompt (or its
 role header): its content, its end-of-turn token and whatever follows that (for Qwen's
@@ -84,6 +88,8 @@ class ChatEncoder:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tok = tokenizer
+        self._header: str | None = None
+        self._header_known = False
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("the model's tokenizer has no chat template; messages/conversations input needs one")
 
@@ -114,7 +120,11 @@ class ChatEncoder:
         starts = [s for s, _ in offsets]
         spans = []
         for j in turns:
-            lo_char, hi_char = self._by_prefix(messages, tools, j, full) or self._by_slot(messages, tools, j, full)
+            lo_char, hi_char = self._by_prefix(messages, tools, j, full)
+            if lo_char is not None and hi_char is None:
+                hi_char = self._end_by_follow(messages, tools, j, full)
+            if lo_char is None or hi_char is None:
+                lo_char, hi_char = self._by_slot(messages, tools, j, full)
             lo = _token_at(starts, ends, lo_char, j, "start")
             hi = _token_at(starts, ends, hi_char, j, "end")
             if hi <= lo:
@@ -122,15 +132,44 @@ class ChatEncoder:
             spans.append((lo, hi))
         return ids, spans
 
-    def _by_prefix(self, messages: list[dict[str, Any]], tools: Any, j: int, full: str) -> tuple[int, int] | None:
+    def _by_prefix(self, messages: list[dict[str, Any]], tools: Any, j: int,
+                   full: str) -> tuple[int | None, int | None]:
         """Turn j's characters in `full`: from the end of the conversation rendered up to it with
-        the generation prompt to the end of the conversation rendered through it; None unless
-        both renderings are prefixes of the whole."""
+        the generation prompt to the end of the conversation rendered through it; each end None
+        unless its rendering is a prefix of the whole."""
         before = self.render(messages[:j], tools, True) if j else self._generation_prompt_only(tools)
         after = self.render(messages[: j + 1], tools, False)
-        if full.startswith(before) and full.startswith(after):
-            return len(before), len(after)
-        return None
+        return (len(before) if full.startswith(before) else None), (len(after) if full.startswith(after) else None)
+
+    def _end_by_follow(self, messages: list[dict[str, Any]], tools: Any, j: int, full: str) -> int | None:
+        """Where turn j ends in `full` when the conversation through it is not a prefix of the
+        whole because the template treats a last turn differently: the conversation through
+        turn j and then a user turn (a marker as its content) must be a prefix of the whole up
+        to that user turn's header, so turn j is rendered there as within the whole."""
+        header = self._user_header()
+        if header is None:
+            return None
+        text = self.render([*messages[: j + 1], {"role": "user", "content": _SLOT}], tools, False)
+        if text.count(_SLOT) != 1:
+            return None
+        end = text.index(_SLOT) - len(header)
+        if end < 0 or text[end : end + len(header)] != header or not full.startswith(text[:end]):
+            return None
+        return end
+
+    def _user_header(self) -> str | None:
+        """What the template writes before a later user turn's content (e.g. `<|im_start|>user\\n`),
+        from a one- and a two-user-turn conversation; None if that cannot be told."""
+        if not self._header_known:
+            self._header_known = True
+            try:
+                one = self.render([{"role": "user", "content": "x"}], None, False)
+                two = self.render([{"role": "user", "content": "x"}, {"role": "user", "content": _SLOT}], None, False)
+            except ValueError:  # e.g. a template that insists on alternating roles
+                return None
+            if two.startswith(one) and two.count(_SLOT) == 1:
+                self._header = two[len(one) : two.index(_SLOT)]
+        return self._header
 
     def _by_slot(self, messages: list[dict[str, Any]], tools: Any, j: int, full: str) -> tuple[int, int]:
         """For templates that render a turn differently once later turns exist (thinking
