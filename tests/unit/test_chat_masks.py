@@ -234,3 +234,39 @@ def test_parquet_columns_are_mapped_by_input_columns(tmp_path, tok):
 def test_bad_input_columns_are_refused_naming_them(spec, msg):
     with pytest.raises(ValueError, match=msg):
         parse_columns(spec)
+
+
+def test_a_conversation_that_opens_with_an_assistant_turn_masks_only_that_turn(tmp_path, tok):
+    # the template reads messages[0] (system prompt, tools), so the empty conversation cannot
+    # be rendered: the turn is placed by its content, never from character 0
+    (p,) = reader(tmp_path, tok, [{"messages": [{"role": "assistant", "content": "b c"}, {"role": "user", "content": "d"}],
+                                   "tools": chat_model.TOOLS}])
+    toks = tok.convert_ids_to_tokens(p.token_ids)
+    assert toks[0] == "<|system|>" and [t for t, m in zip(toks, mask_of(p)) if m] == ["b", "c", "<|end|>"]
+
+
+def test_a_record_the_tokenizer_cannot_take_is_an_error_record_and_the_run_goes_on(tmp_path, tok):
+    bad = {"id": "surrogate", "messages": [{"role": "user", "content": "\ud800"}, {"role": "assistant", "content": "b"}]}
+    text = {"id": "surrogate-text", "text": "a \ud800"}
+    ok = {"id": "ok", "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    out = list(reader(tmp_path, tok, [bad, text, ok]))
+    assert isinstance(out[0], BadLine) and "cannot tokenize this record" in out[0].reason
+    assert isinstance(out[1], BadLine) and "cannot tokenize this record" in out[1].reason
+    assert isinstance(out[2], Prompt)
+
+
+def test_a_column_mapped_onto_another_fields_name_is_read_once(tmp_path, tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    (tmp_path / "m.jsonl").write_text(json.dumps({"id": "j", "conversations": msgs}) + "\n")
+    pq.write_table(pa.table({"id": ["q"], "conversations": [msgs]}), tmp_path / "m.parquet")
+    for name in ("m.jsonl", "m.parquet"):
+        (p,) = PromptReader(tmp_path / name, vocab_size=512, max_prompt_len=4096, tokenizer_loader=lambda: tok,
+                            columns=parse_columns("messages=conversations"))
+        assert isinstance(p, Prompt), (name, p)
+        r = PromptReader(tmp_path / name, vocab_size=512, max_prompt_len=4096, tokenizer_loader=lambda: tok,
+                         columns=parse_columns("messages=conversations"))
+        list(r)
+        assert r.kinds == {"messages": 1}

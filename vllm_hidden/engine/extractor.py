@@ -218,8 +218,9 @@ class Extractor:
                         break
                     rid = str(item.line)
                     extra = {REQUEST_KEY: item.id, LINE_KEY: item.line}
-                    if item.loss_spans is not None:  # a few [start, end) pairs, not a per-token list
-                        extra[LOSS_KEY] = [list(s) for s in item.loss_spans]
+                    if shard_cfg.loss_mask:  # a few [start, end) pairs, not a per-token list
+                        spans = item.loss_spans if item.loss_spans is not None else [(0, len(item.token_ids))]
+                        extra[LOSS_KEY] = [list(s) for s in spans]  # a prompt without one: every token
                     params = compat.prefill_sampling_params(extra)
                     try:
                         engine.add_request(rid, {"prompt_token_ids": item.token_ids}, params)

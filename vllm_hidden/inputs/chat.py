@@ -15,7 +15,9 @@ the whole and must be a prefix of the whole up to that user turn's header. Faili
 turn is located by rendering the whole conversation with its content replaced by a marker:
 outside the marker's place that rendering must equal the real one, so what stands there is
 the turn's content as written, followed by what the template writes after a turn's content
-(`_by_slot`). Either way the sample's own rendering decides; anything else (a token across
+(`_by_slot`; a turn placed this way starts at its content: text the template writes between
+the role header and the content, such as an empty think block, is left out). Either way the
+sample's own rendering decides; anything else (a token across
 a turn's boundary, a turn no method can place) makes the sample an error record naming the
 turn, never a silently wrong mask. What a template dropped (earlier reasoning) is not in the
 sample, so it is not in the mask either.
@@ -139,7 +141,8 @@ class ChatEncoder:
         unless its rendering is a prefix of the whole."""
         before = self.render(messages[:j], tools, True) if j else self._generation_prompt_only(tools)
         after = self.render(messages[: j + 1], tools, False)
-        return (len(before) if full.startswith(before) else None), (len(after) if full.startswith(after) else None)
+        start = len(before) if before is not None and full.startswith(before) else None
+        return start, (len(after) if full.startswith(after) else None)
 
     def _end_by_follow(self, messages: list[dict[str, Any]], tools: Any, j: int, full: str) -> int | None:
         """Where turn j ends in `full` when the conversation through it is not a prefix of the
@@ -193,11 +196,15 @@ class ChatEncoder:
                          "conversation than up to it, and not as its content in one place, so its tokens cannot be "
                          "located")
 
-    def _generation_prompt_only(self, tools: Any) -> str:
-        try:  # a conversation that begins with an assistant turn
-            return self.render([], tools, True)
+    def _generation_prompt_only(self, tools: Any) -> str | None:
+        """A conversation that begins with an assistant turn: what comes before it is the empty
+        conversation's rendering with the generation prompt, if the template renders one (many
+        read messages[0]); None (unknown, so the turn is placed by its content) otherwise."""
+        try:
+            text = self.render([], tools, True)
         except ValueError:
-            return ""
+            return None
+        return text or None
 
     def _ids(self, text: str, offsets: bool) -> tuple[list[int], list[tuple[int, int]]]:
         try:

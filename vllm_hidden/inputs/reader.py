@@ -143,6 +143,8 @@ class PromptReader:
             ids, spans = self._encode(obj)
         except ValueError as e:
             return BadLine(i, sid, str(e))
+        except Exception as e:  # noqa: BLE001 - e.g. a tokenizer refusing a lone surrogate: this record, not the run
+            return BadLine(i, sid, f"cannot tokenize this record: {type(e).__name__}: {e}")
         if not ids:
             return BadLine(i, sid, "prompt has no tokens")
         if len(ids) > self.max_prompt_len:

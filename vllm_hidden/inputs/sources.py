@@ -109,7 +109,10 @@ def _parquet_fields(pf: Any, path: str | Path, columns: dict[str, str]) -> dict[
     missing = sorted(col for col in columns.values() if col not in names)
     if missing:
         raise ValueError(f"--input-columns: {str(path)!r} has no column {missing[0]!r} (columns: {sorted(names)})")
-    want = {f: columns.get(f, f) for f in FIELDS if columns.get(f, f) in names}
+    # a mapped field reads its column; an unmapped one a column of its own name, unless that
+    # column is mapped to another field (--input-columns messages=conversations)
+    want = {f: columns.get(f, f) for f in FIELDS if columns.get(f, f) in names
+            and (f in columns or f not in columns.values())}
     if not any(f in want for f in ("token_ids", "text", "messages", "conversations")):
         raise ValueError(f"{str(path)!r}: no column holds token_ids, text, messages or conversations "
                          f"(columns: {sorted(names)}); map one with --input-columns")
@@ -154,6 +157,7 @@ def _renamed(recs: Iterator[tuple[int, dict[str, Any] | str]],
     """JSONL lines whose keys are named otherwise (--input-columns applies to both formats)."""
     for i, obj in recs:
         if isinstance(obj, dict):
-            obj = {**{k: v for k, v in obj.items() if k not in columns},
+            sources = set(columns.values())
+            obj = {**{k: v for k, v in obj.items() if k not in columns and k not in sources},
                    **{f: obj[c] for f, c in columns.items() if c in obj}}
         yield i, obj

@@ -125,8 +125,9 @@ class Output:
 
     def _check_identity(self, prev: dict[str, Any]) -> None:
         for k in ("format", "model", "layer_ids", "hidden_size", "final_state", "loss_mask"):
-            if prev.get(k, self._IDENTITY_DEFAULTS.get(k)) != self.identity.get(k, self._IDENTITY_DEFAULTS.get(k)):
-                raise ValueError(f"--resume: {self.where!r} was written with {k}={prev.get(k)!r}, "
+            was = prev.get(k, self._IDENTITY_DEFAULTS.get(k))
+            if was != self.identity.get(k, self._IDENTITY_DEFAULTS.get(k)):
+                raise ValueError(f"--resume: {self.where!r} was written with {k}={was!r}, "
                                  f"this run has {k}={self.identity[k]!r}")
 
     def _begin_local(self, resume: bool) -> None:
