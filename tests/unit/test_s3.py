@@ -1,3 +1,4 @@
+import json
 """S3 output and reader against a real local S3 endpoint (moto's server mode), with faults
 injected by a proxy in front of it: 503s, slow answers, connections cut mid-upload."""
 
@@ -174,6 +175,33 @@ def test_a_fault_longer_than_boto3s_own_retries_is_ridden_out(s3, tmp_path):
     for i in range(len(ds)):
         tok, hs = data[ds[i]["id"]]
         assert torch.equal(ds[i]["token_ids"], tok) and torch.equal(ds[i]["hidden_states"], hs)
+
+
+def test_the_runs_own_objects_ride_out_a_passing_outage_too(s3, tmp_path):
+    """run.json, errors.jsonl and the manifest go up through the same ride-out as shards:
+    more 503s in a row than boto3 tries (9 attempts) fail a plain put, not the run's."""
+    url, bucket, client = s3
+    port = int(url.rsplit(":", 1)[1])
+    puts = {"n": 0}
+
+    def rule(method, path, n):
+        if method == "PUT":
+            puts["n"] += 1
+            if puts["n"] <= 12:
+                return ("status", 503)
+        return None
+
+    proxy = FaultyProxy(port, rule)
+    try:
+        loc = S3Location(f"s3://{bucket}/own", proxy.url)
+        loc.put_json("run.json", {"a": 1})
+        (tmp_path / "m.json").write_text('{"b": 2}')
+        loc.put_file(tmp_path / "m.json", "manifest.json")
+    finally:
+        proxy.stop()
+    assert puts["n"] > 12  # the 503s were answered, and tried past
+    assert json.loads(client.get_object(Bucket=bucket, Key="own/run.json")["Body"].read()) == {"a": 1}
+    assert json.loads(client.get_object(Bucket=bucket, Key="own/manifest.json")["Body"].read()) == {"b": 2}
 
 
 def test_transient_errors_are_told_from_the_others():

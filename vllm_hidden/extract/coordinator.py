@@ -137,7 +137,8 @@ def run_parallel(cfg: ExtractConfig):
         from vllm_hidden.extract.ray_ranks import RayRanks
 
         ray_ranks = RayRanks(cfg)
-    output = Output(cfg.output_dir, plan.identity, s3_endpoint_url=cfg.s3_endpoint_url, staging_dir=cfg.staging_dir)
+    output = Output(cfg.output_dir, plan.identity, s3_endpoint_url=cfg.s3_endpoint_url, staging_dir=cfg.staging_dir,
+                    s3_retry_s=cfg.s3_retry_s)
     state = output.begin(cfg.resume)
     reader = prompt_reader(cfg, plan)
     feed = ReaderFeed(reader, state.done_ids, output.record_error)

@@ -98,7 +98,8 @@ def extract_file(ex: Extractor, input_path: str, output_dir: str, progress: bool
     if ex.engine is None:
         raise RuntimeError("the extractor is closed")
     check_paths(cfg.model, input_path, output_dir, resume, cfg.s3_endpoint_url, cfg.input_columns)
-    output = Output(output_dir, ex.plan.identity, s3_endpoint_url=cfg.s3_endpoint_url, staging_dir=cfg.staging_dir)
+    output = Output(output_dir, ex.plan.identity, s3_endpoint_url=cfg.s3_endpoint_url, staging_dir=cfg.staging_dir,
+                    s3_retry_s=cfg.s3_retry_s)
     state = output.begin(resume)
     reader = prompt_reader(cfg, ex.plan, input_path)
     feed = ReaderFeed(reader, state.done_ids, output.record_error)

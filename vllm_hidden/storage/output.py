@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from vllm_hidden.config import ShardConfig
+from vllm_hidden.config import DEFAULT_S3_RETRY_S, ShardConfig
 from vllm_hidden.storage.journal import RUN, ResumeState, prepare_resume, read_journal, write_json_atomic
 from vllm_hidden.storage.manifest import ERRORS, MANIFEST, Manifest
 from vllm_hidden.storage.s3 import S3Location, is_s3, read_done_ids
@@ -92,11 +92,11 @@ class Output:
     config of its part, records bad lines, and writes the manifest last."""
 
     def __init__(self, uri: str, identity: dict[str, Any], *, s3_endpoint_url: str | None = None,
-                 staging_dir: str | None = None) -> None:
+                 staging_dir: str | None = None, s3_retry_s: float = DEFAULT_S3_RETRY_S) -> None:
         self.uri = uri
         self.identity = identity
         self.s3_endpoint_url = s3_endpoint_url
-        self.loc = S3Location(uri, s3_endpoint_url) if is_s3(uri) else None
+        self.loc = S3Location(uri, s3_endpoint_url, s3_retry_s) if is_s3(uri) else None
         if self.loc is not None:  # shards are written here, then uploaded and evicted
             self.local = Path(staging_dir) if staging_dir else (
                 Path(tempfile.gettempdir()) / "vllm-hidden-staging" / self.loc.bucket / (self.loc.prefix or "_"))

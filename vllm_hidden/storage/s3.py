@@ -55,8 +55,9 @@ def make_client(endpoint_url: str | None = None):
 class S3Location:
     """A bucket + prefix and the few operations the run needs on it."""
 
-    def __init__(self, uri: str, endpoint_url: str | None = None) -> None:
+    def __init__(self, uri: str, endpoint_url: str | None = None, retry_for_s: float = DEFAULT_S3_RETRY_S) -> None:
         self.uri = uri.rstrip("/")
+        self.retry_for_s = retry_for_s  # how long put_json/put_file ride out a passing outage
         self.bucket, self.prefix = parse_s3_uri(uri)
         self.endpoint_url = endpoint_url
         self._client = None
@@ -102,19 +103,24 @@ class S3Location:
         """The location `name` under this prefix (this one for "")."""
         if not name:
             return self
-        loc = S3Location(f"{self.uri}/{name}", self.endpoint_url)
+        loc = S3Location(f"{self.uri}/{name}", self.endpoint_url, self.retry_for_s)
         loc._client = self._client
         return loc
 
     def get_json(self, name: str) -> Any:
         return json.loads(self.client.get_object(Bucket=self.bucket, Key=self.key(name))["Body"].read())
 
+    # run.json, errors.jsonl and the manifest ride out a passing outage as shards do: a blip
+    # at the end of a run must not fail it after every shard is up
     def put_json(self, name: str, obj: Any) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=self.key(name), Body=json.dumps(obj, indent=1).encode(),
-                               ContentType="application/json")
+        body = json.dumps(obj, indent=1).encode()
+        ride_out(lambda: self.client.put_object(Bucket=self.bucket, Key=self.key(name), Body=body,
+                                                ContentType="application/json"), f"upload of {name}", self.uri,
+                 self.retry_for_s)
 
     def put_file(self, local: Path, name: str) -> None:
-        self.client.upload_file(str(local), self.bucket, self.key(name))
+        ride_out(lambda: self.client.upload_file(str(local), self.bucket, self.key(name)), f"upload of {name}", self.uri,
+                 self.retry_for_s)
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of an object."""
@@ -162,6 +168,21 @@ class S3Location:
 
 _THROTTLING = frozenset({"Throttling", "ThrottlingException", "SlowDown", "RequestTimeout", "RequestTimeTooSkewed",
                          "RequestLimitExceeded", "TooManyRequestsException", "ProvisionedThroughputExceededException"})
+
+
+def ride_out(fn: Callable[[], Any], what: str, where: str, retry_for_s: float = DEFAULT_S3_RETRY_S) -> Any:
+    """`fn()`, tried again with backoff from 1 s to 30 s for `retry_for_s` seconds while it
+    fails for a reason that passes (`transient`); any other failure is raised at once."""
+    deadline, wait = time.monotonic() + retry_for_s, 1.0
+    while True:
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - tried again if transient, else raised
+            if not transient(e) or time.monotonic() + wait > deadline:
+                raise
+            log.warning("vllm-hidden: %s to %s failed (%r); trying again in %.0f s", what, where, e, wait)
+            time.sleep(wait)
+            wait = min(2 * wait, 30.0)
 
 
 def transient(e: BaseException | None) -> bool:
@@ -236,18 +257,7 @@ class S3Uploader:
     def _upload(self, local: Path, info: ShardInfo) -> None:
         t0 = time.perf_counter()
         try:
-            deadline, wait = time.monotonic() + self.retry_for_s, 1.0
-            while True:
-                try:
-                    self._put(local, info)
-                    break
-                except Exception as e:  # noqa: BLE001 - tried again if transient, else raised
-                    if not transient(e) or time.monotonic() + wait > deadline:
-                        raise
-                    log.warning("vllm-hidden: upload of %s to %s failed (%r); trying again in %.0f s", info.file,
-                                self.loc.uri, e, wait)
-                    time.sleep(wait)
-                    wait = min(2 * wait, 30.0)
+            ride_out(lambda: self._put(local, info), f"upload of {info.file}", self.loc.uri, self.retry_for_s)
             local.unlink()  # confirmed on S3: evict the staged copy
             with self._lock:
                 self.uploaded.append(info)
