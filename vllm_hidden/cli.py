@@ -79,15 +79,39 @@ def extract(
                                              "per token (final_hidden_states [T, H]).")] = "none",
     input_columns: Annotated[Optional[str], typer.Option(help="Fields from differently named columns (keys), e.g. "
                                                          "'conversations=conv,id=uid'.")] = None,
+    generate: Annotated[bool, typer.Option("--generate", help="The target writes each response (a conversation's "
+                                           "reply to its last user turn; text/token_ids continued) and the states of "
+                                           "prompt + response are captured in the same pass; see generations.jsonl.")] = False,
+    max_tokens: Annotated[Optional[int], typer.Option(help="--generate: most tokens per response (default 256); "
+                                                      "prompt + response must fit --max-model-len.")] = None,
+    temperature: Annotated[Optional[float], typer.Option(help="--generate: sampling temperature (0: greedy; default 1).")] = None,
+    top_p: Annotated[Optional[float], typer.Option(help="--generate: nucleus sampling (default 1: off).")] = None,
+    top_k: Annotated[Optional[int], typer.Option(help="--generate: top-k sampling (default 0: off).")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="--generate: run seed; each sample's seed is derived from it and "
+                                                "its id, so a sample redone by --resume is the same.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(help="--generate: a stop string (repeatable); the response "
+                                                      "ends with the token that completes it.")] = None,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="--generate: EOS does not end a response "
+                                             "(every response gets --max-tokens; benchmarks).")] = False,
+    max_inflight_bytes: Annotated[Optional[int], typer.Option(help="--generate: host memory the in-flight samples' "
+                                                              "rows may take (default: a quarter of the machine's, "
+                                                              "at most 32 GiB).")] = None,
 ) -> None:
-    from vllm_hidden.config import ExtractConfig
+    from vllm_hidden.config import ExtractConfig, GenerateConfig
     from vllm_hidden.engine.extractor import CaptureFailed, EngineDied
     from vllm_hidden.extract.coordinator import RankFailed
     from vllm_hidden.inputs import parse_columns
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    sampling = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
+                "stop": stop or None, "ignore_eos": ignore_eos or None, "max_inflight_bytes": max_inflight_bytes}
+    sampling = {k: v for k, v in sampling.items() if v is not None}
+    if sampling and not generate:
+        _fail(f"--{next(iter(sampling)).replace('_', '-')} goes with --generate")
     try:
+        inflight = sampling.pop("max_inflight_bytes", None)
         cfg = ExtractConfig(
+            generate=GenerateConfig(**sampling) if generate else None, max_inflight_bytes=inflight,
             model=model, input_path=str(input), output_dir=output, layers=layers, aux_layers=aux_layers,
             layers_from=str(layers_from) if layers_from else None, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, dtype=dtype,
@@ -111,7 +135,9 @@ def extract(
     d = summary.to_dict()
     typer.echo(
         (f"resumed: {d['resumed']} samples were already done; " if d["resumed"] else "")
-        + f"done: {d['samples']} samples, {d['tokens']} tokens, {d['errors']} errors -> {d['shards']} shards "
+        + f"done: {d['samples']} samples, {d['tokens']} tokens"
+        + (f" ({d['generated_tokens']} generated)" if generate else "")
+        + f", {d['errors']} errors -> {d['shards']} shards "
         f"({d['bytes'] / 1e6:.1f} MB) in {d['seconds']:.1f} s ({d['tokens_per_s']:,.0f} tok/s, "
         f"{d['samples_per_s']:,.1f} samples/s; engine start {d['engine_init_seconds']:.1f} s"
         + (f", {'warm' if d['engine_start'].get('warm') else 'cold'}" if d["engine_start"] else "")

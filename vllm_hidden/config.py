@@ -76,6 +76,7 @@ class ShardConfig:
     upload_retry_s: float = DEFAULT_S3_RETRY_S  # how long a shard's upload is tried again through transient errors
     final_state: bool = False  # also `final_hidden_states` [R, H]: the model's output after its final norm
     loss_mask: bool = False  # also `loss_mask` [R] uint8, from each sample's spans
+    generate: bool = False  # samples carry their prompt length and generation record (`generations` [B] uint8)
 
     def __post_init__(self) -> None:
         _non_negative("upload_retry_s", self.upload_retry_s)
@@ -96,6 +97,42 @@ class ShardConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateConfig:
+    """`extract --generate`: the target writes each response and its rows are captured as it
+    does. Sampling follows vLLM's SamplingParams (same names, same defaults)."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None  # run seed: each sample's seed is derived from it and the sample's id
+    stop: tuple[str, ...] = ()  # stop strings (kept in the response, as the token that completes them is)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))
+        _positive_int("--max-tokens", self.max_tokens)
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
+            raise ValueError(f"--temperature must be a non-negative number, got {t!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1], got {p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"--top-k must be a non-negative int (0 or -1: off), got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"--seed must be a non-negative int, got {self.seed!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"--stop must be non-empty strings, got {s!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["stop"] = list(self.stop)
+        return d
 
 
 DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")  # what vLLM's --dtype takes
@@ -133,8 +170,14 @@ class ExtractConfig:
     loss_mask: str | None = None  # None: assistant turns for conversations, the line's own mask or all otherwise
     final_state: str = "none"  # "post-norm": also the model's output after its final norm, per token
     input_columns: dict[str, str] = field(default_factory=dict)  # record field -> input column (Parquet/JSONL)
+    generate: GenerateConfig | None = None  # --generate: the target writes the responses (None: prefill only)
+    # --generate: host memory the in-flight samples' rows may take (each reserves prompt + max
+    # tokens rows until its response ends); None: a quarter of the machine's memory, at most 32 GiB
+    max_inflight_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_inflight_bytes is not None:
+            _positive_int("--max-inflight-bytes", self.max_inflight_bytes)
         if self.loss_mask is not None and self.loss_mask not in LOSS_MASKS:
             raise ValueError(f"--loss-mask must be one of {', '.join(LOSS_MASKS)}, got {self.loss_mask!r}")
         if self.final_state not in FINAL_STATES:
@@ -161,7 +204,7 @@ class ExtractConfig:
         """The ShardConfig fields every engine of the run shares (each part's paths aside)."""
         return dict(max_shard_bytes=self.max_shard_bytes, writer_threads=self.writer_threads,
                     upload_retry_s=self.s3_retry_s, final_state=self.final_state == "post-norm",
-                    loss_mask=self.loss_mask != "none")
+                    loss_mask=self.loss_mask != "none", generate=self.generate is not None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,7 +223,7 @@ class Plan:
 
     info: ModelInfo
     layer_ids: list[int]
-    max_prompt_len: int
+    max_prompt_len: int  # the longest prompt accepted (under --generate: leaving room for --max-tokens)
     identity: dict[str, Any]  # run.json: what the output is (checked by --resume)
 
 

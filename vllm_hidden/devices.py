@@ -76,3 +76,8 @@ def rank_envs(dp: int, tp: int, gpu: bool | None = None) -> list[dict[str, str]]
     if len(cpus) < dp * tp:
         raise ValueError(f"--dp {dp} --tp {tp} on CPU needs at least {dp * tp} cores, {len(cpus)} available")
     return [{CPU_BIND: cpu_bind(group, tp)} for group in split(cpus, dp)]
+
+
+def host_memory_bytes() -> int:
+    """The machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -41,10 +41,13 @@ class NewRequest:
     rows: int | None = None
     line: int | None = None  # the input line (extract), for the sink's error reports
     loss_spans: list[list[int]] | None = None  # [start, end) token spans with loss 1 (extract)
+    # extract --generate: room for `rows` (prompt + max tokens) in a buffer of its own; the
+    # sample goes to the sink when the driver says where its response ends (`StepRecord.ends`)
+    generate: bool = False
 
     @property
     def until_finished(self) -> bool:
-        return self.rows is not None
+        return self.rows is not None and not self.generate
 
 
 @dataclass(slots=True)
@@ -54,6 +57,10 @@ class StepRecord:
     segments: list[Segment]
     new: dict[str, NewRequest] = field(default_factory=dict)
     finished: frozenset[str] = frozenset()
+    # extract --generate: input line -> where its response ended, once the driver knows: "rows" to
+    # keep (prompt + response), "token_ids" (all of them), "loss_spans", "num_prompt", "record"
+    # (the engine's request ids are not the driver's: vLLM adds a suffix to each)
+    ends: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -75,6 +82,9 @@ class Slot(Protocol):
 class Sink(Protocol):
     def reserve(self, sample_id: Any, token_ids: list[int], *, line: int | None = None,
                 loss_spans: list[list[int]] | None = None) -> Slot: ...
+    # --generate: a whole sample at once, rows [T, C, H] as the ring's columns hold them
+    def add_rows(self, sample_id: Any, token_ids: list[int], rows: torch.Tensor, *, loss_spans: list[list[int]] | None,
+                 num_prompt: int, record: str, line: int | None) -> None: ...
     def commit(self, slot: Any) -> None: ...
     def drop(self, slot: Any) -> None: ...
 
@@ -109,14 +119,26 @@ class MemorySink:
         pass
 
 
+class _Staged:
+    """A generating request's rows [rows, C, H] (C: the ring's columns), until its end is known."""
+
+    __slots__ = ("buf",)
+    final = None  # the final-state column stays in `buf`; the sink splits it off
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+
+
 class _Partial:
-    __slots__ = ("req", "slot", "total", "filled")
+    __slots__ = ("req", "slot", "total", "filled", "end", "finished")
 
     def __init__(self, req: NewRequest, slot: Slot) -> None:
         self.req = req
         self.slot = slot
         self.total = len(req.token_ids) if req.rows is None else req.rows
         self.filled = 0  # rows [0, filled) are valid
+        self.end: dict[str, Any] | None = None  # --generate: where the response ended (the driver's word)
+        self.finished = False  # --generate: the engine is done with the request
 
 
 class Assembler:
@@ -127,13 +149,26 @@ class Assembler:
         self.sink = sink
         self._pending: dict[str, NewRequest] = {}
         self._partial: dict[str, _Partial] = {}
+        self._by_line: dict[int, str] = {}  # --generate: input line -> the engine's request id
         self.dropped: list[str] = []
         self.wait_copy_s = 0.0  # waiting for D2H copies to land
 
     def process(self, rec: StepRecord) -> None:
         try:  # the ring slot goes back whatever happens, or the engine would wait for it forever
             self._pending.update(rec.new)
+            for rid, req in rec.new.items():
+                if req.generate:
+                    self._by_line[req.line] = rid
+            for line, end in rec.ends.items():
+                rid = self._by_line.pop(line, None)
+                if rid is not None:
+                    self._end(rid, end)
             for rid in rec.finished:
+                gen = self._partial.get(rid)
+                if gen is not None and gen.req.generate:  # complete once the driver says where it ended
+                    gen.finished = True
+                    self._try_generated(rid, gen)
+                    continue
                 # All of a finished request's rows came in earlier records. An open-ended
                 # capture is complete now; anything else still here was aborted before its
                 # prompt was complete (normal completions left already).
@@ -174,16 +209,54 @@ class Assembler:
         else:
             self.dropped.append(rid)
 
+    def _end(self, rid: str, end: dict[str, Any]) -> None:
+        """--generate: the driver knows where request `rid`'s response ended."""
+        if "drop" in end:  # the driver made it an error record: its rows go
+            self._pending.pop(rid, None)
+            self._partial.pop(rid, None)
+            return
+        part = self._partial.get(rid)
+        if part is None:
+            req = self._pending.pop(rid, None)
+            if req is not None:
+                self._dropped(rid, req, "the response ended before any of its rows were captured")
+            return
+        if end["rows"] > part.total:
+            raise CaptureError(f"request {part.req.sample_id!r}: its response ends at row {end['rows']}, past the "
+                               f"{part.total} rows reserved for it")
+        part.total, part.end = end["rows"], end
+        self._try_generated(rid, part)
+
+    def _try_generated(self, rid: str, part: _Partial) -> None:
+        """A generated sample goes to the sink once its end is known and its rows up to it are in."""
+        if part.end is None:
+            return
+        if part.filled >= part.total:
+            del self._partial[rid]
+            end = part.end
+            self.sink.add_rows(part.req.sample_id, end["token_ids"], part.slot.buf[: part.total],
+                               loss_spans=end["loss_spans"], num_prompt=end["num_prompt"], record=end["record"],
+                               line=part.req.line)
+        elif part.finished:  # no more rows will come
+            del self._partial[rid]
+            self._dropped(rid, part.req, f"the request ended with {part.filled} of its {part.total} rows captured")
+
     def _take(self, seg: Segment, host: torch.Tensor) -> None:
         part = self._partial.get(seg.req_id)
         if part is None:
             req = self._pending.pop(seg.req_id, None)
             if req is None:
                 return  # a request we were not asked to capture, or one already complete
-            slot = (self.sink.reserve(req.sample_id, req.token_ids, line=req.line, loss_spans=req.loss_spans)
-                    if req.rows is None
-                    else self.sink.reserve(req.sample_id, req.token_ids, rows=req.rows))
+            if req.generate:
+                slot = _Staged(torch.empty((req.rows, *host.shape[1:]), dtype=host.dtype))
+            elif req.rows is None:
+                slot = self.sink.reserve(req.sample_id, req.token_ids, line=req.line, loss_spans=req.loss_spans)
+            else:
+                slot = self.sink.reserve(req.sample_id, req.token_ids, rows=req.rows)
             part = self._partial[seg.req_id] = _Partial(req, slot)
+        if part.req.generate:
+            self._take_generated(seg, host, part)
+            return
         total = part.total
         if seg.pos == 0:
             part.filled = 0  # first chunk, or recomputation after preemption
@@ -208,11 +281,25 @@ class Assembler:
             del self._partial[seg.req_id]
             self.sink.commit(part.slot)
 
+    def _take_generated(self, seg: Segment, host: torch.Tensor, part: _Partial) -> None:
+        """Rows of a generating request. After a preemption its rows are computed again from
+        position 0: they overwrite the same places (equal states of the same tokens), so rows
+        already captured stay valid and nothing is reset."""
+        if seg.pos > part.filled:
+            raise CaptureError(f"request {part.req.sample_id!r}: rows arrive at position {seg.pos} but "
+                               f"{part.filled} rows were captured")
+        keep = min(seg.count, part.total - seg.pos)
+        if keep > 0:
+            part.slot.buf[seg.pos : seg.pos + keep].copy_(host[seg.row : seg.row + keep])
+            part.filled = max(part.filled, seg.pos + keep)
+        self._try_generated(seg.req_id, part)
+
     def abandon(self) -> list[str]:
         """Drop every request still incomplete (end of a run); returns their request ids."""
         gone = list(self._partial) + list(self._pending)
         for part in self._partial.values():
-            self.sink.drop(part.slot)
+            if not part.req.generate:  # a generating request's rows were never the sink's
+                self.sink.drop(part.slot)
         self._partial.clear()
         self._pending.clear()
         self.dropped.extend(gone)

@@ -22,7 +22,8 @@ _OPTIONAL = ("final_hidden_states", "loss_mask")
 class HiddenStatesDataset(torch.utils.data.Dataset):
     """`ds[i]` -> {"id", "token_ids" int64 [T], "hidden_states" [T, K, H]} with K in
     `ds.layer_ids` order, plus "loss_mask" (bool [T]) and "final_hidden_states" ([T, H],
-    after the model's final norm) when the output holds them. Row t of every tensor belongs
+    after the model's final norm) when the output holds them, and "num_prompt_tokens" (int)
+    in an `extract --generate` output. Row t of every tensor belongs
     to token t (unshifted: a trainer predicting token t+1 from row t shifts). Shards are
     opened lazily per process, so the dataset can be handed to DataLoader workers.
 
@@ -108,8 +109,11 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
         i %= self._len
         k = bisect.bisect_right(self._starts, i) - 1
         f, index, optional = self._shard(k)
-        sid, row, count = index[i - self._starts[k]]
+        entry = index[i - self._starts[k]]
+        sid, row, count = entry[:3]
         out: dict[str, Any] = {"id": sid}
+        if len(entry) > 3:  # --generate: rows [0, num_prompt_tokens) are the prompt, the rest the response
+            out["num_prompt_tokens"] = entry[3]
         for name in ("token_ids", "hidden_states", *optional):
             if self._s3 is not None:
                 out[name] = self._s3_rows(self.manifest.shards[k].file, f, name, row, count)

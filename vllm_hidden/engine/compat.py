@@ -81,6 +81,20 @@ def prefill_sampling_params(extra_args: dict):
     return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args=extra_args, **kw)
 
 
+def generate_sampling_params(extra_args: dict, *, max_tokens: int, temperature: float, top_p: float, top_k: int,
+                             seed: int | None):
+    """A response sampled as asked, EOS not stopping it (the driver decides where it ends and
+    stops it one token later, so that the last kept token's row is computed too), new tokens
+    only in each output, no detokenizing."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    kw = {"skip_reading_prefix_cache": True} if "skip_reading_prefix_cache" in SamplingParams.__struct_fields__ else {}
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                          ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.DELTA,
+                          extra_args=extra_args, **kw)
+
+
 def model_runner_class():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 

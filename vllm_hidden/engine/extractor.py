@@ -21,7 +21,7 @@ WORKER_EXTENSION = "vllm_hidden.engine.worker_ext.HiddenStatesWorkerExtension"
 
 def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: CaptureConfig | None = None, *,
                 dtype: str = "auto", max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
-                tp: int = 1):
+                tp: int = 1, generate_tokens: int = 0):
     """vLLM EngineArgs from vLLM's own CLI parser (so every engine flag passes through), set up
     for prefill-only work; with `capture`, the vllm-hidden capture path is switched on."""
     from vllm.engine.arg_utils import EngineArgs
@@ -38,7 +38,8 @@ def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: C
                          "hidden states would be missing; extract runs with prefix caching off")
     args.enable_prefix_caching = False
     args.skip_tokenizer_init = True  # we tokenize (and validate) before the engine
-    args.max_model_len = max_prompt_len + 1  # room for the one sampled (discarded) token
+    # room for the one sampled (discarded) token; --generate: for the response and one token past it
+    args.max_model_len = max_prompt_len + 1 + generate_tokens
     if dtype != "auto":
         args.dtype = dtype
     if max_num_batched_tokens is not None:
@@ -56,6 +57,8 @@ def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: C
 
 
 STATUS_EVERY_S = 1.0  # how often a running extract asks the workers whether capture failed
+DEFAULT_INFLIGHT_CAP = 32 << 30  # --generate: host memory for in-flight rows, at most (default)
+END_EVERY_S = 0.25  # --generate: how often the ends of finished responses go to the worker (one RPC)
 
 
 class CaptureFailed(RuntimeError):
@@ -86,6 +89,7 @@ class EngineResult:
 
     samples: int = 0
     tokens: int = 0
+    generated_tokens: int = 0  # --generate: response tokens kept (counted in `tokens` too)
     shards: list[ShardInfo] = field(default_factory=list)
     rejected: list[BadLine] = field(default_factory=list)  # prompts the engine's own validation refused
     seconds: float = 0.0  # first prompt added .. every shard durable
@@ -93,13 +97,14 @@ class EngineResult:
     capture_stats: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"samples": self.samples, "tokens": self.tokens, "shards": [s.to_dict() for s in self.shards],
+        return {"samples": self.samples, "tokens": self.tokens, "generated_tokens": self.generated_tokens,
+                "shards": [s.to_dict() for s in self.shards],
                 "rejected": [b.to_dict() for b in self.rejected], "seconds": self.seconds,
                 "flush_seconds": self.flush_seconds, "capture_stats": self.capture_stats}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "EngineResult":
-        return cls(samples=d["samples"], tokens=d["tokens"], shards=[ShardInfo(**s) for s in d["shards"]],
+        return cls(samples=d["samples"], tokens=d["tokens"], generated_tokens=d.get("generated_tokens", 0), shards=[ShardInfo(**s) for s in d["shards"]],
                    rejected=[BadLine(b["line"], b["id"], b["reason"]) for b in d["rejected"]],
                    seconds=d["seconds"], flush_seconds=d["flush_seconds"], capture_stats=d["capture_stats"])
 
@@ -121,6 +126,7 @@ class Extractor:
         self.info = plan.info
         self.layer_ids = plan.layer_ids
         self.max_prompt_len = plan.max_prompt_len
+        self._gen_tokenizer = None
         capture = CaptureConfig(layer_ids=tuple(self.layer_ids), ring_slots=cfg.ring_slots)
 
         from vllm_hidden.engine import compat
@@ -128,18 +134,21 @@ class Extractor:
         compat.check_version()
         compat.pin_v1_runner()
         compat.spawn_on_cuda()
-        if plan.info.max_positions is not None and self.max_prompt_len + 1 > plan.info.max_positions:
+        self.generate_tokens = cfg.generate.max_tokens + 1 if cfg.generate is not None else 0
+        if plan.info.max_positions is not None and \
+                self.max_prompt_len + 1 + self.generate_tokens > plan.info.max_positions:
             compat.allow_long_max_model_len()
         self.args = engine_args(cfg.model, cfg.engine_args, self.max_prompt_len, capture, dtype=cfg.dtype,
                                 max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-                                tp=resolve_tp(cfg.engine_args, cfg.tp))
+                                tp=resolve_tp(cfg.engine_args, cfg.tp), generate_tokens=self.generate_tokens)
         compat.bind_cpu_threads(self.args.tensor_parallel_size)
         self.fingerprint, self.fingerprint_ident = fingerprint(
             mode="extract", model=cfg.model, engine_args=cfg.engine_args, device=compat.device_name(),
             cache_dirs=self.cache_dirs, env_digest=compat.compile_env_digest(),
             settings={"layer_ids": list(self.layer_ids), "ring_slots": cfg.ring_slots, "max_model_len": self.max_prompt_len,
                       "dtype": cfg.dtype, "max_num_batched_tokens": cfg.max_num_batched_tokens,
-                      "max_num_seqs": cfg.max_num_seqs, "tp": self.args.tensor_parallel_size})
+                      "max_num_seqs": cfg.max_num_seqs, "tp": self.args.tensor_parallel_size,
+                      **({"generate_tokens": self.generate_tokens} if self.generate_tokens else {})})
         if start:
             self.start()
 
@@ -179,6 +188,42 @@ class Extractor:
             self.engine.engine_core.shutdown()
             self.engine = None
 
+    def _done(self, res: EngineResult, rows: int) -> int:
+        if self.first_sample_at is None:
+            self.first_sample_at = time.perf_counter() - self.t_created
+        res.tokens += rows
+        res.samples += 1
+        return rows
+
+    def _responses(self):
+        from vllm_hidden.engine.generate import Responses, stop_token_ids
+
+        if self._gen_tokenizer is None:
+            from transformers import AutoTokenizer
+
+            try:
+                self._gen_tokenizer = AutoTokenizer.from_pretrained(self.cfg.model)
+            except Exception as e:  # noqa: BLE001 - token_ids input can do without: no response text then
+                log.warning("vllm-hidden: no tokenizer for %r (%s): generations.jsonl gets no response text",
+                            self.cfg.model, e)
+                self._gen_tokenizer = False
+        tok = self._gen_tokenizer or None
+        return Responses(self.cfg.generate, stop_token_ids(self.cfg.model, tok), tok)
+
+    def generate_window(self, final_state: bool) -> int:
+        """--generate: rows (prompt + max tokens per request) that may be in flight at once, so
+        that what the worker holds for them stays within --max-inflight-bytes."""
+        from vllm_hidden.devices import host_memory_bytes
+
+        mc = self.engine.vllm_config.model_config
+        row = (len(self.layer_ids) + final_state) * self.info.hidden_size * mc.dtype.itemsize
+        budget = self.cfg.max_inflight_bytes or min(DEFAULT_INFLIGHT_CAP, host_memory_bytes() // 4)
+        return max(1, budget // row)
+
+    def _send_ends(self, ends: dict[int, dict[str, Any]]) -> None:
+        self.engine.collective_rpc("vllm_hidden_generated", args=(dict(ends),))
+        ends.clear()
+
     def engine_info(self) -> dict[str, Any]:
         """The engine settings the manifest records (plus its dtype)."""
         vc = self.engine.vllm_config
@@ -191,8 +236,9 @@ class Extractor:
                 max_inflight_tokens: int | None = None) -> EngineResult:
         """Run every prompt `feed` gives through the engine into shards under `shard_cfg`;
         returns once each of them is durable. At most 2 x max_num_seqs requests (and
-        `max_inflight_tokens` prompt tokens) are in the engine at once: enough to fill every
-        step, few enough that engines sharing one feed finish together."""
+        `max_inflight_tokens` rows: prompt tokens, under --generate prompt + max tokens) are in
+        the engine at once: enough to fill every step, few enough that engines sharing one feed
+        finish together (and, under --generate, that the rows they hold fit in host memory)."""
         from vllm_hidden.engine import compat
         from vllm_hidden.engine.runner import LINE_KEY, LOSS_KEY, REQUEST_KEY
 
@@ -203,14 +249,19 @@ class Extractor:
         opened = False
         inflight: dict[str, int] = {}
         tokens_inflight = 0
+        responses = self._responses() if self.cfg.generate is not None else None
+        if responses is not None:
+            # responses hold their rows for hundreds of steps: memory, not step-filling, sets the window
+            max_inflight_tokens = self.generate_window(shard_cfg.final_state)
         max_tokens = max_inflight_tokens or float("inf")
+        ends: dict[int, dict[str, Any]] = {}  # --generate: input line -> its end, not yet sent to the worker
         try:
             opened = any(engine.collective_rpc("vllm_hidden_open", args=(shard_cfg.to_dict(),)))
             if not opened:
                 raise RuntimeError("no worker opened a capture sink")
             max_inflight = 2 * engine.vllm_config.scheduler_config.max_num_seqs
             t1 = time.perf_counter()
-            next_check = t1 + STATUS_EVERY_S
+            next_check = next_ends = t1 + STATUS_EVERY_S
             while True:
                 while not feed.exhausted and len(inflight) < max_inflight and tokens_inflight < max_tokens:
                     item = feed.next(wait=not inflight)
@@ -218,29 +269,58 @@ class Extractor:
                         break
                     rid = str(item.line)
                     extra = {REQUEST_KEY: item.id, LINE_KEY: item.line}
-                    if shard_cfg.loss_mask:  # a few [start, end) pairs, not a per-token list
-                        spans = item.loss_spans if item.loss_spans is not None else [(0, len(item.token_ids))]
-                        extra[LOSS_KEY] = [list(s) for s in spans]  # a prompt without one: every token
-                    params = compat.prefill_sampling_params(extra)
+                    if responses is not None:
+                        params = responses.params(rid, item, extra)
+                        rows = len(item.token_ids) + self.cfg.generate.max_tokens
+                    else:
+                        if shard_cfg.loss_mask:  # a few [start, end) pairs, not a per-token list
+                            spans = item.loss_spans if item.loss_spans is not None else [(0, len(item.token_ids))]
+                            extra[LOSS_KEY] = [list(s) for s in spans]  # a prompt without one: every token
+                        params = compat.prefill_sampling_params(extra)
+                        rows = len(item.token_ids)
                     try:
                         engine.add_request(rid, {"prompt_token_ids": item.token_ids}, params)
                     except ValueError as e:  # the engine's own validation
                         res.rejected.append(BadLine(item.line, item.id, f"rejected by the engine: {e}"))
+                        if responses is not None:
+                            responses.forget(rid)
                         continue
-                    inflight[rid] = len(item.token_ids)
-                    tokens_inflight += len(item.token_ids)
+                    inflight[rid] = rows
+                    tokens_inflight += rows
                 if not inflight:
+                    if ends:
+                        self._send_ends(ends)
                     if feed.exhausted:
                         break
                     continue
-                for o in engine.step():
-                    if o.finished and o.request_id in inflight:
-                        if self.first_sample_at is None:
-                            self.first_sample_at = time.perf_counter() - self.t_created
-                        n = inflight.pop(o.request_id)
-                        tokens_inflight -= n
-                        res.tokens += n
-                        res.samples += 1
+                if responses is None:
+                    for o in engine.step():
+                        if o.finished and o.request_id in inflight:
+                            tokens_inflight -= self._done(res, inflight.pop(o.request_id))
+                else:
+                    aborts = []
+                    for o in engine.step():
+                        if o.request_id not in inflight:
+                            continue  # aborted a step ago: its last output
+                        got = responses.update(o.request_id, list(o.outputs[0].token_ids), o.finished)
+                        if got is None:
+                            continue
+                        tokens_inflight -= inflight.pop(o.request_id)
+                        if isinstance(got, BadLine):
+                            res.rejected.append(got)
+                            ends[got.line] = {"drop": got.reason}  # its rows go
+                            continue
+                        if got.abort:
+                            aborts.append(got.rid)
+                        ends[got.line] = got.end
+                        self._done(res, got.rows)
+                        res.generated_tokens += got.generated
+                    if aborts:
+                        engine.abort_request(aborts)
+                    # one RPC for many samples; the worker writes a sample only once it knows its end
+                    if ends and time.perf_counter() >= next_ends:
+                        self._send_ends(ends)
+                        next_ends = time.perf_counter() + END_EVERY_S
                 if on_progress is not None:
                     on_progress(res.samples, res.tokens)
                 if time.perf_counter() >= next_check:  # one small RPC a second: stop soon after a failure
@@ -276,6 +356,7 @@ class Extractor:
         if bad:
             res.samples -= len(bad)
             res.tokens = sum(s.num_tokens for s in res.shards)
+            res.generated_tokens = -1 if responses is not None else 0  # not known per sample here
         written = sum(s.num_samples for s in res.shards)
         if written != res.samples or out["incomplete"]:
             raise RuntimeError(f"engine finished {res.samples} samples but {written} were written "

@@ -31,6 +31,7 @@ log = logging.getLogger("vllm_hidden")
 REQUEST_KEY = "vllm_hidden_id"
 LINE_KEY = "vllm_hidden_line"  # its input line, named in the sink's error reports
 LOSS_KEY = "vllm_hidden_loss"  # its loss mask as [start, end) token spans of ones
+GEN_KEY = "vllm_hidden_rows"  # --generate: rows to reserve (prompt + max tokens); the driver says where it ends
 
 
 class Capture:
@@ -129,6 +130,12 @@ class Capture:
             "stats": stats,
         }
 
+    def generated(self, ends: dict[int, dict[str, Any]]) -> None:
+        """--generate: where these requests' responses ended (the driver's word, in the order of
+        the steps: every row it speaks of was captured before this call came)."""
+        if self.thread is not None and self.sink_kind == "shards" and ends:
+            self.thread.put(StepRecord(None, 0, [], ends=ends))
+
     def status(self) -> dict[str, Any] | None:
         """The capture's failure (`failure`), if it had one; None while it is well."""
         thread = self.thread
@@ -155,6 +162,10 @@ class Capture:
         if REQUEST_KEY in extra:
             if self.sink_kind != "shards" or not prompt:
                 return None
+            rows = extra.get(GEN_KEY)
+            if rows is not None:
+                rows = max(len(prompt), min(int(rows), self.max_model_len))
+                return NewRequest(extra[REQUEST_KEY], prompt, rows, line=extra.get(LINE_KEY), generate=True)
             return NewRequest(extra[REQUEST_KEY], prompt, line=extra.get(LINE_KEY), loss_spans=extra.get(LOSS_KEY))
         spec = extra.get(WORKER_KEY)
         if not isinstance(spec, dict) or not prompt or self.sink_kind == "shards":

@@ -241,6 +241,7 @@ def run_parallel(cfg: ExtractConfig):
             output.record_error(bad)
         summary.samples += res.samples
         summary.tokens += res.tokens
+        summary.generated_tokens += res.generated_tokens
         summary.shards += in_part(r, res.shards)
     summary.errors = output.num_errors
     summary.seconds = finished - t_dispatch  # the first prompt handed out .. every shard durable

@@ -37,8 +37,8 @@ class ReaderFeed:
         return None
 
 
-def pack(p: Prompt) -> tuple[int, Any, list[int], list[tuple[int, int]] | None]:
-    return (p.line, p.id, p.token_ids, p.loss_spans)
+def pack(p: Prompt) -> tuple[Any, ...]:
+    return (p.line, p.id, p.token_ids, p.loss_spans, p.source)
 
 
 class QueueFeed:

@@ -23,6 +23,7 @@ from vllm_hidden.storage.output import Output
 class Summary:
     samples: int = 0
     tokens: int = 0
+    generated_tokens: int = 0  # --generate: response tokens (in `tokens` too)
     errors: int = 0
     resumed: int = 0  # samples already done by an earlier attempt (--resume), skipped
     shards: list[ShardInfo] = field(default_factory=list)
@@ -37,7 +38,8 @@ class Summary:
 
     def to_dict(self) -> dict[str, Any]:
         return {**({"dp": len(self.ranks), "ranks": self.ranks} if self.ranks else {}),
-            "samples": self.samples, "tokens": self.tokens, "errors": self.errors, "resumed": self.resumed,
+            "samples": self.samples, "tokens": self.tokens, "generated_tokens": self.generated_tokens,
+            "errors": self.errors, "resumed": self.resumed,
             "shards": len(self.shards), "bytes": sum(s.bytes for s in self.shards),
             "seconds": round(self.seconds, 3), "engine_init_seconds": round(self.engine_init_seconds, 3),
             "flush_seconds": round(self.flush_seconds, 3),
@@ -86,7 +88,8 @@ def manifest_fields(cfg: ExtractConfig, plan: Plan, engine: dict[str, Any], read
     return dict(model=cfg.model, layer_ids=plan.layer_ids, layer_semantics=SEMANTICS,
                 num_model_layers=plan.info.num_layers, hidden_size=plan.info.hidden_size,
                 dtype=engine.pop("dtype"), versions={"vllm": compat.VLLM_VERSION, "vllm_hidden": __version__},
-                engine=engine, input=reader.describe(), final_state=cfg.final_state)
+                engine=engine, input=reader.describe(), final_state=cfg.final_state,
+                generate=cfg.generate.to_dict() if cfg.generate is not None else None)
 
 
 
@@ -115,6 +118,7 @@ def extract_file(ex: Extractor, input_path: str, output_dir: str, progress: bool
     for bad in res.rejected:
         output.record_error(bad)
     summary.samples, summary.tokens, summary.resumed = res.samples, res.tokens, feed.resumed
+    summary.generated_tokens = res.generated_tokens
     summary.errors = output.num_errors
     summary.shards, summary.capture_stats = res.shards, res.capture_stats
     summary.seconds, summary.flush_seconds = res.seconds, res.flush_seconds

@@ -98,13 +98,20 @@ def plan_extract(cfg: ExtractConfig) -> Plan:
     layer_ids = resolve_layer_ids(info.num_layers, cfg.layers, cfg.aux_layers, cfg.layers_from)
     if cfg.max_model_len and info.max_positions and cfg.max_model_len > info.max_positions:
         raise ValueError(f"--max-model-len {cfg.max_model_len} is above the model's limit of {info.max_positions} positions")
-    max_prompt_len = cfg.max_model_len or info.max_positions
-    if not max_prompt_len:
+    max_len = cfg.max_model_len or info.max_positions
+    if not max_len:
         raise ValueError(f"--max-model-len is required: {cfg.model!r} does not state max_position_embeddings")
+    max_prompt_len = max_len
+    if cfg.generate is not None:  # prompt + response within --max-model-len
+        max_prompt_len = max_len - cfg.generate.max_tokens
+        if max_prompt_len < 1:
+            raise ValueError(f"--max-tokens {cfg.generate.max_tokens} leaves no room for a prompt within "
+                             f"--max-model-len {max_len}")
     m = cfg.model
     model = str(Path(m).expanduser().resolve()) if Path(m).expanduser().is_dir() else m
     identity = {"format": FORMAT, "model": model, "layer_ids": list(layer_ids), "hidden_size": info.hidden_size,
-                "final_state": cfg.final_state, "loss_mask": cfg.loss_mask or "default"}
+                "final_state": cfg.final_state, "loss_mask": cfg.loss_mask or "default",
+                "generate": cfg.generate.to_dict() if cfg.generate is not None else None}
     return Plan(info=info, layer_ids=list(layer_ids), max_prompt_len=max_prompt_len, identity=identity)
 
 
@@ -114,4 +121,5 @@ def prompt_reader(cfg: ExtractConfig, plan: Plan, input_path: str | None = None)
     return PromptReader(input_path or cfg.input_path, vocab_size=plan.info.vocab_size,
                         max_prompt_len=plan.max_prompt_len,
                         tokenizer_loader=lambda: AutoTokenizer.from_pretrained(cfg.model),
-                        loss_mask=cfg.loss_mask, columns=parse_columns(cfg.input_columns))
+                        loss_mask=cfg.loss_mask, columns=parse_columns(cfg.input_columns),
+                        room=cfg.generate.max_tokens if cfg.generate is not None else None)

@@ -106,8 +106,7 @@ class ChatEncoder:
         """-> (token ids, loss spans [start, end) in tokens, or None under rule 'none')."""
         if not messages:
             raise ValueError("conversation is empty")
-        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-            raise ValueError(f"tools must be a list of objects, got {str(tools)[:80]!r}")
+        self._check_tools(tools)
         full = self.render(messages, tools, False)
         if rule in ("all", "none"):
             ids = self._ids(full, offsets=False)[0]
@@ -117,6 +116,32 @@ class ChatEncoder:
             raise ValueError(f"loss mask {rule!r}: the conversation has no assistant turn")
         if rule == "last-assistant":
             turns = turns[-1:]
+        return self._with_spans(messages, tools, turns, full, False)
+
+    def encode_prompt(self, messages: list[dict[str, Any]], tools: Any,
+                      rule: str) -> tuple[list[int], list[tuple[int, int]] | None]:
+        """The prompt of a response to be generated: `messages` rendered with the generation
+        prompt; spans of its assistant turns under 'assistant', none under 'last-assistant'
+        (the response is the last one), all of it under 'all', None under 'none'."""
+        if not messages:
+            raise ValueError("conversation is empty")
+        self._check_tools(tools)
+        full = self.render(messages, tools, True)
+        turns = [j for j, m in enumerate(messages) if m["role"] == "assistant"] if rule == "assistant" else []
+        if rule in ("all", "none") or not turns:
+            ids = self._ids(full, offsets=False)[0]
+            return ids, (None if rule == "none" else [(0, len(ids))] if rule == "all" and ids else [])
+        return self._with_spans(messages, tools, turns, full, True)
+
+    @staticmethod
+    def _check_tools(tools: Any) -> None:
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise ValueError(f"tools must be a list of objects, got {str(tools)[:80]!r}")
+
+    def _with_spans(self, messages: list[dict[str, Any]], tools: Any, turns: list[int], full: str,
+                    generation_prompt: bool) -> tuple[list[int], list[tuple[int, int]]]:
+        """`full` (the conversation's rendering, with the generation prompt or not) tokenized, and
+        the token spans of assistant turns `turns` in it."""
         ids, offsets = self._ids(full, offsets=True)
         ends = [e for _, e in offsets]
         starts = [s for s, _ in offsets]
@@ -126,7 +151,7 @@ class ChatEncoder:
             if lo_char is not None and hi_char is None:
                 hi_char = self._end_by_follow(messages, tools, j, full)
             if lo_char is None or hi_char is None:
-                lo_char, hi_char = self._by_slot(messages, tools, j, full)
+                lo_char, hi_char = self._by_slot(messages, tools, j, full, generation_prompt)
             lo = _token_at(starts, ends, lo_char, j, "start")
             hi = _token_at(starts, ends, hi_char, j, "end")
             if hi <= lo:
@@ -174,7 +199,8 @@ class ChatEncoder:
                 self._header = two[len(one) : two.index(_SLOT)]
         return self._header
 
-    def _by_slot(self, messages: list[dict[str, Any]], tools: Any, j: int, full: str) -> tuple[int, int]:
+    def _by_slot(self, messages: list[dict[str, Any]], tools: Any, j: int, full: str,
+                 generation_prompt: bool = False) -> tuple[int, int]:
         """For templates that render a turn differently once later turns exist (thinking
         templates add an empty think block to the last assistant turn only): the whole
         conversation rendered with turn j's content replaced by a marker must equal `full`
@@ -182,7 +208,7 @@ class ChatEncoder:
         template wrote it; the turn ends with what the template writes after its content (as
         the conversation through it, rendered with the marker, shows), which must follow."""
         slot = [*messages[:j], {**messages[j], "content": _SLOT}, *messages[j + 1:]]
-        marked = self.render(slot, tools, False)
+        marked = self.render(slot, tools, generation_prompt)
         through = self.render(slot[: j + 1], tools, False)
         if marked.count(_SLOT) == 1 and through.count(_SLOT) == 1:
             k = marked.index(_SLOT)

@@ -35,6 +35,9 @@ class Prompt:
     token_ids: list[int]
     # [start, end) token ranges whose loss_mask is 1; None: no mask is stored (--loss-mask none)
     loss_spans: list[tuple[int, int]] | None = None
+    # --generate: what the response answers, for generations.jsonl ({"messages", "tools"} of the
+    # prompt's turns, or {"text"}; {} for token_ids)
+    source: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +87,12 @@ class PromptReader:
         tokenizer_loader: Callable[[], Any] | None = None,
         loss_mask: str | None = None,
         columns: dict[str, str] | None = None,
+        room: int | None = None,
     ) -> None:
+        """`room`: --generate's --max-tokens. A record is then the prompt of a response: a
+        conversation up to its last user turn with the generation prompt (a final reply is
+        replaced), text or token_ids as they are; its mask covers earlier assistant turns (rule
+        assistant), all of it (all) or none of it, and the response is masked by the extractor."""
         if loss_mask is not None and loss_mask not in MASK_RULES:
             raise ValueError(f"--loss-mask must be one of {', '.join(MASK_RULES)}, got {loss_mask!r}")
         self.path = Path(path)
@@ -92,6 +100,7 @@ class PromptReader:
         self.max_prompt_len = max_prompt_len
         self.loss_mask = loss_mask
         self.columns = dict(columns or {})
+        self.room = room
         self._loader = tokenizer_loader
         self._tok: Any = None
         self._chat: ChatEncoder | str | None = None
@@ -140,7 +149,7 @@ class PromptReader:
         if not isinstance(sid, (int, str)) or isinstance(sid, bool):
             return BadLine(i, i, f"id must be a string or an integer, got {sid!r}")
         try:
-            ids, spans = self._encode(obj)
+            ids, spans, source = self._encode(obj)
         except ValueError as e:
             return BadLine(i, sid, str(e))
         except Exception as e:  # noqa: BLE001 - e.g. a tokenizer refusing a lone surrogate: this record, not the run
@@ -148,13 +157,19 @@ class PromptReader:
         if not ids:
             return BadLine(i, sid, "prompt has no tokens")
         if len(ids) > self.max_prompt_len:
-            return BadLine(i, sid, f"prompt has {len(ids)} tokens, more than max_model_len {self.max_prompt_len}")
+            return BadLine(i, sid, self._too_long(len(ids)))
         if sid in self._seen:
             return BadLine(i, sid, f"duplicate id {sid!r}")
         self._seen.add(sid)
-        return Prompt(i, sid, ids, spans)
+        return Prompt(i, sid, ids, spans, source)
 
-    def _encode(self, obj: dict[str, Any]) -> tuple[list[int], list[tuple[int, int]] | None]:
+    def _too_long(self, n: int) -> str:
+        if self.room is None:
+            return f"prompt has {n} tokens, more than max_model_len {self.max_prompt_len}"
+        return (f"prompt has {n} tokens, which leaves no room for --max-tokens {self.room} within max_model_len "
+                f"{self.max_prompt_len + self.room}")
+
+    def _encode(self, obj: dict[str, Any]) -> tuple[list[int], list[tuple[int, int]] | None, dict[str, Any] | None]:
         keys = [k for k in KINDS if k in obj]
         if len(keys) != 1:
             raise ValueError(f"need exactly one of {', '.join(KINDS)}; got {keys or 'none'}")
@@ -164,25 +179,59 @@ class PromptReader:
             raise ValueError(f"loss_mask goes with token_ids; this record has {kind}")
         if "tools" in obj and kind not in CHAT_KINDS:
             raise ValueError(f"tools go with messages/conversations; this record has {kind}")
+        if self.room is not None:
+            return self._encode_prompt(obj, kind, val)
         rule = mask_rule_for(self.loss_mask, kind, "loss_mask" in obj)
         self.kinds[kind] += 1
         if kind == "token_ids":
             ids = self._check_ids(val)
             if rule == "given":
-                return ids, spans_from_mask(obj["loss_mask"], len(ids))
+                return ids, spans_from_mask(obj["loss_mask"], len(ids)), None
         elif kind == "text":
-            if not isinstance(val, str):
-                raise ValueError(f"text must be a string, got {type(val).__name__}")
-            ids = list(self.tokenizer()(val)["input_ids"]) if val else []
+            ids = self._text_ids(val)
         else:
             msgs = normalize_conversations(val) if kind == "conversations" else check_messages(val)
             if not msgs:
-                return [], None
+                return [], None, None
             ids, spans = self._chat_encoder().encode(msgs, _tools(obj.get("tools")), rule)
             self._check_vocab(ids)
-            return ids, spans
+            return ids, spans, None
         self._check_vocab(ids)
-        return ids, ([(0, len(ids))] if rule == "all" and ids else None)
+        return ids, ([(0, len(ids))] if rule == "all" and ids else None), None
+
+    def _text_ids(self, val: Any) -> list[int]:
+        if not isinstance(val, str):
+            raise ValueError(f"text must be a string, got {type(val).__name__}")
+        return list(self.tokenizer()(val)["input_ids"]) if val else []
+
+    def _encode_prompt(self, obj: dict[str, Any], kind: str,
+                       val: Any) -> tuple[list[int], list[tuple[int, int]] | None, dict[str, Any]]:
+        """--generate: the record as the prompt of a response (see __init__)."""
+        rule = self.loss_mask
+        self.kinds[kind] += 1
+        if kind in CHAT_KINDS:
+            msgs = normalize_conversations(val) if kind == "conversations" else check_messages(val)
+            users = [j for j, m in enumerate(msgs) if m["role"] == "user"]
+            if not users:
+                raise ValueError("--generate: the conversation has no user turn to respond to")
+            msgs = msgs[: users[-1] + 1]
+            tools = _tools(obj.get("tools"))
+            ids, spans = self._chat_encoder().encode_prompt(msgs, tools, rule or "assistant")
+            self._check_vocab(ids)
+            return ids, spans, {"messages": msgs, **({"tools": tools} if tools is not None else {})}
+        if kind == "token_ids":
+            ids = self._check_ids(val)
+            source: dict[str, Any] = {}
+        else:
+            ids = self._text_ids(val)
+            source = {"text": val}
+        self._check_vocab(ids)
+        if rule == "none":
+            return ids, None, source
+        if rule == "all":
+            return ids, [(0, len(ids))] if ids else [], source
+        # the default, assistant and last-assistant: the response only (and a token_ids line's own mask)
+        return ids, (spans_from_mask(obj["loss_mask"], len(ids)) if "loss_mask" in obj else []), source
 
     def _check_ids(self, val: Any) -> list[int]:
         if not isinstance(val, list):
@@ -205,6 +254,7 @@ class PromptReader:
         """What the manifest records about the input and how it was tokenized."""
         d: dict[str, Any] = {"format": self.format, "kinds": dict(sorted(self.kinds.items())),
                              "loss_mask": self.loss_mask or "default",
+                             **({"prompts": "generate"} if self.room is not None else {}),
                              "special_tokens": {k: v for k, v in SPECIAL_TOKENS.items()
                                                 if k == "chat" and any(self.kinds[c] for c in CHAT_KINDS)
                                                 or self.kinds[k]}}

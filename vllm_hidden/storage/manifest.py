@@ -12,6 +12,7 @@ from vllm_hidden.storage.files import FORMAT, ShardInfo
 
 MANIFEST = "manifest.json"
 ERRORS = "errors.jsonl"
+GENERATIONS = "generations.jsonl"
 
 
 @dataclass(kw_only=True)
@@ -31,6 +32,10 @@ class Manifest:
     # chat template hash, special tokens, loss-mask rule); rows are unshifted: row t is token t
     input: dict[str, Any] = field(default_factory=dict)
     final_state: str = "none"  # "post-norm": shards hold final_hidden_states [R, H]
+    # extract --generate: its sampling settings; shards then hold each sample's prompt length
+    # and generation record, gathered (in shard order) into generations_file
+    generate: dict[str, Any] | None = None
+    generations_file: str | None = None
     format: str = FORMAT
 
     @property

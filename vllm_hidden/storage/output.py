@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 import tempfile
@@ -25,7 +26,7 @@ from typing import Any
 
 from vllm_hidden.config import DEFAULT_S3_RETRY_S, ShardConfig
 from vllm_hidden.storage.journal import RUN, ResumeState, prepare_resume, read_journal, write_json_atomic
-from vllm_hidden.storage.manifest import ERRORS, MANIFEST, Manifest
+from vllm_hidden.storage.manifest import ERRORS, GENERATIONS, MANIFEST, Manifest
 from vllm_hidden.storage.s3 import S3Location, is_s3, read_done_ids
 from vllm_hidden.storage.files import ShardInfo, shard_number
 
@@ -121,10 +122,10 @@ class Output:
         return self.state
 
     # what an output written before these were recorded was extracted with
-    _IDENTITY_DEFAULTS = {"final_state": "none", "loss_mask": "none"}
+    _IDENTITY_DEFAULTS = {"final_state": "none", "loss_mask": "none", "generate": None}
 
     def _check_identity(self, prev: dict[str, Any]) -> None:
-        for k in ("format", "model", "layer_ids", "hidden_size", "final_state", "loss_mask"):
+        for k in ("format", "model", "layer_ids", "hidden_size", "final_state", "loss_mask", "generate"):
             was = prev.get(k, self._IDENTITY_DEFAULTS.get(k))
             if was != self.identity.get(k, self._IDENTITY_DEFAULTS.get(k)):
                 raise ValueError(f"--resume: {self.where!r} was written with {k}={was!r}, "
@@ -192,15 +193,47 @@ class Output:
         relative to the output root."""
         self.close_errors()
         shards = sorted([*self.state.shards, *new_shards], key=lambda s: s.file)
+        gens = manifest.get("generate") is not None
+        if gens:  # every sample's record, from its shard: durable with it, gathered once all are
+            write_generations(self.local / GENERATIONS, shards, self.local if self.loc is None else self.loc)
         m = Manifest(shards=shards, num_errors=self.num_errors, errors_file=ERRORS if self.num_errors else None,
-                     **manifest)
+                     generations_file=GENERATIONS if gens else None, **manifest)
         m.write(self.local)
         if self.loc is not None:  # errors, then the manifest last; then the staging directory goes
             if self.num_errors:
                 self.loc.put_file(self.local / ERRORS, ERRORS)
+            if gens:
+                self.loc.put_file(self.local / GENERATIONS, GENERATIONS)
             self.loc.put_file(self.local / MANIFEST, MANIFEST)
             shutil.rmtree(self.local, ignore_errors=True)
         return m
+
+
+def shard_generations(where: "Path | S3Location", s: ShardInfo) -> bytes:
+    """The generations.jsonl lines a shard holds (its `generations` tensor)."""
+    if isinstance(where, Path):
+        from safetensors import safe_open
+
+        with safe_open(str(where / s.file), framework="pt") as f:
+            return f.get_tensor("generations").numpy().tobytes()
+    header, start = where.safetensors_header(s.file)
+    lo, hi = header["generations"]["data_offsets"]
+    return where.read_range(s.file, start + lo, start + hi)
+
+
+def write_generations(path: Path, shards: list[ShardInfo], where: "Path | S3Location") -> None:
+    """generations.jsonl: every shard's lines in shard order (and so in each shard's index
+    order), written to a temporary name, fsynced and renamed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(tmp, "wb") as f, ThreadPoolExecutor(1 if isinstance(where, Path) else 8) as pool:  # S3: GETs at once
+        for lines in pool.map(lambda s: shard_generations(where, s), shards):
+            f.write(lines)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def in_part(rank: int | None, shards: list[ShardInfo]) -> list[ShardInfo]:

@@ -16,8 +16,10 @@ The pool of arenas bounds host memory: when every arena is full or being finishe
 ring (backpressure instead of growth).
 
 A shard holds `hidden_states` [R, K, H], then (with --final-state) `final_hidden_states`
-[R, H], `token_ids` [R] int64, (with a loss mask) `loss_mask` [R] uint8, and in its metadata
-the per-sample index [id, row offset, token count]. Rows the index does not list (a request
+[R, H], `token_ids` [R] int64, (with a loss mask) `loss_mask` [R] uint8, (with --generate)
+`generations` [B] uint8: its samples' generations.jsonl lines, in index order, so that a
+sample's generation record is durable exactly when its rows are; and in its metadata the
+per-sample index [id, row offset, token count] (with --generate, [..., prompt tokens]). Rows the index does not list (a request
 aborted mid-prefill) are zeros. Only `hidden_states` is streamed out as samples complete;
 the smaller tensors after it, whose offsets depend on the shard's final row count, are
 written from memory when the shard is finished.
@@ -62,21 +64,26 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
-def _entry_bytes(sample_id: Any, row: int, count: int) -> int:
+def _entry_bytes(sample_id: Any, row: int, count: int, num_prompt: int | None = None) -> int:
     # the index is a JSON string inside the JSON header: quotes and backslashes get escaped
-    return len(json.dumps(json.dumps([sample_id, row, count]))) + 1
+    entry = [sample_id, row, count] if num_prompt is None else [sample_id, row, count, num_prompt]
+    return len(json.dumps(json.dumps(entry))) + 1
 
 
 class SampleSlot:
     """Rows reserved for one sample; the assembler fills `buf` [T, K, H], then commits."""
 
-    __slots__ = ("arena", "sample_id", "token_ids", "row", "buf", "final", "state", "line", "loss_spans")
+    __slots__ = ("arena", "sample_id", "token_ids", "row", "buf", "final", "state", "line", "loss_spans", "num_prompt",
+                 "record")
     # NOT_FINITE: committed, then refused by its writer thread (NaN/Inf); left out like DROPPED
     RESERVED, COMMITTED, DROPPED, NOT_FINITE = 0, 1, 2, 3
 
     def __init__(self, arena: "_Arena", sample_id: Any, token_ids: torch.Tensor, row: int,
-                 line: int | None = None, loss_spans: list[list[int]] | None = None) -> None:
+                 line: int | None = None, loss_spans: list[list[int]] | None = None,
+                 num_prompt: int | None = None, record: bytes | None = None) -> None:
         self.arena = arena
+        self.num_prompt = num_prompt
+        self.record = record
         self.sample_id = sample_id
         self.token_ids = token_ids
         self.row = row
@@ -139,8 +146,9 @@ class _Arena:
         self.unsynced = 0
 
     def add(self, sample_id: Any, token_ids: torch.Tensor, entry_bytes: int, line: int | None = None,
-            loss_spans: list[list[int]] | None = None) -> SampleSlot:
-        slot = SampleSlot(self, sample_id, token_ids, self.rows, line, loss_spans)
+            loss_spans: list[list[int]] | None = None, num_prompt: int | None = None,
+            record: bytes | None = None) -> SampleSlot:
+        slot = SampleSlot(self, sample_id, token_ids, self.rows, line, loss_spans, num_prompt, record)
         self.rows += token_ids.shape[0]
         self.slots.append(slot)
         self.pending += 1
@@ -236,7 +244,8 @@ class ShardWriter:
 
     # -- samples -----------------------------------------------------------------------
     def reserve(self, sample_id: Any, token_ids: Any, *, line: int | None = None,
-                loss_spans: list[list[int]] | None = None) -> SampleSlot:
+                loss_spans: list[list[int]] | None = None, num_prompt: int | None = None,
+                record: bytes | None = None) -> SampleSlot:
         self._raise_error()
         if self._closed:
             raise RuntimeError("the shard writer is closed")
@@ -250,13 +259,16 @@ class ShardWriter:
             for span in loss_spans:
                 if len(span) != 2 or not 0 <= span[0] < span[1] <= n:
                     raise ValueError(f"sample {sample_id!r}: loss span {span!r} is not within its {n} tokens")
+        if self.cfg.generate != (num_prompt is not None) or (num_prompt is not None and not 0 < num_prompt <= n):
+            raise ValueError(f"sample {sample_id!r}: prompt length {num_prompt!r} of {n} tokens "
+                             f"(this output {'stores one' if self.cfg.generate else 'is prefill only'})")
         a = self._current
-        entry = _entry_bytes(sample_id, a.rows if a is not None else 0, n)
+        entry = _entry_bytes(sample_id, a.rows if a is not None else 0, n, num_prompt)
         if _HEADER_FIXED + entry > self.header_room:
             raise ValueError(f"sample id {str(sample_id)[:80]!r}... is too long to index ({entry} bytes)")
         if n > self.rows_per_shard:  # larger than a shard: a shard of its own
             big = self._new_arena(self._new_buffer(n), pooled=False)
-            slot = big.add(sample_id, tok, entry, line, loss_spans)
+            slot = big.add(sample_id, tok, entry, line, loss_spans, num_prompt, record)
             big.sealed = True
             return slot
         if a is None or a.rows + n > self.rows_per_shard or _HEADER_FIXED + a.index_bytes + entry > self.header_room:
@@ -264,7 +276,7 @@ class ShardWriter:
             if a is not None:
                 self._seal(a)
             a = self._current = self._new_arena(self._take_buffer(), pooled=True)
-        return a.add(sample_id, tok, entry, line, loss_spans)
+        return a.add(sample_id, tok, entry, line, loss_spans, num_prompt, record)
 
     def commit(self, slot: SampleSlot) -> None:
         self._resolve(slot, SampleSlot.COMMITTED)
@@ -287,6 +299,20 @@ class ShardWriter:
         slot.buf.copy_(hidden_states)
         if slot.final is not None:
             slot.final.copy_(final_hidden_states)
+        self.commit(slot)
+
+    def add_rows(self, sample_id: Any, token_ids: Any, rows: torch.Tensor, *, loss_spans: list[list[int]] | None,
+                 num_prompt: int, record: str, line: int | None = None) -> None:
+        """A generated sample, rows [T, C, H] as the capture ring holds them (the layers, then
+        the final state's column if this output stores it), with its generation record."""
+        k = self.row_shape[0]
+        if rows.shape[1] != k + bool(self.final_row_bytes) or rows.shape[0] != len(token_ids):
+            raise ValueError(f"sample {sample_id!r}: rows of shape {tuple(rows.shape)} for {len(token_ids)} tokens")
+        slot = self.reserve(sample_id, token_ids, line=line, loss_spans=loss_spans, num_prompt=num_prompt,
+                            record=record.encode())
+        slot.buf.copy_(rows[:, :k])
+        if slot.final is not None:
+            slot.final.copy_(rows[:, k])
         self.commit(slot)
 
     def _resolve(self, slot: SampleSlot, state: int) -> None:
@@ -376,11 +402,15 @@ class ShardWriter:
                     for lo, hi in s.loss_spans:
                         mask[s.row + lo : s.row + hi] = 1
             # after hidden_states (streamed out already), in file order
+            gens = None
+            if self.cfg.generate:
+                gens = torch.frombuffer(bytearray(b"".join(s.record for s in done)), dtype=torch.uint8)
             tail = [("final_hidden_states", a.final[:rows] if a.final is not None else None), ("token_ids", tokens),
-                    ("loss_mask", mask)]
+                    ("loss_mask", mask), ("generations", gens)]
             tail = [(name, t) for name, t in tail if t is not None]
-            meta = {"format": FORMAT, "layer_ids": json.dumps(self.layer_ids),
-                    "samples": json.dumps([[s.sample_id, s.row, int(s.token_ids.shape[0])] for s in done])}
+            listed = [[s.sample_id, s.row, int(s.token_ids.shape[0]), *([s.num_prompt] if gens is not None else [])]
+                      for s in done]
+            meta = {"format": FORMAT, "layer_ids": json.dumps(self.layer_ids), "samples": json.dumps(listed)}
             entries = {"hidden_states": {"dtype": _ST_DTYPES[self.dtype], "shape": [rows, *self.row_shape],
                                          "data_offsets": [0, hs_bytes]}}
             end = hs_bytes
