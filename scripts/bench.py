@@ -301,7 +301,7 @@ def child(spec_path: str) -> None:
 
 
 # -- parent side -------------------------------------------------------------------------------
-def run_case(spec: dict, work: Path) -> dict:
+def run_case(spec: dict, work: Path, script: str = __file__) -> dict:
     """Run one case in a child process; sample the RSS of its process tree (the engine core
     and workers are its children) every 0.2 s, start to end (engine start and output
     verification included; each workload's run alone is `peak_rss_bytes_during_run`)."""
@@ -310,7 +310,7 @@ def run_case(spec: dict, work: Path) -> dict:
     spec_path = work / f"spec-{spec['case']}.json"
     spec_path.write_text(json.dumps(spec))
     Path(spec["result"]).unlink(missing_ok=True)
-    proc = subprocess.Popen([sys.executable, __file__, "--child", str(spec_path)])
+    proc = subprocess.Popen([sys.executable, script, "--child", str(spec_path)])
     ps = psutil.Process(proc.pid)
     peak = 0
     stop = threading.Event()

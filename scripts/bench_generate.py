@@ -1,0 +1,267 @@
+"""Responses and their states: the two-pass pipeline every recipe runs today (plain vLLM
+generates the responses, then `vllm-hidden extract` prefills prompt + response again) against
+one pass (`vllm-hidden extract --generate`), on the same prompts and engine settings.
+
+    # GPU host, Qwen3.6-27B text dims (random weights), BRIEF's W-chat prompts, 256 tokens each:
+    python scripts/bench_generate.py --qwen36-27b --max-tokens 256
+    # CPU, tiny random Qwen3-Next:
+    python scripts/bench_generate.py --workload small --max-tokens 32
+
+Cases, each in its own process (peak RSS of its process tree sampled):
+  generate   plain vLLM: greedy, --ignore-eos, max_tokens as given, nothing captured; writes
+             prompt + response as token_ids lines for the second pass
+  extract    one engine with capture: first `extract --generate` (one pass, same sampling), then,
+             with the same engine and settings, prefill-only `extract` over the generate case's
+             prompt + response lines (the two-pass pipeline's second pass)
+Reported: each wall time (first request in .. last sample durable), two-pass = generate +
+second pass, the speed-up of one pass over two, the capture cost of one pass against plain
+generation alone, the one pass's peak host RSS against its stated bound, and every output
+verified (every sample once, token ids, prompt lengths, generations.jsonl, finite, checksums).
+Engine starts are not in any wall time (a real two-pass pipeline starts two engines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402 - the prefill benchmark's workloads, engine start, RSS sampling, verification
+
+ROOT = bench.ROOT
+
+
+def run_generate(spec: dict, save) -> dict:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    prompts = json.loads(Path(spec["prompts"]).read_text())
+    # the max_model_len extract --generate gives its engine: prompt limit + max tokens + 1
+    engine, init = bench._start_engine([spec["model"], *spec["engine_args"]], spec["max_model_len"] + 1)
+    sp = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False,
+                        output_kind=RequestOutputKind.FINAL_ONLY)
+    res = {"engine_init_seconds": init}
+    try:
+        with bench.RssPeak() as rss:
+            dt, outs = bench._timed_loop(engine, prompts, lambda i: sp)
+    finally:
+        engine.engine_core.shutdown()
+    by_id = {int(o.request_id): list(o.outputs[0].token_ids) for o in outs}
+    with open(spec["second_pass_input"], "w") as f:
+        for i, p in enumerate(prompts):
+            f.write(json.dumps({"id": i, "token_ids": p + by_id[i]}) + "\n")
+    Path(spec["responses"]).write_text(json.dumps([by_id[i] for i in range(len(prompts))]))
+    gen = sum(map(len, by_id.values()))
+    res.update(seconds=dt, generated_tokens=gen, samples=len(outs), generated_tokens_per_s=round(gen / dt, 1),
+               peak_rss_bytes_during_run=rss.peak)
+    save(res)
+    return res
+
+
+def verify_generated(out: Path, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Every sample once, its prompt then max_tokens generated tokens (--ignore-eos), its
+    prompt length in the index, generations.jsonl agreeing with the shards; plus the prefill
+    checks (checksums, finite)."""
+    from vllm_hidden.data import HiddenStatesDataset
+
+    ds = HiddenStatesDataset(out)
+    gens = {}
+    for line in (out / "generations.jsonl").read_text().splitlines():
+        g = json.loads(line)
+        gens[g["id"]] = g
+    seen, ok, responses = set(), True, {}
+    for i in range(len(ds)):
+        s = ds[i]
+        sid, ids, p = s["id"], s["token_ids"].tolist(), s["num_prompt_tokens"]
+        ok = ok and sid not in seen and p == len(prompts[sid]) and ids[:p] == prompts[sid]
+        ok = ok and len(ids) == p + max_tokens and gens[sid]["response_token_ids"] == ids[p:]
+        ok = ok and gens[sid]["num_prompt_tokens"] == p and s["hidden_states"].shape[0] == len(ids)
+        seen.add(sid)
+        responses[sid] = ids[p:]
+    v = bench.verify_extract(out, [[]] * len(prompts))  # checksums, finite, bytes (token ids checked above)
+    v.pop("token_ids_match")
+    v.update(all_samples_present_once=seen == set(range(len(prompts))) and len(gens) == len(prompts),
+             prompts_responses_and_generations_match=ok)
+    return v, responses
+
+
+def run_extract(spec: dict, save) -> dict:
+    from vllm_hidden.config import ExtractConfig, GenerateConfig
+    from vllm_hidden.extract.job import extract_file, start_extractor
+    from vllm_hidden.extract.plan import plan_extract
+
+    out = Path(spec["out_dir"])
+    shutil.rmtree(out, ignore_errors=True)
+    prompts = json.loads(Path(spec["prompts"]).read_text())
+    gen = GenerateConfig(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
+    cfg = ExtractConfig(model=spec["model"], input_path=spec["input"], output_dir=str(out / "one-pass"),
+                        layers=spec["layers"], max_model_len=spec["max_model_len"], progress=False,
+                        engine_args=spec["engine_args"], generate=gen)
+    res = {}
+    with start_extractor(cfg) as ex:
+        res["engine_init_seconds"] = ex.engine_init_seconds
+        res["layer_ids"] = ex.layer_ids
+        window = ex.generate_window(False)
+        res["inflight_window_rows"] = window
+        res["inflight_bound_bytes"] = window * len(ex.layer_ids) * ex.info.hidden_size * 2
+        with bench.RssPeak() as rss:
+            s = extract_file(ex, spec["input"], str(out / "one-pass")).to_dict()
+        v, responses = verify_generated(out / "one-pass", prompts, spec["max_tokens"])
+        plain = json.loads(Path(spec["responses"]).read_text()) if Path(spec["responses"]).exists() else None
+        res["one_pass"] = {"seconds": s["seconds"], "tokens": s["tokens"], "generated_tokens": s["generated_tokens"],
+                           "flush_seconds": s["flush_seconds"], "peak_rss_bytes_during_run": rss.peak,
+                           "capture_stats": s["capture_stats"], "verified": v,
+                           # greedy on both sides; bf16 numerics differ with the batch, so this is
+                           # informational (parity with HF is the GPU test's job)
+                           "responses_equal_to_plain": (sum(responses[i] == plain[i] for i in range(len(plain)))
+                                                        if plain else None)}
+        save(res)
+        shutil.rmtree(out / "one-pass")
+        if not Path(spec["second_pass_input"]).exists():
+            return res
+        # the two-pass pipeline's second pass: the same engine and settings, prefill only
+        ex.cfg = replace(cfg, generate=None, input_path=spec["second_pass_input"], output_dir=str(out / "second"))
+        ex.plan = plan_extract(ex.cfg)
+        two = [json.loads(line)["token_ids"] for line in Path(spec["second_pass_input"]).read_text().splitlines()]
+        with bench.RssPeak() as rss:
+            s = extract_file(ex, spec["second_pass_input"], str(out / "second")).to_dict()
+        res["second_pass"] = {"seconds": s["seconds"], "tokens": s["tokens"], "flush_seconds": s["flush_seconds"],
+                              "peak_rss_bytes_during_run": rss.peak, "verified": bench.verify_extract(out / "second", two)}
+        save(res)
+        shutil.rmtree(out / "second")
+    return res
+
+
+def child(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+
+    def save(res: dict) -> None:
+        tmp = Path(spec["result"] + ".tmp")
+        tmp.write_text(json.dumps(res))
+        os.replace(tmp, spec["result"])
+
+    {"generate": run_generate, "extract": run_extract}[spec["case"]](spec, save)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help="model dir (default: a tiny random Qwen3-Next written to .bench/model)")
+    ap.add_argument("--qwen36-27b", action="store_true",
+                    help="Qwen3.6-27B text dims with random weights (load_format=dummy) at the reference settings")
+    ap.add_argument("--workload", default="w-chat", help=f"one of {sorted(bench.WORKLOADS)}")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--cases", default="generate,extract")
+    ap.add_argument("--layers", default=None, help="layer ids (default: the DFlash default for the model)")
+    ap.add_argument("--max-model-len", type=int, default=4096, help="prompt + response (as extract --generate)")
+    ap.add_argument("--work-dir", default=str(ROOT / ".bench"))
+    ap.add_argument("--engine-arg", action="append", default=[], help="passed to vLLM for every case (repeat)")
+    ap.add_argument("--result", default=None, help="result JSON (default benchmarks/results/<kind>-generate-<time>.json)")
+    a = ap.parse_args()
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if a.child:
+        child(a.child)
+        return
+    work = Path(a.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+
+    from transformers import AutoConfig
+
+    from vllm_hidden.layers import resolve_layer_ids
+
+    engine = list(a.engine_arg)
+    if a.qwen36_27b:
+        from vllm_hidden.demo import write_qwen36_27b_config
+
+        model = str(write_qwen36_27b_config(work / "qwen36-27b"))
+        engine = [*bench.REFERENCE_27B, "--load-format", "dummy", "--language-model-only", *engine]
+        model_desc = "Qwen3.6-27B text dims, random weights (load_format=dummy), language_model_only"
+    elif a.model:
+        model, model_desc = a.model, a.model
+    else:
+        from vllm_hidden.demo import make_tiny_model
+
+        model = str(make_tiny_model(work / "model"))
+        engine = ["--dtype", "bfloat16", *engine]
+        model_desc = "tiny random Qwen3-Next (vllm_hidden.demo, 8 layers, hidden 256)"
+    text = AutoConfig.from_pretrained(model).get_text_config()
+    layer_ids = resolve_layer_ids(text.num_hidden_layers, a.layers, None, None)
+    ps = bench.make_prompts(bench.WORKLOADS[a.workload], text.vocab_size)
+    prompts, inp = work / f"gen-{a.workload}.prompts.json", work / f"gen-{a.workload}.jsonl"
+    prompts.write_text(json.dumps(ps))
+    with open(inp, "w") as f:
+        for i, p in enumerate(ps):
+            f.write(json.dumps({"id": i, "token_ids": p}) + "\n")
+    common = {"model": model, "engine_args": engine, "max_model_len": a.max_model_len,  # prompt + response
+              "max_tokens": a.max_tokens, "layers": ",".join(map(str, layer_ids)), "prompts": str(prompts),
+              "input": str(inp), "second_pass_input": str(work / "gen-second-pass.jsonl"),
+              "responses": str(work / "gen-responses.json"), "out_dir": str(work / "gen-out")}
+    path = Path(a.result) if a.result else ROOT / "benchmarks" / "results" / (
+        f"{'gpu' if a.qwen36_27b else 'cpu'}-generate-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    import torch
+    import vllm
+
+    rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    result = {"command": " ".join(["python", "scripts/bench_generate.py", *sys.argv[1:]]), "git_revision": rev,
+              "source_blake3": bench.source_fingerprint(),
+              "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "python": platform.python_version()},
+              "machine": {"cpus": os.cpu_count(),
+                          "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
+              "model": model_desc, "layer_ids": layer_ids, "engine_args": engine, "max_model_len": a.max_model_len,
+              "max_tokens": a.max_tokens, "sampling": "greedy, ignore_eos",
+              "workload": {**bench.WORKLOADS[a.workload], "name": a.workload, "seed": 0,
+                           "prompt_tokens": sum(map(len, ps))},
+              "cases": {}}
+    for case in [c for c in a.cases.split(",") if c]:
+        if case == "generate":  # the second pass reads this run's responses, never an older one's
+            for stale in ("second_pass_input", "responses"):
+                Path(common[stale]).unlink(missing_ok=True)
+        spec = {**common, "case": case, "result": str(work / f"gen-result-{case}.json")}
+        print(f"bench_generate: case {case} ...", flush=True)
+        result["cases"][case] = bench.run_case(spec, work, script=__file__)
+        summarize(result)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))
+        print(f"bench_generate: {case}: {json.dumps(result.get('summary', {}))}", flush=True)
+        if result["cases"][case].pop("interrupted", False):
+            sys.exit(143)
+    print(f"wrote {path}")
+
+
+def summarize(result: dict) -> None:
+    g, e = result["cases"].get("generate", {}), result["cases"].get("extract", {})
+    one, second = e.get("one_pass"), e.get("second_pass")
+    s = {}
+    if one:
+        s["one_pass_seconds"] = round(one["seconds"], 2)
+        s["one_pass_tokens_per_s"] = round(one["tokens"] / one["seconds"], 1)
+        s["one_pass_generated_tokens_per_s"] = round(one["generated_tokens"] / one["seconds"], 1)
+        s["one_pass_peak_rss_bytes"] = one["peak_rss_bytes_during_run"]
+        s["one_pass_inflight_bound_bytes"] = e.get("inflight_bound_bytes")
+    if g.get("seconds"):
+        s["generate_seconds"] = round(g["seconds"], 2)
+        s["generate_tokens_per_s"] = g["generated_tokens_per_s"]
+        if one:
+            s["capture_cost_ratio"] = round(g["seconds"] / one["seconds"], 4)  # plain generation / one pass
+    if second:
+        s["second_pass_seconds"] = round(second["seconds"], 2)
+        s["second_pass_tokens_per_s"] = round(second["tokens"] / second["seconds"], 1)
+        if g.get("seconds"):
+            s["two_pass_seconds"] = round(g["seconds"] + second["seconds"], 2)
+            if one:
+                s["one_pass_speedup"] = round((g["seconds"] + second["seconds"]) / one["seconds"], 3)
+    result["summary"] = s
+
+
+if __name__ == "__main__":
+    main()
