@@ -128,8 +128,8 @@ def run_extract(spec: dict, save) -> dict:
         if not Path(spec["second_pass_input"]).exists():
             return res
         # the two-pass pipeline's second pass: the same engine and settings, prefill only
-        ex.cfg = replace(cfg, generate=None, input_path=spec["second_pass_input"], output_dir=str(out / "second"))
-        ex.plan = plan_extract(ex.cfg)
+        second = replace(cfg, generate=None, input_path=spec["second_pass_input"], output_dir=str(out / "second"))
+        ex.reconfigure(second, plan_extract(second))
         two = [json.loads(line)["token_ids"] for line in Path(spec["second_pass_input"]).read_text().splitlines()]
         with bench.RssPeak() as rss:
             s = extract_file(ex, spec["second_pass_input"], str(out / "second")).to_dict()

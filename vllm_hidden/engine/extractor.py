@@ -141,6 +141,8 @@ class Extractor:
         self.args = engine_args(cfg.model, cfg.engine_args, self.max_prompt_len, capture, dtype=cfg.dtype,
                                 max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
                                 tp=resolve_tp(cfg.engine_args, cfg.tp), generate_tokens=self.generate_tokens)
+        if cfg.generate is not None and cfg.generate.seed is not None:
+            compat.check_seeded_generation(self.args)
         compat.bind_cpu_threads(self.args.tensor_parallel_size)
         self.fingerprint, self.fingerprint_ident = fingerprint(
             mode="extract", model=cfg.model, engine_args=cfg.engine_args, device=compat.device_name(),
@@ -187,6 +189,23 @@ class Extractor:
         if self.engine is not None:
             self.engine.engine_core.shutdown()
             self.engine = None
+
+    def reconfigure(self, cfg: ExtractConfig, plan: Plan) -> None:
+        """Run later extracts of this engine with `cfg` (other sampling, --generate or prefill
+        only, other output options): refused where they would need another engine."""
+        same = ("model", "engine_args", "dtype", "max_num_batched_tokens", "max_num_seqs", "tp", "ring_slots")
+        for name in same:
+            if getattr(cfg, name) != getattr(self.cfg, name):
+                raise ValueError(f"{name}={getattr(cfg, name)!r} needs another engine (this one has "
+                                 f"{getattr(self.cfg, name)!r})")
+        if plan.layer_ids != self.layer_ids:
+            raise ValueError(f"layer ids {plan.layer_ids} need another engine (this one captures {self.layer_ids})")
+        need = plan.max_prompt_len + 1 + (cfg.generate.max_tokens + 1 if cfg.generate is not None else 0)
+        if need > self.args.max_model_len:
+            raise ValueError(f"prompts of up to {plan.max_prompt_len} tokens"
+                             f"{' + the response' if cfg.generate else ''} need max_model_len {need}; this engine "
+                             f"has {self.args.max_model_len}")
+        self.cfg, self.plan, self.max_prompt_len = cfg, plan, plan.max_prompt_len
 
     def _done(self, res: EngineResult, rows: int) -> int:
         if self.first_sample_at is None:

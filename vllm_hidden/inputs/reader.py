@@ -237,7 +237,7 @@ class PromptReader:
         if not isinstance(val, list):
             raise ValueError(f"token_ids must be a list of ints, got {type(val).__name__}")
         if len(val) > self.max_prompt_len:  # before looking at each id: a huge line is refused at once
-            raise ValueError(f"prompt has {len(val)} tokens, more than max_model_len {self.max_prompt_len}")
+            raise ValueError(self._too_long(len(val)))
         for t in val:
             if isinstance(t, bool) or not isinstance(t, int):
                 raise ValueError(f"token_ids must be ints, got {t!r}")

