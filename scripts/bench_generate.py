@@ -165,6 +165,7 @@ def main() -> None:
     ap.add_argument("--work-dir", default=str(ROOT / ".bench"))
     ap.add_argument("--engine-arg", action="append", default=[], help="passed to vLLM for every case (repeat)")
     ap.add_argument("--result", default=None, help="result JSON (default benchmarks/results/<kind>-generate-<time>.json)")
+    ap.add_argument("--append", action="store_true", help="add these cases to an existing --result (a case per call)")
     a = ap.parse_args()
     import signal
 
@@ -222,6 +223,10 @@ def main() -> None:
               "workload": {**bench.WORKLOADS[a.workload], "name": a.workload, "seed": 0,
                            "prompt_tokens": sum(map(len, ps))},
               "cases": {}}
+    if a.append and path.exists():  # earlier calls' cases (and commands) kept
+        prev = json.loads(path.read_text())
+        result["cases"] = prev["cases"]
+        result["command"] = prev["command"] + " ; " + result["command"]
     for case in [c for c in a.cases.split(",") if c]:
         if case == "generate":  # the second pass reads this run's responses, never an older one's
             for stale in ("second_pass_input", "responses"):
