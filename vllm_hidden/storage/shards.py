@@ -74,7 +74,7 @@ class SampleSlot:
     """Rows reserved for one sample; the assembler fills `buf` [T, K, H], then commits."""
 
     __slots__ = ("arena", "sample_id", "token_ids", "row", "buf", "final", "state", "line", "loss_spans", "num_prompt",
-                 "record")
+                 "record", "src")
     # NOT_FINITE: committed, then refused by its writer thread (NaN/Inf); left out like DROPPED
     RESERVED, COMMITTED, DROPPED, NOT_FINITE = 0, 1, 2, 3
 
@@ -84,6 +84,7 @@ class SampleSlot:
         self.arena = arena
         self.num_prompt = num_prompt
         self.record = record
+        self.src: torch.Tensor | None = None  # rows [T, C, H] its writer thread copies into `buf` (add_rows)
         self.sample_id = sample_id
         self.token_ids = token_ids
         self.row = row
@@ -310,9 +311,9 @@ class ShardWriter:
             raise ValueError(f"sample {sample_id!r}: rows of shape {tuple(rows.shape)} for {len(token_ids)} tokens")
         slot = self.reserve(sample_id, token_ids, line=line, loss_spans=loss_spans, num_prompt=num_prompt,
                             record=record.encode())
-        slot.buf.copy_(rows[:, :k])
-        if slot.final is not None:
-            slot.final.copy_(rows[:, k])
+        # the copy into the arena is the writer threads' (several at once), not the caller's: a
+        # wave of responses ending together is GBs, and the caller is what the engine waits on
+        slot.src = rows
         self.commit(slot)
 
     def _resolve(self, slot: SampleSlot, state: int) -> None:
@@ -346,6 +347,12 @@ class ShardWriter:
         try:
             nbytes = 0
             for s in batch:
+                if s.src is not None:
+                    k = self.row_shape[0]
+                    s.buf.copy_(s.src[:, :k])
+                    if s.final is not None:
+                        s.final.copy_(s.src[:, k])
+                    s.src = None
                 why = slot_not_finite(s, self.layer_ids)
                 if why is not None:  # never written: its rows stay zeros (file and memory), the index skips it
                     s.zero()
