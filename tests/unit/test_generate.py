@@ -1,0 +1,206 @@
+"""extract --generate without an engine: where the driver ends each response (stop tokens,
+stop strings, --max-tokens, one token sampled past the end), per-sample seeds, and the
+assembler's side: a generating request's rows held until its end is known, then handed to
+the sink exactly as kept (real StepTransfer on CPU)."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from tests.unit.test_assembler_open_ended import Harness, truth
+from vllm_hidden.capture.assembler import Assembler, NewRequest
+from vllm_hidden.capture.ring import StepTransfer
+from vllm_hidden.config import GenerateConfig
+from vllm_hidden.engine.generate import Ended, Responses, sample_seed
+from vllm_hidden.inputs import BadLine, Prompt
+
+EOS = 2
+
+
+class Tok:
+    """Decodes id i as the word w{i}; ids below 3 are special."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(f"w{i}" for i in ids if not (skip_special_tokens and i < 3))
+
+
+def _responses(**kw):
+    return Responses(GenerateConfig(**{"max_tokens": 4, **kw}), {EOS}, Tok())
+
+
+def _start(r, prompt=(10, 11, 12), spans=((1, 2),), source=None, line=0):
+    item = Prompt(line, f"id{line}", list(prompt), [tuple(s) for s in spans] if spans is not None else None,
+                  source if source is not None else {"messages": [{"role": "user", "content": "q"}]})
+    params = r.params(str(line), item, {"k": 1})
+    return item, params
+
+
+def test_length_end_keeps_max_tokens_once_one_more_was_sampled():
+    r = _responses()
+    item, params = _start(r)
+    assert params.max_tokens == 5 and params.ignore_eos  # one past the end, EOS decided here
+    assert params.extra_args["vllm_hidden_rows"] == 3 + 4 and params.extra_args["k"] == 1
+    assert r.update("0", [20, 21], False) is None
+    assert r.update("0", [22, 23], False) is None  # 4 kept, but the 4th's row is not computed yet
+    got = r.update("0", [24], True)
+    assert isinstance(got, Ended) and not got.abort and got.line == 0
+    assert got.end["rows"] == 7 and got.end["token_ids"] == [10, 11, 12, 20, 21, 22, 23]
+    assert got.end["loss_spans"] == [[1, 2], [3, 7]] and got.end["num_prompt"] == 3
+    rec = json.loads(got.end["record"])
+    assert rec["finish_reason"] == "length" and rec["response_token_ids"] == [20, 21, 22, 23]
+    assert rec["messages"][-1] == {"role": "assistant", "content": "w20 w21 w22 w23"}
+    assert rec["num_generated_tokens"] == 4 and got.generated == 4 and got.rows == 7
+
+
+def test_stop_token_is_kept_and_the_request_is_aborted_one_token_later():
+    r = _responses(max_tokens=8)
+    _start(r)
+    assert r.update("0", [20, EOS], False) is None  # EOS is the last kept token: its row comes next step
+    got = r.update("0", [30, 31], False)
+    assert got.abort and got.end["token_ids"][3:] == [20, EOS] and got.end["rows"] == 5
+    assert json.loads(got.end["record"])["finish_reason"] == "stop"
+    assert json.loads(got.end["record"])["response"] == "w20"  # special tokens left out of the text
+
+
+def test_ignore_eos_and_stop_tokens_after_max_tokens():
+    r = _responses(ignore_eos=True, max_tokens=3)
+    _start(r)
+    assert r.update("0", [EOS, 21, 22, EOS], False).end["token_ids"][3:] == [EOS, 21, 22]
+    r = _responses(max_tokens=2)
+    _start(r)
+    got = r.update("0", [20, 21, EOS], True)  # EOS past --max-tokens: the length end
+    assert json.loads(got.end["record"])["finish_reason"] == "length" and got.generated == 2
+
+
+def test_stop_string_ends_with_the_token_that_completes_it():
+    r = _responses(max_tokens=10, stop=("w22 w23",))
+    _start(r)
+    assert r.update("0", [21, 22], False) is None
+    got = r.update("0", [23, 24, 25], False)
+    assert got.end["token_ids"][3:] == [21, 22, 23] and got.abort
+
+
+def test_no_mask_stays_none_and_other_sources():
+    r = _responses(max_tokens=1)
+    _start(r, spans=None, source={"text": "a b"})
+    got = r.update("0", [20, 21], False)
+    rec = json.loads(got.end["record"])
+    assert got.end["loss_spans"] is None and rec["text"] == "a b" and "messages" not in rec
+
+
+def test_an_engine_ending_early_keeps_what_has_rows_or_is_an_error_record():
+    r = _responses(max_tokens=8)
+    _start(r)
+    got = r.update("0", [20, 21, 22], True)
+    assert got.end["token_ids"][3:] == [20, 21] and not got.abort
+    r = _responses(max_tokens=8)
+    _start(r)
+    assert isinstance(r.update("0", [20], True), BadLine)
+
+
+def test_sample_seeds_depend_on_run_seed_and_id_only():
+    assert sample_seed(7, "a") == sample_seed(7, "a") != sample_seed(7, "b") != sample_seed(8, "a")
+    assert 0 <= sample_seed(7, 123) < 2**62
+    r = _responses(seed=7)
+    _, params = _start(r)
+    assert params.seed == sample_seed(7, "id0")
+    assert _start(_responses())[1].seed is None
+
+
+def test_stop_strings_need_a_tokenizer():
+    with pytest.raises(ValueError, match="--stop needs the model's tokenizer"):
+        Responses(GenerateConfig(stop=("x",)), {EOS}, None)
+
+
+@pytest.mark.parametrize("name,value", [("max_tokens", 0), ("temperature", -1), ("top_p", 0), ("top_k", -2),
+                                        ("seed", -1), ("stop", ("",))])
+def test_generate_config_names_the_bad_value(name, value):
+    shown = repr(value[0] if name == "stop" else value)
+    with pytest.raises(ValueError, match=re.escape(f"--{name.replace('_', '-')}") + ".*" + re.escape(shown)):
+        GenerateConfig(**{name: value})
+
+
+class Sink:
+    """Records add_rows calls (the shard writer's entry point for generated samples)."""
+
+    def __init__(self):
+        self.added = []
+
+    def add_rows(self, sample_id, token_ids, rows, **kw):
+        self.added.append((sample_id, list(token_ids), rows.clone(), kw))
+
+
+def _gen_harness():
+    h = Harness(slots=2)
+    h.sink = Sink()
+    h.asm = Assembler(h.tr, h.sink)
+    return h
+
+
+def _end(rows, record="r\n"):
+    return {"rows": rows, "token_ids": list(range(rows)), "loss_spans": [[3, rows]], "num_prompt": 3, "record": record}
+
+
+def test_generated_rows_wait_for_their_end_then_go_to_the_sink_as_kept():
+    h = _gen_harness()
+    new = {"r": NewRequest("s", [1, 2, 3], rows=3 + 6, line=4, generate=True)}
+    h.step([("r", 0, 20, 0, 3)], new=new)  # prompt
+    for pos in range(3, 7):  # decode rows
+        h.step([("r", 0, 20, pos, 1)])
+    assert h.sink.added == []
+    h.asm.process(_record(ends={4: _end(6)}))  # 6 rows kept: the 7th is past the end
+    (sid, ids, rows, kw), = h.sink.added
+    assert sid == "s" and ids == list(range(6)) and torch.equal(rows, truth(0, 20)[:6])
+    assert kw["num_prompt"] == 3 and kw["record"] == "r\n" and kw["line"] == 4
+    h.finish("r")  # the aborted request's finish: nothing more
+    assert h.asm.in_flight == 0 and h.asm.dropped == []
+    h.assert_all_slots_free()
+
+
+def test_an_end_known_before_its_last_rows_waits_for_them_and_a_recompute_overwrites():
+    h = _gen_harness()
+    h.step([("r", 0, 20, 0, 4)], new={"r": NewRequest("s", [1, 2, 3, 4], rows=8, line=0, generate=True)})
+    h.asm.process(_record(ends={0: _end(6)}))
+    assert h.sink.added == []
+    h.step([("r", 0, 20, 0, 4)])  # preempted and recomputed from position 0: same places
+    h.step([("r", 0, 20, 4, 2)])
+    assert len(h.sink.added) == 1 and torch.equal(h.sink.added[0][2], truth(0, 20)[:6])
+
+
+def test_a_request_finished_short_of_its_end_is_dropped_and_a_drop_end_frees_it():
+    h = _gen_harness()
+    h.step([("a", 0, 20, 0, 3), ("b", 1, 20, 0, 3)],
+           new={"a": NewRequest("s", [1, 2, 3], rows=8, line=0, generate=True),
+                "b": NewRequest("t", [1, 2, 3], rows=8, line=1, generate=True)})
+    h.finish("a")
+    h.asm.process(_record(ends={0: _end(5), 1: {"drop": "bad"}}))
+    assert h.sink.added == [] and h.asm.dropped == ["a"] and h.asm.in_flight == 0
+
+
+def _record(ends):
+    from vllm_hidden.capture.assembler import StepRecord
+
+    return StepRecord(None, 0, [], ends=ends)
+
+
+def test_generated_sample_in_the_shard_writer_keeps_its_prompt_length_and_record(tmp_path):
+    from safetensors import safe_open
+
+    from vllm_hidden.config import ShardConfig
+    from vllm_hidden.storage.shards import ShardWriter
+
+    w = ShardWriter(ShardConfig(output_dir=str(tmp_path), loss_mask=True, final_state=True, generate=True), [0, 1],
+                    4, torch.float32)
+    rows = torch.arange(6 * 3 * 4, dtype=torch.float32).reshape(6, 3, 4)  # 2 layers + the final state's column
+    w.add_rows("s", [5, 6, 7, 8, 9, 10], rows, loss_spans=[[2, 6]], num_prompt=2, record='{"id": "s"}\n')
+    with pytest.raises(ValueError, match="prompt length"):
+        w.add_rows("t", [1], rows[:1], loss_spans=[], num_prompt=None, record="x\n")
+    (info,) = w.close()
+    with safe_open(str(tmp_path / info.file), framework="pt") as f:
+        assert json.loads(f.metadata()["samples"]) == [["s", 0, 6, 2]]
+        assert torch.equal(f.get_tensor("hidden_states"), rows[:, :2])
+        assert torch.equal(f.get_tensor("final_hidden_states"), rows[:, 2])
+        assert f.get_tensor("loss_mask").tolist() == [0, 0, 1, 1, 1, 1]
+        assert f.get_tensor("generations").numpy().tobytes() == b'{"id": "s"}\n'
