@@ -211,8 +211,11 @@ def warmup(
     force: Annotated[bool, typer.Option("--force", help="Warm up even if a stamp says these settings are warm.")] = False,
     serve: Annotated[bool, typer.Option("--serve", help="Warm up for `vllm-hidden serve MODEL` with these layers and "
                                         "vLLM arguments instead (starts that server on a local port, sends requests, stops it).")] = False,
+    generate: Annotated[bool, typer.Option("--generate", help="Warm up for `extract --generate` with this --max-tokens "
+                                           "(its engine differs; the workload then also runs decode steps).")] = False,
+    max_tokens: Annotated[Optional[int], typer.Option(help="--generate: as the extract's (default 256).")] = None,
 ) -> None:
-    from vllm_hidden.config import ExtractConfig
+    from vllm_hidden.config import ExtractConfig, GenerateConfig
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if serve:
@@ -227,7 +230,12 @@ def warmup(
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, dtype=dtype,
             ring_slots=ring_slots, progress=False, engine_args=list(ctx.args),
             cache_dir=str(cache_dir) if cache_dir else None, tp=tp,
+            # every response to --max-tokens: decode steps at every batch size the workload reaches
+            generate=GenerateConfig(max_tokens=max_tokens or GenerateConfig.max_tokens, ignore_eos=True)
+            if generate else None,
         )
+        if max_tokens is not None and not generate:
+            raise ValueError("--max-tokens goes with --generate")
         from vllm_hidden.warmup import run_warmup
 
         r = run_warmup(cfg, force=force)

@@ -229,3 +229,39 @@ def test_a_bad_retry_time_is_refused_naming_it(bad, tmp_path):
         ExtractConfig(model="m", input_path="in.jsonl", output_dir=str(tmp_path / "o"), s3_retry_s=bad)
     with pytest.raises(ValueError, match=r"upload_retry_s must be a non-negative number of seconds, got "):
         ShardConfig(output_dir=str(tmp_path), upload_retry_s=bad)
+
+
+def test_generated_samples_over_s3_keep_their_records_and_prompt_lengths(s3, tmp_path):
+    """--generate on S3: each shard object carries its samples' generation lines, gathered
+    into generations.jsonl with ranged GETs (in shard order), and the reader returns each
+    sample's prompt length."""
+    from vllm_hidden.storage.output import write_generations
+
+    url, bucket, _ = s3
+    uri = f"s3://{bucket}/gen"
+    w = ShardWriter(ShardConfig(output_dir=str(tmp_path / "stage"), max_shard_bytes=40 * (K * H * 2 + 8),
+                                writer_threads=2, upload_uri=uri, s3_endpoint_url=url, generate=True),
+                    [3, 5], H, torch.bfloat16)
+    data = _data(12)
+    lines = {}
+    for sid, (tok, hs) in data.items():
+        lines[sid] = json.dumps({"id": sid, "n": len(tok)}) + "\n"
+        w.add_rows(sid, tok, hs, loss_spans=None, num_prompt=2, record=lines[sid])
+    shards = w.close()
+    assert len(shards) > 2
+    loc = S3Location(uri, url)
+    write_generations(tmp_path / "generations.jsonl", shards, loc)
+    got = (tmp_path / "generations.jsonl").read_text().splitlines(keepends=True)
+    assert sorted(got) == sorted(lines.values()) and len(got) == len(data)
+    order = []
+    for s in shards:  # shard order, then each shard's index order
+        header, _ = loc.safetensors_header(s.file)
+        order += [e[0] for e in json.loads(header["__metadata__"]["samples"])]
+    assert [json.loads(x)["id"] for x in got] == order
+    Manifest(model="m", layer_ids=[3, 5], layer_semantics="s", num_model_layers=8, hidden_size=H,
+             dtype="bfloat16", shards=shards).write(tmp_path)
+    loc.put_file(tmp_path / "manifest.json", "manifest.json")
+    ds = HiddenStatesDataset(uri, s3_endpoint_url=url)
+    for i in range(len(ds)):
+        s = ds[i]
+        assert s["num_prompt_tokens"] == 2 and torch.equal(s["hidden_states"], data[s["id"]][1])
