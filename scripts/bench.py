@@ -375,12 +375,35 @@ def summarize(result: dict) -> None:
                 w["ratio_to_plain"] = round(w["tokens_per_s"] / plain[name]["tokens_per_s"], 4)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def model_parser(doc: str) -> argparse.ArgumentParser:
+    """A benchmark's command line with the model options every benchmark takes."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--model", help="model dir (default: a tiny random Qwen3-Next written to .bench/model)")
     ap.add_argument("--qwen36-27b", action="store_true",
                     help="Qwen3.6-27B text dims with random weights (load_format=dummy) at the reference settings")
+    return ap
+
+
+def pick_model(a: argparse.Namespace, work: Path) -> tuple[str, list[str], str]:
+    """(model dir, engine args, description) from --qwen36-27b / --model / the tiny default."""
+    engine = list(a.engine_arg)
+    if a.qwen36_27b:
+        from vllm_hidden.demo import write_qwen36_27b_config
+
+        model = str(write_qwen36_27b_config(work / "qwen36-27b"))
+        engine = [*REFERENCE_27B, "--load-format", "dummy", "--language-model-only", *engine]
+        return model, engine, "Qwen3.6-27B text dims, random weights (load_format=dummy), language_model_only"
+    if a.model:
+        return a.model, engine, a.model
+    from vllm_hidden.demo import make_tiny_model
+
+    model = str(make_tiny_model(work / "model"))
+    return model, ["--dtype", "bfloat16", *engine], "tiny random Qwen3-Next (vllm_hidden.demo, 8 layers, hidden 256)"
+
+
+def main() -> None:
+    ap = model_parser(__doc__)
     ap.add_argument("--workloads", default="small", help=f"comma list of {sorted(WORKLOADS)}")
     ap.add_argument("--cases", default="plain,extract", help=f"comma list of {CASES}")
     ap.add_argument("--layers", default=None, help="layer ids (default: the DFlash default for the model)")
@@ -415,21 +438,7 @@ def main() -> None:
 
     from vllm_hidden.layers import resolve_layer_ids
 
-    engine = list(a.engine_arg)
-    if a.qwen36_27b:
-        from vllm_hidden.demo import write_qwen36_27b_config
-
-        model = str(write_qwen36_27b_config(work / "qwen36-27b"))
-        engine = [*REFERENCE_27B, "--load-format", "dummy", "--language-model-only", *engine]
-        model_desc = "Qwen3.6-27B text dims, random weights (load_format=dummy), language_model_only"
-    elif a.model:
-        model, model_desc = a.model, a.model
-    else:
-        from vllm_hidden.demo import make_tiny_model
-
-        model = str(make_tiny_model(work / "model"))
-        engine = ["--dtype", "bfloat16", *engine]
-        model_desc = "tiny random Qwen3-Next (vllm_hidden.demo, 8 layers, hidden 256)"
+    model, engine, model_desc = pick_model(a, work)
     text = AutoConfig.from_pretrained(model).get_text_config()
     layer_ids = resolve_layer_ids(text.num_hidden_layers, a.layers, None, None)
 

@@ -22,7 +22,6 @@ Engine starts are not in any wall time (a real two-pass pipeline starts two engi
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -152,11 +151,7 @@ def child(spec_path: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--model", help="model dir (default: a tiny random Qwen3-Next written to .bench/model)")
-    ap.add_argument("--qwen36-27b", action="store_true",
-                    help="Qwen3.6-27B text dims with random weights (load_format=dummy) at the reference settings")
+    ap = bench.model_parser(__doc__)
     ap.add_argument("--workload", default="w-chat", help=f"one of {sorted(bench.WORKLOADS)}")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--cases", default="generate,extract")
@@ -180,21 +175,7 @@ def main() -> None:
 
     from vllm_hidden.layers import resolve_layer_ids
 
-    engine = list(a.engine_arg)
-    if a.qwen36_27b:
-        from vllm_hidden.demo import write_qwen36_27b_config
-
-        model = str(write_qwen36_27b_config(work / "qwen36-27b"))
-        engine = [*bench.REFERENCE_27B, "--load-format", "dummy", "--language-model-only", *engine]
-        model_desc = "Qwen3.6-27B text dims, random weights (load_format=dummy), language_model_only"
-    elif a.model:
-        model, model_desc = a.model, a.model
-    else:
-        from vllm_hidden.demo import make_tiny_model
-
-        model = str(make_tiny_model(work / "model"))
-        engine = ["--dtype", "bfloat16", *engine]
-        model_desc = "tiny random Qwen3-Next (vllm_hidden.demo, 8 layers, hidden 256)"
+    model, engine, model_desc = bench.pick_model(a, work)
     text = AutoConfig.from_pretrained(model).get_text_config()
     layer_ids = resolve_layer_ids(text.num_hidden_layers, a.layers, None, None)
     ps = bench.make_prompts(bench.WORKLOADS[a.workload], text.vocab_size)

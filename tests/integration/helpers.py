@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -33,6 +34,15 @@ def start_cli(*args: str, stdout=subprocess.DEVNULL, **kw) -> subprocess.Popen:
     with vLLM's processes); stderr is a text pipe."""
     return subprocess.Popen([*CLI, *args], start_new_session=True, env=cli_env(), stdout=stdout,
                             stderr=subprocess.PIPE, text=True, **kw)
+
+
+def kill_group(p: subprocess.Popen) -> None:
+    """SIGKILL a `start_cli` process group (the CLI and vLLM's processes) and reap it."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
 
 
 def last_json(out: subprocess.CompletedProcess | str) -> dict:

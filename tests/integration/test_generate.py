@@ -14,7 +14,6 @@ every sample exactly once, and each one as an uninterrupted run made it."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -25,8 +24,8 @@ import pytest
 import torch
 
 from tests import chat_model
-from tests.integration.helpers import (HFReference, cli_env, journal_lines, last_json, random_prompts, rel_l2, run_cli,
-                                       start_cli, verify_checksums, write_prompts)
+from tests.integration.helpers import (HFReference, cli_env, journal_lines, kill_group, last_json, random_prompts,
+                                       rel_l2, run_cli, start_cli, verify_checksums, write_prompts)
 from vllm_hidden.data import HiddenStatesDataset
 
 pytestmark = pytest.mark.integration
@@ -186,11 +185,7 @@ def test_seeded_sampling_killed_and_resumed_gives_every_sample_once_as_an_uninte
         while journal_lines(out) < 2 and p.poll() is None and time.monotonic() - t0 < 600:
             time.sleep(0.01)
     finally:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
+        kill_group(p)
     assert p.returncode == -signal.SIGKILL and not (out / "manifest.json").exists(), p.stderr.read()[-3000:]
     durable = journal_lines(out)
     assert durable >= 2

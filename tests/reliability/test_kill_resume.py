@@ -17,8 +17,8 @@ import time
 
 import psutil
 
-from tests.integration.helpers import (HFReference, journal, journal_lines, last_json, random_prompts, rel_l2, run_cli,
-                                       start_cli, verify_checksums, write_prompts)
+from tests.integration.helpers import (HFReference, journal, journal_lines, kill_group, last_json, random_prompts,
+                                       rel_l2, run_cli, start_cli, verify_checksums, write_prompts)
 from vllm_hidden.data import HiddenStatesDataset
 from vllm_hidden.storage.verify import verify_output
 
@@ -56,11 +56,7 @@ def _attempt(args, out, grow, delay, timeout=600) -> dict:
         while time.monotonic() < end and p.poll() is None:
             time.sleep(0.01)
     finally:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
+        kill_group(p)
     if p.returncode not in (0, -signal.SIGKILL):
         raise AssertionError(f"attempt failed (rc {p.returncode}): {p.stderr.read()[-3000:]}")
     finished = (out / "manifest.json").exists()  # done before its kill point (the manifest is written last)

@@ -11,7 +11,6 @@ import torch
 
 from tests.unit.test_assembler_open_ended import Harness, truth
 from vllm_hidden.capture.assembler import Assembler, NewRequest
-from vllm_hidden.capture.ring import StepTransfer
 from vllm_hidden.config import GenerateConfig
 from vllm_hidden.engine.generate import Ended, Responses, sample_seed
 from vllm_hidden.inputs import BadLine, Prompt
