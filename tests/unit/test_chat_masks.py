@@ -270,3 +270,52 @@ def test_a_column_mapped_onto_another_fields_name_is_read_once(tmp_path, tok):
                          columns=parse_columns("messages=conversations"))
         list(r)
         assert r.kinds == {"messages": 1}
+
+
+def _expected_prompt(tok, rec, rule="assistant"):
+    """--generate's prompt, worked out with chat_model: the turns up to the last user turn,
+    masked under `rule` (the last assistant turn is the response, so 'last-assistant' masks
+    none of the prompt), then the generation prompt's one token."""
+    msgs = chat_model.messages_of(rec)
+    turns = msgs[: max(j for j, m in enumerate(msgs) if m["role"] == "user") + 1]
+    ids, mask = chat_model.expected(tok, turns, rec.get("tools"), "all" if rule == "all" else "assistant")
+    if rule == "last-assistant":
+        mask = [0] * len(mask)
+    return ids + [tok.convert_tokens_to_ids("<|assistant|>")], mask + [int(rule == "all")], turns
+
+
+@pytest.mark.parametrize("rule", [None, "last-assistant", "all", "none"])
+def test_generate_prompts_end_at_the_last_user_turn_with_the_generation_prompt(tmp_path, tok, rule):
+    recs = chat_model.conversations(16, seed=4)
+    recs += [{"id": "t", "text": "a b c"}, {"id": "m", "token_ids": [20, 21, 22], "loss_mask": [0, 1, 1]},
+             {"id": "no-user", "conversations": [{"from": "system", "value": "a"}, {"from": "gpt", "value": "b"}]}]
+    got = list(reader(tmp_path, tok, recs, loss_mask=rule, room=8, max_len=4096 - 8))
+    bad = [g for g in got if isinstance(g, BadLine)]
+    assert [b.id for b in bad] == ["no-user"] and "no user turn" in bad[0].reason
+    for p in got:
+        if isinstance(p, BadLine):
+            continue
+        rec = next(r for r in recs if r["id"] == p.id)
+        if "text" in rec or "token_ids" in rec:
+            ids = rec.get("token_ids") or tok(rec["text"])["input_ids"]
+            mask = {"all": [1] * len(ids), "none": None}.get(rule, rec.get("loss_mask", [0] * len(ids)))
+            assert p.token_ids == ids and p.source == ({"text": rec["text"]} if "text" in rec else {})
+        else:
+            ids, mask, turns = _expected_prompt(tok, rec, rule or "assistant")
+            assert p.token_ids == ids, p.id
+            assert p.source["messages"] == turns and p.source.get("tools") == rec.get("tools")
+            if rule == "none":
+                mask = None
+        if mask is None:
+            assert p.loss_spans is None
+        else:
+            flat = [0] * len(ids)
+            for lo, hi in p.loss_spans:
+                flat[lo:hi] = [1] * (hi - lo)
+            assert flat == mask, (p.id, rule)
+
+
+def test_generate_prompt_that_leaves_no_room_is_an_error_record(tmp_path, tok):
+    got = list(reader(tmp_path, tok, [{"id": 1, "token_ids": list(range(10, 30))}], room=8, max_len=12))
+    assert isinstance(got[0], BadLine)
+    assert got[0].reason == "prompt has 20 tokens, which leaves no room for --max-tokens 8 within max_model_len 20"
