@@ -29,6 +29,11 @@ MaxBatched = Annotated[Optional[int], typer.Option(help="Tokens per scheduler st
 MaxSeqs = Annotated[Optional[int], typer.Option(help="Sequences per scheduler step.")]
 Dtype = Annotated[str, typer.Option(help="Model dtype (auto, bfloat16, float16).")]
 RingSlots = Annotated[int, typer.Option(help="Host ring depth (steps in flight between GPU and writer).")]
+FullModel = Annotated[bool, typer.Option("--full-model", help="Run every decoder layer. By default the engine runs "
+                                          "layers 0 .. the deepest captured one only (the states are the same; "
+                                          "--final-state and --generate always run the whole model).")]
+FinalState = Annotated[str, typer.Option(help="none, or post-norm: also store the model's final normed state "
+                                         "per token (final_hidden_states [T, H]).")]
 Tp = Annotated[int, typer.Option("--tp", help="GPUs per engine (vLLM tensor parallelism; on CPU, core groups).")]
 CacheDir = Annotated[Optional[Path], typer.Option(help="Compile and kernel caches (vLLM, Inductor, Triton) "
                                                   "(default: $VHIDDEN_CACHE_DIR or ~/.cache/vllm-hidden).")]
@@ -75,8 +80,8 @@ def extract(
                                                      "its end-of-turn token), last-assistant, all, none (no mask stored). "
                                                      "Default: assistant for messages/conversations; the record's own "
                                                      "loss_mask, else all, for token_ids/text.")] = None,
-    final_state: Annotated[str, typer.Option(help="none, or post-norm: also store the model's final normed state "
-                                             "per token (final_hidden_states [T, H]).")] = "none",
+    final_state: FinalState = "none",
+    full_model: FullModel = False,
     input_columns: Annotated[Optional[str], typer.Option(help="Fields from differently named columns (keys), e.g. "
                                                          "'conversations=conv,id=uid'.")] = None,
     generate: Annotated[bool, typer.Option("--generate", help="The target writes each response (a conversation's "
@@ -120,6 +125,7 @@ def extract(
             progress=progress,
             engine_args=list(ctx.args), cache_dir=str(cache_dir) if cache_dir else None, tp=tp, dp=dp, ray_address=ray,
             loss_mask=loss_mask, final_state=final_state, input_columns=parse_columns(input_columns),
+            full_model=full_model,
         )
         from vllm_hidden.extract import run_extract
 
@@ -214,6 +220,8 @@ def warmup(
     generate: Annotated[bool, typer.Option("--generate", help="Warm up for `extract --generate` with this --max-tokens "
                                            "(its engine differs; the workload then also runs decode steps).")] = False,
     max_tokens: Annotated[Optional[int], typer.Option(help="--generate: as the extract's (default 256).")] = None,
+    final_state: FinalState = "none",
+    full_model: FullModel = False,
 ) -> None:
     from vllm_hidden.config import ExtractConfig, GenerateConfig
 
@@ -233,6 +241,7 @@ def warmup(
             # every response to --max-tokens: decode steps at every batch size the workload reaches
             generate=GenerateConfig(max_tokens=max_tokens or GenerateConfig.max_tokens, ignore_eos=True)
             if generate else None,
+            final_state=final_state, full_model=full_model,  # they decide how many layers the engine runs
         )
         if max_tokens is not None and not generate:
             raise ValueError("--max-tokens goes with --generate")

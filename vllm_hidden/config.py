@@ -15,8 +15,12 @@ class CaptureConfig:
 
     layer_ids: tuple[int, ...]
     ring_slots: int = 2
+    layers_run: int | None = None  # the engine runs decoder layers 0 .. layers_run-1 only (None: all)
 
     def __post_init__(self) -> None:
+        if self.layers_run is not None and (isinstance(self.layers_run, bool) or not isinstance(self.layers_run, int)
+                                            or self.layers_run < 1):
+            raise ValueError(f"layers_run must be a positive int or None, got {self.layers_run!r}")
         ids = tuple(self.layer_ids)
         object.__setattr__(self, "layer_ids", ids)
         if not ids:
@@ -40,7 +44,10 @@ class CaptureConfig:
         return tuple(srt.index(i) for i in self.layer_ids)
 
     def to_additional_config(self) -> dict[str, Any]:
-        return {ADDITIONAL_CONFIG_KEY: {"layer_ids": list(self.layer_ids), "ring_slots": self.ring_slots}}
+        raw = {"layer_ids": list(self.layer_ids), "ring_slots": self.ring_slots}
+        if self.layers_run is not None:  # hashed by vLLM with the rest: a cut model compiles apart
+            raw["layers_run"] = self.layers_run
+        return {ADDITIONAL_CONFIG_KEY: raw}
 
     @classmethod
     def from_additional_config(cls, additional: dict[str, Any] | None) -> "CaptureConfig | None":
@@ -49,7 +56,8 @@ class CaptureConfig:
             return None
         if not isinstance(raw, dict):
             raise ValueError(f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] must be a dict, got {raw!r}")
-        return cls(layer_ids=tuple(raw["layer_ids"]), ring_slots=int(raw.get("ring_slots", 2)))
+        return cls(layer_ids=tuple(raw["layer_ids"]), ring_slots=int(raw.get("ring_slots", 2)),
+                   layers_run=raw.get("layers_run"))
 
 
 DEFAULT_MAX_SHARD_BYTES = 1 << 30
@@ -174,6 +182,14 @@ class ExtractConfig:
     # --generate: host memory the in-flight samples' rows may take (each reserves prompt + max
     # tokens rows until its response ends); None: a quarter of the machine's memory, at most 32 GiB
     max_inflight_bytes: int | None = None
+    # run every decoder layer; by default a prefill-only extract runs layers 0 .. the deepest
+    # captured one (what later layers compute reaches no captured state)
+    full_model: bool = False
+
+    @property
+    def needs_full_model(self) -> bool:
+        """The final normed state and generated responses come from the whole model."""
+        return self.full_model or self.final_state != "none" or self.generate is not None
 
     def __post_init__(self) -> None:
         if self.max_inflight_bytes is not None:
@@ -215,6 +231,7 @@ class ModelInfo:
     hidden_size: int
     vocab_size: int
     max_positions: int | None
+    moe_layers: tuple[int, ...] = ()  # decoder layers with a sparse-expert MLP
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,6 +241,7 @@ class Plan:
     info: ModelInfo
     layer_ids: list[int]
     max_prompt_len: int  # the longest prompt accepted (under --generate: leaving room for --max-tokens)
+    layers_run: int = 0  # decoder layers the engine runs (0 .. layers_run-1); 0: all of them
     identity: dict[str, Any]  # run.json: what the output is (checked by --resume)
 
 

@@ -39,7 +39,7 @@ def _write_tokenizer(path: Path, vocab_size: int, seed: int) -> None:
     fast.save_pretrained(str(path))
 
 
-def _config(arch: str, num_layers: int, vocab_size: int, max_pos: int):
+def _config(arch: str, num_layers: int, vocab_size: int, max_pos: int, moe_layer: int | None = None):
     from transformers import LlamaConfig, Qwen3Config, Qwen3NextConfig
 
     common = dict(
@@ -60,8 +60,8 @@ def _config(arch: str, num_layers: int, vocab_size: int, max_pos: int):
     )
     if arch == "qwen3_next":
         # Every 4th layer full attention (as in Qwen3.5/3.6), the rest Gated DeltaNet.
-        # vLLM's Qwen3-Next needs >= 1 MoE layer: only the last one, routing to every
-        # expert, so bf16 near-ties in top-k routing cannot flip experts between engines.
+        # vLLM's Qwen3-Next needs >= 1 MoE layer: only one (the last by default), routing to
+        # every expert, so bf16 near-ties in top-k routing cannot flip experts between engines.
         layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
         return Qwen3NextConfig(
             **common,
@@ -77,7 +77,7 @@ def _config(arch: str, num_layers: int, vocab_size: int, max_pos: int):
             shared_expert_intermediate_size=128,
             norm_topk_prob=True,
             decoder_sparse_step=1,
-            mlp_only_layers=list(range(num_layers - 1)),
+            mlp_only_layers=[i for i in range(num_layers) if i != (num_layers - 1 if moe_layer is None else moe_layer)],
             partial_rotary_factor=0.25,
         )
     if arch == "qwen3":
@@ -94,19 +94,22 @@ def make_tiny_model(
     vocab_size: int = 1024,
     max_position_embeddings: int = 4096,
     seed: int = 0,
+    moe_layer: int | None = None,
 ) -> Path:
-    """Write a tiny random checkpoint to `path` (idempotent: reuses a complete one)."""
+    """Write a tiny random checkpoint to `path` (idempotent: reuses a complete one).
+    `moe_layer`: qwen3_next's one MoE layer (default: the last)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
     stamp = path / "vllm_hidden_tiny.json"
     spec = {"arch": arch, "num_layers": num_layers, "vocab_size": vocab_size,
-            "max_position_embeddings": max_position_embeddings, "seed": seed}
+            "max_position_embeddings": max_position_embeddings, "seed": seed,
+            **({"moe_layer": moe_layer} if moe_layer is not None else {})}
     if stamp.is_file() and json.loads(stamp.read_text()) == spec:
         return path
     path.mkdir(parents=True, exist_ok=True)
-    cfg = _config(arch, num_layers, vocab_size, max_position_embeddings)
+    cfg = _config(arch, num_layers, vocab_size, max_position_embeddings, moe_layer)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():

@@ -131,3 +131,29 @@ def resolve_layer_ids(
 
 def to_aux_ids(layer_ids: Sequence[int]) -> list[int]:
     return [i + 1 for i in layer_ids]
+
+
+def moe_layer_indices(text_config) -> tuple[int, ...]:
+    """The decoder layers of a (Qwen-style) MoE config with a sparse-expert MLP: every
+    `decoder_sparse_step`-th layer not in `mlp_only_layers`; () for a dense model."""
+    experts = next((getattr(text_config, k, None) for k in ("num_experts", "n_routed_experts", "num_local_experts")
+                    if getattr(text_config, k, None)), 0)
+    if not experts:
+        return ()
+    dense = set(getattr(text_config, "mlp_only_layers", None) or ())
+    step = int(getattr(text_config, "decoder_sparse_step", 1) or 1)
+    return tuple(i for i in range(int(text_config.num_hidden_layers)) if i not in dense and (i + 1) % step == 0)
+
+
+def layers_to_run(num_layers: int, layer_ids: Sequence[int], moe_layers: Sequence[int] = (), full: bool = False) -> int:
+    """How many decoder layers (0 .. n-1) the engine builds and runs for prefill extraction:
+    up to the deepest captured one, since nothing after it reaches a captured state (the
+    sampled token is thrown away). `full`: all of them (the final state, generation and
+    serving need the whole model). vLLM's MoE models refuse to build without any MoE layer,
+    so a cut keeps at least the first one."""
+    if full or not layer_ids:
+        return num_layers
+    keep = max(layer_ids) + 1
+    if moe_layers and min(moe_layers) >= keep:
+        keep = min(moe_layers) + 1
+    return min(keep, num_layers)

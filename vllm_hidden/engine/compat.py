@@ -106,6 +106,14 @@ def check_seeded_generation(args) -> None:
                          "--max-model-len")
 
 
+def default_loader_class():
+    """The loader behind load formats auto/safetensors/pt/npcache (`get_all_weights` is what a
+    truncated model's weights are filtered through; the dummy loader reads none)."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    return DefaultModelLoader
+
+
 def model_runner_class():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 

@@ -5,6 +5,7 @@ progress, manifest) is `vllm_hidden.extract`."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -23,7 +24,8 @@ def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: C
                 dtype: str = "auto", max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
                 tp: int = 1, generate_tokens: int = 0):
     """vLLM EngineArgs from vLLM's own CLI parser (so every engine flag passes through), set up
-    for prefill-only work; with `capture`, the vllm-hidden capture path is switched on."""
+    for prefill-only work; with `capture`, the vllm-hidden capture path is switched on (and
+    with `capture.layers_run`, the model is cut to that many decoder layers where it can be)."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -52,8 +54,33 @@ def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: C
         if args.worker_extension_cls and args.worker_extension_cls != WORKER_EXTENSION:
             raise ValueError(f"--worker-extension-cls {args.worker_extension_cls!r} cannot be combined with capture")
         args.worker_extension_cls = WORKER_EXTENSION
+        if capture.layers_run is not None and not _can_truncate(args):
+            capture = dataclasses.replace(capture, layers_run=None)
+        if capture.layers_run is not None:
+            from vllm_hidden.engine.truncate import hf_overrides
+
+            args.hf_overrides = hf_overrides(capture.layers_run)
         args.additional_config = {**(args.additional_config or {}), **capture.to_additional_config()}
     return args
+
+
+# load formats read through vLLM's default loader, whose weight iterator drops a cut model's
+# extra layers (plugin.py), and random weights (nothing to drop)
+TRUNCATABLE_LOAD_FORMATS = frozenset({"auto", "safetensors", "pt", "npcache", "fastsafetensors", "dummy"})
+
+
+def _can_truncate(args) -> bool:
+    if args.hf_overrides:
+        log.info("vllm-hidden: --hf-overrides given; running every decoder layer")
+        return False
+    if str(args.load_format) not in TRUNCATABLE_LOAD_FORMATS:
+        log.info("vllm-hidden: --load-format %s cannot drop the cut layers' weights; running every decoder layer",
+                 args.load_format)
+        return False
+    if args.speculative_config:
+        log.info("vllm-hidden: a speculative config needs the whole target; running every decoder layer")
+        return False
+    return True
 
 
 STATUS_EVERY_S = 1.0  # how often a running extract asks the workers whether capture failed
@@ -127,7 +154,8 @@ class Extractor:
         self.layer_ids = plan.layer_ids
         self.max_prompt_len = plan.max_prompt_len
         self._gen_tokenizer = None
-        capture = CaptureConfig(layer_ids=tuple(self.layer_ids), ring_slots=cfg.ring_slots)
+        cut = plan.layers_run if 0 < plan.layers_run < plan.info.num_layers else None
+        capture = CaptureConfig(layer_ids=tuple(self.layer_ids), ring_slots=cfg.ring_slots, layers_run=cut)
 
         from vllm_hidden.engine import compat
 
@@ -141,6 +169,8 @@ class Extractor:
         self.args = engine_args(cfg.model, cfg.engine_args, self.max_prompt_len, capture, dtype=cfg.dtype,
                                 max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
                                 tp=resolve_tp(cfg.engine_args, cfg.tp), generate_tokens=self.generate_tokens)
+        self.layers_run = CaptureConfig.from_additional_config(self.args.additional_config).layers_run \
+            or plan.info.num_layers
         if cfg.generate is not None and cfg.generate.seed is not None:
             compat.check_seeded_generation(self.args)
         compat.bind_cpu_threads(self.args.tensor_parallel_size)
@@ -150,6 +180,7 @@ class Extractor:
             settings={"layer_ids": list(self.layer_ids), "ring_slots": cfg.ring_slots, "max_model_len": self.max_prompt_len,
                       "dtype": cfg.dtype, "max_num_batched_tokens": cfg.max_num_batched_tokens,
                       "max_num_seqs": cfg.max_num_seqs, "tp": self.args.tensor_parallel_size,
+                      **({"layers_run": self.layers_run} if self.layers_run < plan.info.num_layers else {}),
                       **({"generate_tokens": self.generate_tokens} if self.generate_tokens else {})})
         if start:
             self.start()
@@ -194,6 +225,9 @@ class Extractor:
         """Run later extracts of this engine with `cfg` (other sampling, --generate or prefill
         only, other output options): refused where they would need another engine."""
         same = ("model", "engine_args", "dtype", "max_num_batched_tokens", "max_num_seqs", "tp", "ring_slots")
+        if cfg.needs_full_model and self.layers_run < self.info.num_layers:
+            raise ValueError(f"this engine runs {self.layers_run} of the model's {self.info.num_layers} layers; "
+                             "--final-state and --generate need another engine with all of them")
         for name in same:
             if getattr(cfg, name) != getattr(self.cfg, name):
                 raise ValueError(f"{name}={getattr(cfg, name)!r} needs another engine (this one has "
@@ -249,7 +283,8 @@ class Extractor:
         mc, sc = vc.model_config, vc.scheduler_config
         return {"dtype": str(mc.dtype).replace("torch.", ""), "max_model_len": self.max_prompt_len,
                 "max_num_batched_tokens": sc.max_num_batched_tokens, "max_num_seqs": sc.max_num_seqs,
-                "enforce_eager": mc.enforce_eager, "tensor_parallel_size": vc.parallel_config.tensor_parallel_size}
+                "enforce_eager": mc.enforce_eager, "tensor_parallel_size": vc.parallel_config.tensor_parallel_size,
+                "layers_run": int(mc.hf_text_config.num_hidden_layers)}
 
     def extract(self, feed, shard_cfg: ShardConfig, on_progress=None,
                 max_inflight_tokens: int | None = None) -> EngineResult:

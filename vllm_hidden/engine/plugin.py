@@ -3,7 +3,10 @@
 It wraps one runner method, `_setup_eagle3_aux_hidden_state_outputs` (called from
 `load_model` on GPU and CPU, before torch.compile and CUDA-graph capture). The wrapper is a
 pass-through unless the engine's `additional_config` carries a `vllm_hidden` capture config,
-so installing the package does not change plain vLLM. With capture on, it also wraps the
+so installing the package does not change plain vLLM. It wraps the default model loader's
+weight iterator, a pass-through unless the model's config was truncated by us
+(`engine.truncate`: the checkpoint's weights of the cut layers are dropped there). With
+capture on, it also wraps the
 worker's `compile_or_warm_up_model` (the end of an engine's start-up) to report whether the
 start was warm (`caches.StartProbe`). And it puts the server's result channel address in the
 environment (a string; nothing is opened) for the engine processes.
@@ -41,6 +44,8 @@ def register() -> None:
 
     _setup_aux_with_capture.__wrapped__ = original  # type: ignore[attr-defined]
     runner_cls._setup_eagle3_aux_hidden_state_outputs = _setup_aux_with_capture
+    loader = compat.default_loader_class()
+    loader.get_all_weights = _drop_cut_layers(loader.get_all_weights)
     for cls in compat.worker_classes():
         if "compile_or_warm_up_model" in vars(cls):
             cls.compile_or_warm_up_model = _report_start(cls.compile_or_warm_up_model)
@@ -56,3 +61,15 @@ def _report_start(original):
 
     compile_or_warm_up_model.__wrapped__ = original  # type: ignore[attr-defined]
     return compile_or_warm_up_model
+
+
+def _drop_cut_layers(original):
+    def get_all_weights(self, model_config, model):
+        from vllm_hidden.engine.truncate import filter_weights, kept_layers
+
+        weights = original(self, model_config, model)
+        layers = kept_layers(model_config.hf_text_config)
+        return weights if layers is None else filter_weights(weights, layers)
+
+    get_all_weights.__wrapped__ = original  # type: ignore[attr-defined]
+    return get_all_weights

@@ -87,6 +87,8 @@ def manifest_fields(cfg: ExtractConfig, plan: Plan, engine: dict[str, Any], read
 
     return dict(model=cfg.model, layer_ids=plan.layer_ids, layer_semantics=SEMANTICS,
                 num_model_layers=plan.info.num_layers, hidden_size=plan.info.hidden_size,
+                # decoder layers the engine ran (< num_model_layers: cut after the deepest captured one)
+                layers_run=engine.get("layers_run", plan.info.num_layers),
                 dtype=engine.pop("dtype"), versions={"vllm": compat.VLLM_VERSION, "vllm_hidden": __version__},
                 engine=engine, input=reader.describe(), final_state=cfg.final_state,
                 generate=cfg.generate.to_dict() if cfg.generate is not None else None)

@@ -11,7 +11,7 @@ from pathlib import Path
 from vllm_hidden.config import ExtractConfig, ModelInfo, Plan
 from vllm_hidden.inputs import PromptReader, parse_columns
 from vllm_hidden.inputs.sources import check_input
-from vllm_hidden.layers import resolve_layer_ids
+from vllm_hidden.layers import layers_to_run, moe_layer_indices, resolve_layer_ids
 from vllm_hidden.storage.files import FORMAT
 from vllm_hidden.storage.journal import RUN
 from vllm_hidden.storage.s3 import S3Location, is_s3
@@ -30,6 +30,7 @@ def model_info(model: str) -> ModelInfo:
         hidden_size=int(text.hidden_size),
         vocab_size=int(text.vocab_size),
         max_positions=getattr(text, "max_position_embeddings", None),
+        moe_layers=moe_layer_indices(text),
     )
 
 
@@ -112,7 +113,10 @@ def plan_extract(cfg: ExtractConfig) -> Plan:
     identity = {"format": FORMAT, "model": model, "layer_ids": list(layer_ids), "hidden_size": info.hidden_size,
                 "final_state": cfg.final_state, "loss_mask": cfg.loss_mask or "default",
                 "generate": cfg.generate.to_dict() if cfg.generate is not None else None}
-    return Plan(info=info, layer_ids=list(layer_ids), max_prompt_len=max_prompt_len, identity=identity)
+    # not part of the identity: a cut model computes the captured layers exactly as the whole one
+    layers_run = layers_to_run(info.num_layers, layer_ids, info.moe_layers, full=cfg.needs_full_model)
+    return Plan(info=info, layer_ids=list(layer_ids), max_prompt_len=max_prompt_len, identity=identity,
+                layers_run=layers_run)
 
 
 def prompt_reader(cfg: ExtractConfig, plan: Plan, input_path: str | None = None) -> PromptReader:

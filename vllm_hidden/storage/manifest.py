@@ -22,6 +22,9 @@ class Manifest:
     layer_semantics: str
     num_model_layers: int
     hidden_size: int
+    # decoder layers the engine ran; fewer than num_model_layers: the model was cut after the
+    # deepest captured layer (the captured states are the whole model's)
+    layers_run: int | None = None
     dtype: str
     shards: list[ShardInfo]
     num_errors: int = 0

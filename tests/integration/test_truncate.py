@@ -1,0 +1,61 @@
+"""The truncated target (the default for a prefill-only extract): the engine builds and runs
+only decoder layers 0 .. the deepest captured one, loading them from a full checkpoint. On
+the Gated-DeltaNet hybrid, cut inside its layer pattern, with chunked prefill (GDN state
+crosses steps), in eager mode: the captured states are bit for bit those of the whole model
+(`--full-model`), and match HF's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from tests.integration.helpers import HFReference, check_dataset, random_prompts, run_cli, write_prompts
+from vllm_hidden.data import HiddenStatesDataset
+
+pytestmark = pytest.mark.integration
+
+NUM_LAYERS = 8
+LAYERS = [1, 4]  # the cut keeps 0..4: a full-attention layer (3) in, another (7) and three GDN layers out
+ENGINE = ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "256", "--max-num-batched-tokens", "128",
+          "--max-num-seqs", "8"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from vllm_hidden.demo import make_tiny_model
+
+    # vLLM's Qwen3-Next builds only with an MoE layer: here the first, so a cut can keep it
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "qwen3_next-moe0", arch="qwen3_next",
+                           num_layers=NUM_LAYERS, moe_layer=0)
+
+
+def test_cut_hybrid_loads_a_full_checkpoint_and_gives_the_whole_models_states(model, tmp_path):
+    with safe_open(str(next(model.glob("*.safetensors"))), framework="pt") as f:
+        names = list(f.keys())
+    assert any(n.startswith(f"model.layers.{NUM_LAYERS - 1}.") for n in names)  # the checkpoint is whole
+
+    prompts = write_prompts(tmp_path / "in.jsonl", random_prompts(12, seed=5, lengths=(16, 250), prefix="t"))
+    outs = {}
+    for name, extra in (("cut", []), ("full", ["--full-model"])):
+        out = tmp_path / name
+        r = run_cli("extract", "-m", str(model), "-i", str(tmp_path / "in.jsonl"), "-o", str(out),
+                    "--layers", ",".join(map(str, LAYERS)), "--no-progress", *extra, *ENGINE)
+        assert r.returncode == 0, r.stderr[-3000:]
+        outs[name] = out
+    cut = json.loads((outs["cut"] / "manifest.json").read_text())
+    full = json.loads((outs["full"] / "manifest.json").read_text())
+    assert cut["layers_run"] == max(LAYERS) + 1 and cut["engine"]["layers_run"] == max(LAYERS) + 1, cut["engine"]
+    assert full["layers_run"] == NUM_LAYERS and cut["num_model_layers"] == full["num_model_layers"] == NUM_LAYERS
+
+    a, b = HiddenStatesDataset(outs["cut"]), HiddenStatesDataset(outs["full"])
+    assert len(a) == len(b) == len(prompts)
+    by_id = {b[i]["id"]: b[i] for i in range(len(b))}
+    for i in range(len(a)):
+        s = a[i]
+        t = by_id[s["id"]]
+        assert torch.equal(s["token_ids"], t["token_ids"])
+        assert torch.equal(s["hidden_states"], t["hidden_states"]), s["id"]  # eager: bit for bit
+    check_dataset(outs["cut"], prompts, HFReference(model), LAYERS)
