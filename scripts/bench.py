@@ -16,6 +16,10 @@ case and runs every workload):
                every file is written (its per-file locks released)
   extract-tuned  extract with extra engine settings (--tuned-arg), vs plain at the reference ones
   extract-final  extract with --final-state post-norm (the final normed state as one more column)
+  extract-full   extract with --full-model (every decoder layer runs; `extract` cuts the model
+                 after the deepest captured layer, its default)
+  extract-eagle3 extract of EAGLE-3's layers (ids 1, N/2-1, N-4: aux 2,32,61 at 64 layers), cut
+  extract-fp8    extract with --storage-dtype fp8 (quantized on the device: half the bytes)
 Every output is verified after its clock stops: every sample present with its token ids,
 no NaN/inf, and (extract) every shard's checksum. Results: one JSON under benchmarks/results/
 (command, versions, git revision, per case and workload: tok/s, samples/s, ratio to plain,
@@ -38,7 +42,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CASES = ("plain", "extract", "extract-shm", "upstream", "extract-tuned", "extract-final")
+CASES = ("plain", "extract", "extract-shm", "upstream", "extract-tuned", "extract-final", "extract-full",
+         "extract-eagle3", "extract-fp8")
 # BRIEF's workloads: lognormal lengths clipped, random token ids, seed 0
 WORKLOADS = {
     "w-chat": {"samples": 512, "median": 384, "sigma": 0.8, "min": 32, "max": 2048},
@@ -136,8 +141,9 @@ def verify_extract(out: Path, prompts: list[list[int]]) -> dict:
         return file_checksum(out / s.file) == s.blake3
 
     def finite(s) -> bool:
-        with safe_open(str(out / s.file), framework="pt") as f:
-            return all(_check_finite(f.get_tensor(k)) for k in ("hidden_states", "final_hidden_states") if k in f.keys())
+        with safe_open(str(out / s.file), framework="pt") as f:  # fp8 values: their scales say it
+            return all(_check_finite(f.get_tensor(k)) for k in f.keys() if k.startswith(("hidden_states", "final_"))
+                       and f.get_slice(k).get_dtype() != "F8_E4M3")
 
     with ThreadPoolExecutor(8) as pool:
         sums = all(pool.map(sum_ok, m.shards))
@@ -189,7 +195,7 @@ def run_plain(args: list[str], max_len: int, workloads: dict[str, list[list[int]
 
 def run_extract(args: list[str], max_len: int, workloads: dict[str, list[list[int]]], out_root: Path,
                 inputs: dict[str, Path], layers: str | None, writer_threads: int | None, save,
-                final_state: str = "none") -> dict:
+                **options) -> dict:
     from vllm_hidden.config import ExtractConfig
     from vllm_hidden.extract.job import extract_file, start_extractor
 
@@ -197,11 +203,12 @@ def run_extract(args: list[str], max_len: int, workloads: dict[str, list[list[in
     first = next(iter(workloads))
     kw = {"writer_threads": writer_threads} if writer_threads else {}
     cfg = ExtractConfig(model=args[0], input_path=str(inputs[first]), output_dir=str(out_root / first), layers=layers,
-                        max_model_len=max_len, progress=False, engine_args=args[1:], final_state=final_state, **kw)
+                        max_model_len=max_len, progress=False, engine_args=args[1:], **options, **kw)
     res = {"workloads": {}}
     with start_extractor(cfg) as ex:
         res["engine_init_seconds"] = ex.engine_init_seconds
         res["layer_ids"] = ex.layer_ids
+        res["layers_run"] = ex.layers_run
         save(res)
         for name, prompts in workloads.items():
             with RssPeak() as rss:
@@ -287,10 +294,15 @@ def child(spec_path: str) -> None:
 
     if case == "plain":
         run_plain(args, max_len, workloads, save)
-    elif case in ("extract", "extract-tuned", "extract-final"):
+    elif case in ("extract", "extract-tuned", "extract-final", "extract-full", "extract-eagle3", "extract-fp8"):
+        options = {"extract-final": {"final_state": "post-norm"}, "extract-full": {"full_model": True},
+                   "extract-fp8": {"storage_dtype": "fp8"}}.get(case, {})
+        layers = spec["layers"]
+        if case == "extract-eagle3":  # SpecForge's EAGLE-3 layers: 1, N/2 - 1, N - 4
+            n = spec["num_layers"]
+            layers = ",".join(map(str, sorted({1, n // 2 - 1, n - 4})))
         run_extract([*args, *(spec["tuned_args"] if case == "extract-tuned" else [])], max_len, workloads,
-                    Path(spec["out_dir"]) / case, inputs, spec["layers"], spec["writer_threads"], save,
-                    final_state="post-norm" if case == "extract-final" else "none")
+                    Path(spec["out_dir"]) / case, inputs, layers, spec["writer_threads"], save, **options)
     elif case == "extract-shm":
         run_extract(args, max_len, workloads, Path(spec["shm_dir"]) / case, inputs, spec["layers"],
                     spec["writer_threads"], save)
@@ -479,6 +491,7 @@ def main() -> None:
     for case in cases:
         spec = {"case": case, "model": model, "engine_args": engine, "tuned_args": a.tuned_arg,
                 "max_model_len": a.max_model_len, "layers": ",".join(map(str, layer_ids)), "layer_ids": layer_ids,
+                "num_layers": text.num_hidden_layers,
                 "prompts": prompts, "inputs": inputs, "out_dir": str(work / "out"), "shm_dir": a.shm_dir,
                 "writer_threads": a.writer_threads, "result": str(work / f"result-{case}.json")}
         print(f"bench: case {case} ...", flush=True)

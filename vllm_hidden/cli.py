@@ -82,6 +82,9 @@ def extract(
                                                      "loss_mask, else all, for token_ids/text.")] = None,
     final_state: FinalState = "none",
     full_model: FullModel = False,
+    storage_dtype: Annotated[str, typer.Option(help="auto (the model's dtype) or fp8: float8 e4m3 values with one "
+                                               "float32 scale per token and layer, quantized on the GPU: half the "
+                                               "bytes; the reader returns bf16.")] = "auto",
     input_columns: Annotated[Optional[str], typer.Option(help="Fields from differently named columns (keys), e.g. "
                                                          "'conversations=conv,id=uid'.")] = None,
     generate: Annotated[bool, typer.Option("--generate", help="The target writes each response (a conversation's "
@@ -125,7 +128,7 @@ def extract(
             progress=progress,
             engine_args=list(ctx.args), cache_dir=str(cache_dir) if cache_dir else None, tp=tp, dp=dp, ray_address=ray,
             loss_mask=loss_mask, final_state=final_state, input_columns=parse_columns(input_columns),
-            full_model=full_model,
+            full_model=full_model, storage_dtype=storage_dtype,
         )
         from vllm_hidden.extract import run_extract
 

@@ -85,6 +85,7 @@ class ShardConfig:
     final_state: bool = False  # also `final_hidden_states` [R, H]: the model's output after its final norm
     loss_mask: bool = False  # also `loss_mask` [R] uint8, from each sample's spans
     generate: bool = False  # samples carry their prompt length and generation record (`generations` [B] uint8)
+    fp8: bool = False  # values stored as float8 e4m3 with float32 scales per (token, layer)
 
     def __post_init__(self) -> None:
         _non_negative("upload_retry_s", self.upload_retry_s)
@@ -146,6 +147,7 @@ class GenerateConfig:
 DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")  # what vLLM's --dtype takes
 LOSS_MASKS = ("assistant", "last-assistant", "all", "none")  # --loss-mask (None: the default per input kind)
 FINAL_STATES = ("none", "post-norm")  # --final-state
+STORAGE_DTYPES = ("auto", "fp8")  # --storage-dtype: the model's dtype, or float8 e4m3 + float32 scales
 
 
 @dataclass(kw_only=True)
@@ -185,6 +187,7 @@ class ExtractConfig:
     # run every decoder layer; by default a prefill-only extract runs layers 0 .. the deepest
     # captured one (what later layers compute reaches no captured state)
     full_model: bool = False
+    storage_dtype: str = "auto"
 
     @property
     def needs_full_model(self) -> bool:
@@ -196,6 +199,8 @@ class ExtractConfig:
             _positive_int("--max-inflight-bytes", self.max_inflight_bytes)
         if self.loss_mask is not None and self.loss_mask not in LOSS_MASKS:
             raise ValueError(f"--loss-mask must be one of {', '.join(LOSS_MASKS)}, got {self.loss_mask!r}")
+        if self.storage_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"--storage-dtype must be one of {', '.join(STORAGE_DTYPES)}, got {self.storage_dtype!r}")
         if self.final_state not in FINAL_STATES:
             raise ValueError(f"--final-state must be one of {', '.join(FINAL_STATES)}, got {self.final_state!r}")
         for name in ("tp", "dp"):
@@ -220,7 +225,8 @@ class ExtractConfig:
         """The ShardConfig fields every engine of the run shares (each part's paths aside)."""
         return dict(max_shard_bytes=self.max_shard_bytes, writer_threads=self.writer_threads,
                     upload_retry_s=self.s3_retry_s, final_state=self.final_state == "post-norm",
-                    loss_mask=self.loss_mask != "none", generate=self.generate is not None)
+                    loss_mask=self.loss_mask != "none", generate=self.generate is not None,
+                    fp8=self.storage_dtype == "fp8")
 
 
 @dataclass(frozen=True, kw_only=True)

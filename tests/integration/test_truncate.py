@@ -2,7 +2,8 @@
 only decoder layers 0 .. the deepest captured one, loading them from a full checkpoint. On
 the Gated-DeltaNet hybrid, cut inside its layer pattern, with chunked prefill (GDN state
 crosses steps), in eager mode: the captured states are bit for bit those of the whole model
-(`--full-model`), and match HF's."""
+(`--full-model`), and match HF's. And fp8 storage through the real engine: quantized in the
+step transfer, read back dequantized within e4m3's error of the bf16 states."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def test_cut_hybrid_loads_a_full_checkpoint_and_gives_the_whole_models_states(mo
 
     prompts = write_prompts(tmp_path / "in.jsonl", random_prompts(12, seed=5, lengths=(16, 250), prefix="t"))
     outs = {}
-    for name, extra in (("cut", []), ("full", ["--full-model"])):
+    for name, extra in (("cut", []), ("full", ["--full-model"]), ("fp8", ["--storage-dtype", "fp8"])):
         out = tmp_path / name
         r = run_cli("extract", "-m", str(model), "-i", str(tmp_path / "in.jsonl"), "-o", str(out),
                     "--layers", ",".join(map(str, LAYERS)), "--no-progress", *extra, *ENGINE)
@@ -59,3 +60,30 @@ def test_cut_hybrid_loads_a_full_checkpoint_and_gives_the_whole_models_states(mo
         assert torch.equal(s["token_ids"], t["token_ids"])
         assert torch.equal(s["hidden_states"], t["hidden_states"]), s["id"]  # eager: bit for bit
     check_dataset(outs["cut"], prompts, HFReference(model), LAYERS)
+
+    # fp8: the same run (cut) stored as e4m3 + scales
+    m8 = json.loads((outs["fp8"] / "manifest.json").read_text())
+    assert m8["storage"]["dtype"] == "float8_e4m3fn" and cut.get("storage") is None
+    c = HiddenStatesDataset(outs["fp8"])
+    assert len(c) == len(prompts)
+    def state_bytes(out, shards):  # the states' tensors (this tiny model's shards are mostly header room)
+        n = 0
+        for sh in shards:
+            with safe_open(str(out / sh["file"]), framework="pt") as f:
+                for k in ("hidden_states", "hidden_states_scale"):
+                    if k in f.keys():
+                        t = f.get_tensor(k)
+                        n += t.numel() * t.element_size()
+        return n
+
+    ratio = state_bytes(outs["fp8"], m8["shards"]) / state_bytes(outs["cut"], cut["shards"])
+    assert ratio <= 0.51, ratio  # 1 byte per value + 4 per (token, layer), against 2 per value
+    for i in range(len(c)):
+        s = c[i]
+        t = by_id[s["id"]]
+        assert s["hidden_states"].dtype == torch.bfloat16 and torch.equal(s["token_ids"], t["token_ids"])
+        for k in range(len(LAYERS)):
+            got, want = s["hidden_states"][:, k].float(), t["hidden_states"][:, k].float()
+            assert ((got - want).norm() / want.norm()).item() < 0.04, (s["id"], k)
+    r = run_cli("inspect", str(outs["fp8"]))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

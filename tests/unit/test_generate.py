@@ -127,7 +127,8 @@ class Sink:
     def __init__(self):
         self.added = []
 
-    def add_rows(self, sample_id, token_ids, rows, **kw):
+    def add_rows(self, sample_id, token_ids, rows, stat, **kw):
+        assert torch.equal(stat, rows.float().abs().amax(-1))  # each row's statistic rides with it
         self.added.append((sample_id, list(token_ids), rows.clone(), kw))
 
 
@@ -193,9 +194,10 @@ def test_generated_sample_in_the_shard_writer_keeps_its_prompt_length_and_record
     w = ShardWriter(ShardConfig(output_dir=str(tmp_path), loss_mask=True, final_state=True, generate=True), [0, 1],
                     4, torch.float32)
     rows = torch.arange(6 * 3 * 4, dtype=torch.float32).reshape(6, 3, 4)  # 2 layers + the final state's column
-    w.add_rows("s", [5, 6, 7, 8, 9, 10], rows, loss_spans=[[2, 6]], num_prompt=2, record='{"id": "s"}\n')
+    stat = rows.abs().amax(-1)
+    w.add_rows("s", [5, 6, 7, 8, 9, 10], rows, stat, loss_spans=[[2, 6]], num_prompt=2, record='{"id": "s"}\n')
     with pytest.raises(ValueError, match="prompt length"):
-        w.add_rows("t", [1], rows[:1], loss_spans=[], num_prompt=None, record="x\n")
+        w.add_rows("t", [1], rows[:1], stat[:1], loss_spans=[], num_prompt=None, record="x\n")
     (info,) = w.close()
     with safe_open(str(tmp_path / info.file), framework="pt") as f:
         assert json.loads(f.metadata()["samples"]) == [["s", 0, 6, 2]]

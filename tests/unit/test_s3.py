@@ -246,7 +246,7 @@ def test_generated_samples_over_s3_keep_their_records_and_prompt_lengths(s3, tmp
     lines = {}
     for sid, (tok, hs) in data.items():
         lines[sid] = json.dumps({"id": sid, "n": len(tok)}) + "\n"
-        w.add_rows(sid, tok, hs, loss_spans=None, num_prompt=2, record=lines[sid])
+        w.add_rows(sid, tok, hs, hs.float().abs().amax(-1), loss_spans=None, num_prompt=2, record=lines[sid])
     shards = w.close()
     assert len(shards) > 2
     loc = S3Location(uri, url)

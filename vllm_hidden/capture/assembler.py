@@ -76,25 +76,30 @@ class CaptureError(RuntimeError):
 
 class Slot(Protocol):
     buf: torch.Tensor  # [T, K, H], filled by the assembler
-    final: torch.Tensor | None  # [T, H]: the ring's last column (the final normed state), if it has one
+
+    # rows [pos, pos + n) from the ring: values [n, C, H] and their per-column statistic [n, C]
+    # (C: the layers, then the final state's column if the ring has one)
+    def place(self, pos: int, rows: torch.Tensor, stat: torch.Tensor) -> None: ...
 
 
 class Sink(Protocol):
     def reserve(self, sample_id: Any, token_ids: list[int], *, line: int | None = None,
                 loss_spans: list[list[int]] | None = None) -> Slot: ...
     # --generate: a whole sample at once, rows [T, C, H] as the ring's columns hold them
-    def add_rows(self, sample_id: Any, token_ids: list[int], rows: torch.Tensor, *, loss_spans: list[list[int]] | None,
-                 num_prompt: int, record: str, line: int | None) -> None: ...
+    def add_rows(self, sample_id: Any, token_ids: list[int], rows: torch.Tensor, stat: torch.Tensor, *,
+                 loss_spans: list[list[int]] | None, num_prompt: int, record: str, line: int | None) -> None: ...
     def commit(self, slot: Any) -> None: ...
     def drop(self, slot: Any) -> None: ...
 
 
 class _MemSlot:
     __slots__ = ("sample_id", "token_ids", "buf")
-    final = None
 
     def __init__(self, sample_id: Any, token_ids: list[int], buf: torch.Tensor) -> None:
         self.sample_id, self.token_ids, self.buf = sample_id, token_ids, buf
+
+    def place(self, pos: int, rows: torch.Tensor, stat: torch.Tensor) -> None:
+        self.buf[pos : pos + rows.shape[0]].copy_(rows)
 
 
 class MemorySink:
@@ -120,13 +125,19 @@ class MemorySink:
 
 
 class _Staged:
-    """A generating request's rows [rows, C, H] (C: the ring's columns), until its end is known."""
+    """A generating request's rows [rows, C, H] and statistics [rows, C] (C: the ring's
+    columns, the final state's included: the sink splits it off), until its end is known."""
 
-    __slots__ = ("buf",)
-    final = None  # the final-state column stays in `buf`; the sink splits it off
+    __slots__ = ("buf", "stat")
 
-    def __init__(self, buf: torch.Tensor) -> None:
-        self.buf = buf
+    def __init__(self, rows: int, host: torch.Tensor, host_stat: torch.Tensor) -> None:
+        self.buf = torch.empty((rows, *host.shape[1:]), dtype=host.dtype)
+        self.stat = torch.empty((rows, host_stat.shape[1]), dtype=host_stat.dtype)
+
+    def place(self, pos: int, rows: torch.Tensor, stat: torch.Tensor) -> None:
+        n = rows.shape[0]
+        self.buf[pos : pos + n].copy_(rows)
+        self.stat[pos : pos + n].copy_(stat)
 
 
 class _Partial:
@@ -186,10 +197,11 @@ class Assembler:
                 return
             t0 = time.perf_counter()
             host = self.transfer.wait(rec.slot)
+            stat = self.transfer.host_stat[rec.slot]
             self.wait_copy_s += time.perf_counter() - t0
             for seg in rec.segments:
                 try:
-                    self._take(seg, host)
+                    self._take(seg, host, stat)
                 except CaptureError as e:
                     part = self._partial.pop(seg.req_id, None)
                     if getattr(self.sink, "on_failure", None) is None or part is None:
@@ -235,27 +247,27 @@ class Assembler:
             del self._partial[rid]
             end = part.end
             self.sink.add_rows(part.req.sample_id, end["token_ids"], part.slot.buf[: part.total],
-                               loss_spans=end["loss_spans"], num_prompt=end["num_prompt"], record=end["record"],
+                               part.slot.stat[: part.total], loss_spans=end["loss_spans"], num_prompt=end["num_prompt"], record=end["record"],
                                line=part.req.line)
         elif part.finished:  # no more rows will come
             del self._partial[rid]
             self._dropped(rid, part.req, f"the request ended with {part.filled} of its {part.total} rows captured")
 
-    def _take(self, seg: Segment, host: torch.Tensor) -> None:
+    def _take(self, seg: Segment, host: torch.Tensor, stat: torch.Tensor) -> None:
         part = self._partial.get(seg.req_id)
         if part is None:
             req = self._pending.pop(seg.req_id, None)
             if req is None:
                 return  # a request we were not asked to capture, or one already complete
             if req.generate:
-                slot = _Staged(torch.empty((req.rows, *host.shape[1:]), dtype=host.dtype))
+                slot = _Staged(req.rows, host, stat)
             elif req.rows is None:
                 slot = self.sink.reserve(req.sample_id, req.token_ids, line=req.line, loss_spans=req.loss_spans)
             else:
                 slot = self.sink.reserve(req.sample_id, req.token_ids, rows=req.rows)
             part = self._partial[seg.req_id] = _Partial(req, slot)
         if part.req.generate:
-            self._take_generated(seg, host, part)
+            self._take_generated(seg, host, stat, part)
             return
         total = part.total
         if seg.pos == 0:
@@ -269,19 +281,13 @@ class Assembler:
             )
         keep = min(seg.count, total - seg.pos)  # rows past `total`: tokens nobody asked for
         if keep > 0:
-            rows = host[seg.row : seg.row + keep]
-            final = part.slot.final
-            if final is None:
-                part.slot.buf[seg.pos : seg.pos + keep].copy_(rows)
-            else:  # the last column is the final state, stored apart
-                part.slot.buf[seg.pos : seg.pos + keep].copy_(rows[:, :-1])
-                final[seg.pos : seg.pos + keep].copy_(rows[:, -1])
+            part.slot.place(seg.pos, host[seg.row : seg.row + keep], stat[seg.row : seg.row + keep])
             part.filled = seg.pos + keep
         if part.filled >= total and not part.req.until_finished:
             del self._partial[seg.req_id]
             self.sink.commit(part.slot)
 
-    def _take_generated(self, seg: Segment, host: torch.Tensor, part: _Partial) -> None:
+    def _take_generated(self, seg: Segment, host: torch.Tensor, stat: torch.Tensor, part: _Partial) -> None:
         """Rows of a generating request. After a preemption its rows are computed again from
         position 0: they overwrite the same places (equal states of the same tokens), so rows
         already captured stay valid and nothing is reset."""
@@ -290,7 +296,7 @@ class Assembler:
                                f"{part.filled} rows were captured")
         keep = min(seg.count, part.total - seg.pos)
         if keep > 0:
-            part.slot.buf[seg.pos : seg.pos + keep].copy_(host[seg.row : seg.row + keep])
+            part.slot.place(seg.pos, host[seg.row : seg.row + keep], stat[seg.row : seg.row + keep])
             part.filled = max(part.filled, seg.pos + keep)
         self._try_generated(seg.req_id, part)
 

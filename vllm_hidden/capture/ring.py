@@ -1,5 +1,7 @@
 """The step transfer: gather -> ONE preallocated device buffer -> ONE async D2H copy into a
-preallocated (pinned on CUDA) host ring slot, completion tracked with events.
+preallocated (pinned on CUDA) host ring slot, completion tracked with events. Beside the
+values, each row carries its per-column statistic (`quant`), computed on the device in the
+same pass: the writer's finiteness check, and with fp8 storage the scale.
 
 Nothing here allocates per step. On CPU the "device" buffer is host memory and the copy is
 synchronous, but the code path is the same, so CPU tests exercise it.
@@ -12,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from vllm_hidden.capture import quant
+
 
 class _NullEvent:
     def record(self, stream=None) -> None:  # noqa: D401 - CPU copies are synchronous
@@ -22,10 +26,12 @@ class _NullEvent:
 
 
 class StepTransfer:
-    """Owns the device buffer [max_tokens, K, H] and `slots` host buffers of the same shape."""
+    """Owns the device step buffer and `slots` host buffers of the same layout: per token one
+    packed row holding its C columns' values [C, H] and their per-column float32 statistic
+    [C] (`quant`: the amax, or with fp8 values the scale), so one copy carries both."""
 
     def __init__(self, max_tokens: int, num_layers: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device, slots: int = 2) -> None:
+                 device: torch.device, slots: int = 2, fp8: bool = False) -> None:
         if max_tokens < 1 or num_layers < 1 or hidden_size < 1:
             raise ValueError(f"bad buffer shape ({max_tokens}, {num_layers}, {hidden_size})")
         if slots < 2:
@@ -33,8 +39,23 @@ class StepTransfer:
         self.shape = (max_tokens, num_layers, hidden_size)
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.device_buf = torch.empty(self.shape, dtype=dtype, device=self.device)
-        self.host = [torch.empty(self.shape, dtype=dtype, pin_memory=self.cuda) for _ in range(slots)]
+        self.dtype = dtype  # what the model computes
+        self.fp8 = fp8
+        self.values_dtype = quant.FP8 if fp8 else dtype  # what is stored
+        self._values_bytes = num_layers * hidden_size * self.values_dtype.itemsize
+        if self._values_bytes % 4:
+            raise ValueError(f"hidden size {hidden_size} leaves the row statistics unaligned")
+        self.bytes_per_row = self._values_bytes + 4 * num_layers
+        self._device_rows = torch.empty((max_tokens, self.bytes_per_row), dtype=torch.uint8, device=self.device)
+        self._device_values, self._device_stat = self._views(self._device_rows)
+        # fp8: the layers are gathered in the model's dtype first, then quantized into the rows
+        self._gather = torch.empty(self.shape, dtype=dtype, device=self.device) if fp8 else None
+        self._work = torch.empty(self.shape[:2], dtype=torch.float32, device=self.device) if fp8 else None
+        self._host_rows = [torch.empty((max_tokens, self.bytes_per_row), dtype=torch.uint8, pin_memory=self.cuda)
+                           for _ in range(slots)]
+        views = [self._views(r) for r in self._host_rows]
+        self.host = [v for v, _ in views]  # [max_tokens, C, H] values per slot (rows strided)
+        self.host_stat = [st for _, st in views]  # [max_tokens, C] float32 per slot
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device=self.device)
             self._gathered = torch.cuda.Event()
@@ -48,7 +69,11 @@ class StepTransfer:
         # (backpressure: the engine slows down rather than memory growing).
         self._free = list(range(slots))
         self._cv = threading.Condition()
-        self.bytes_per_row = num_layers * hidden_size * self.device_buf.element_size()
+
+    def _views(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n, c, h = self.shape
+        values = rows[:, : self._values_bytes].view(self.values_dtype).view(n, c, h)
+        return values, rows[:, self._values_bytes :].view(torch.float32)
 
     @property
     def slots(self) -> int:
@@ -79,18 +104,31 @@ class StepTransfer:
             if self._last_copy is not None:
                 # the previous D2H must have read the device buffer before we overwrite it
                 compute.wait_event(self._copied[self._last_copy])
-            torch.stack([t[:n] for t in layers], dim=1, out=self.device_buf[:n])
+            self._fill(layers, n)
             self._gathered.record(compute)
             self.copy_stream.wait_event(self._gathered)
             with torch.cuda.stream(self.copy_stream):
-                self.host[slot][:n].copy_(self.device_buf[:n], non_blocking=True)
+                self._host_rows[slot][:n].copy_(self._device_rows[:n], non_blocking=True)
                 self._copied[slot].record(self.copy_stream)
         else:
-            torch.stack([t[:n] for t in layers], dim=1, out=self.device_buf[:n])
-            self.host[slot][:n].copy_(self.device_buf[:n])
+            self._fill(layers, n)
+            self._host_rows[slot][:n].copy_(self._device_rows[:n])
         self._last_copy = slot
 
+    def _fill(self, layers: Sequence[torch.Tensor], n: int) -> None:
+        """The step's rows [0, n) of the device buffer: values and their statistic, a few
+        kernels, no allocation."""
+        if self.fp8:
+            torch.stack([t[:n] for t in layers], dim=1, out=self._gather[:n])
+            quant.quantize(self._gather[:n], self._device_values[:n], self._device_stat[:n], self._work[:n])
+            return
+        values = self._device_values[:n]
+        for k, t in enumerate(layers):  # the rows are packed: one copy per column, not one stack
+            values[:, k].copy_(t[:n])
+        quant.row_amax(values, self._device_stat[:n])
+
     def wait(self, slot: int) -> torch.Tensor:
-        """Block until slot's copy landed; returns the host slot tensor."""
+        """Block until slot's copy landed; returns the slot's values [max_tokens, C, H]
+        (their statistics: `host_stat[slot]`)."""
         self._copied[slot].synchronize()
         return self.host[slot]

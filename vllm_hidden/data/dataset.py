@@ -12,18 +12,24 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from vllm_hidden.capture.quant import dequantize
 from vllm_hidden.storage.manifest import MANIFEST, Manifest
 
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64, "U8": torch.uint8}
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64, "U8": torch.uint8,
+           "F8_E4M3": torch.float8_e4m3fn}
 # what a shard may hold besides hidden_states and token_ids, returned under the same key
-_OPTIONAL = ("final_hidden_states", "loss_mask")
+_OPTIONAL = ("final_hidden_states", "loss_mask", "hidden_states_scale", "final_hidden_states_scale")
+_SCALED = (("hidden_states", "hidden_states_scale"), ("final_hidden_states", "final_hidden_states_scale"))
 
 
 class HiddenStatesDataset(torch.utils.data.Dataset):
     """`ds[i]` -> {"id", "token_ids" int64 [T], "hidden_states" [T, K, H]} with K in
     `ds.layer_ids` order, plus "loss_mask" (bool [T]) and "final_hidden_states" ([T, H],
     after the model's final norm) when the output holds them, and "num_prompt_tokens" (int)
-    in an `extract --generate` output. Row t of every tensor belongs
+    in an `extract --generate` output. An fp8 output (`--storage-dtype fp8`) is returned
+    dequantized to bf16 (value = fp8 * scale); `dequantize=False` returns the stored pairs,
+    "hidden_states" float8 e4m3 [T, K, H] with "hidden_states_scale" float32 [T, K] (and
+    "final_hidden_states" [T, H] with "final_hidden_states_scale" [T]). Row t of every tensor belongs
     to token t (unshifted: a trainer predicting token t+1 from row t shifts). Shards are
     opened lazily per process, so the dataset can be handed to DataLoader workers.
 
@@ -34,9 +40,10 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
     checked here: `vllm-hidden inspect` hashes every object."""
 
     def __init__(self, path: str | os.PathLike[str], s3_endpoint_url: str | None = None, *,
-                 verify: bool = True) -> None:
+                 verify: bool = True, dequantize: bool = True) -> None:
         path = str(path)
         self.verify = verify
+        self.dequantize = dequantize
         self._s3 = None
         if path.startswith("s3://"):
             from vllm_hidden.storage.s3 import S3Location
@@ -121,6 +128,10 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
                 out[name] = f.get_slice(name)[row : row + count]
         if "loss_mask" in out:
             out["loss_mask"] = out["loss_mask"].bool()
+        if self.dequantize:
+            for name, scale in _SCALED:
+                if scale in out:
+                    out[name] = dequantize(out[name], out.pop(scale))
         return out
 
     def _s3_rows(self, name: str, header: dict[str, Any], tensor: str, row: int, count: int) -> torch.Tensor:

@@ -55,23 +55,24 @@ class Capture:
         self.start_probe: StartProbe | None = StartProbe()
         self.start_report: dict[str, Any] | None = None
 
-    def _new_transfer(self, columns: int) -> StepTransfer:
+    def _new_transfer(self, columns: int, fp8: bool = False) -> StepTransfer:
         r = self.runner
         return StepTransfer(r.scheduler_config.max_num_batched_tokens, columns, self.hidden_size, r.model_config.dtype,
-                            r.device, self.cfg.ring_slots)
+                            r.device, self.cfg.ring_slots, fp8=fp8)
 
-    def _set_final_state(self, on: bool) -> None:
+    def _set_layout(self, final_state: bool, fp8: bool = False) -> None:
         """--final-state post-norm: the device buffer and ring get a column for the model's own
-        output (after the final norm), so it travels in the step's one gather and one copy.
-        Set per sink at open (not in additional_config, which vLLM hashes: the compiled model
-        is the same either way, so it must not recompile)."""
-        columns = len(self.cfg.layer_ids) + on
-        if self.transfer.shape[1] != columns:
+        output (after the final norm), so it travels in the step's one gather and one copy;
+        --storage-dtype fp8: the rows are quantized on the device, so the copy (and the disk)
+        carry half the bytes. Set per sink at open (not in additional_config, which vLLM
+        hashes: the compiled model is the same either way, so it must not recompile)."""
+        columns = len(self.cfg.layer_ids) + final_state
+        if self.transfer.shape[1] != columns or self.transfer.fp8 != fp8:
             self.transfer = None  # the old buffers go before the new ones are allocated...
             if self.runner.device.type == "cuda":
                 torch.cuda.empty_cache()  # ...and back to the device: the KV cache took the rest of the budget
-            self.transfer = self._new_transfer(columns)
-        self.final_state = on
+            self.transfer = self._new_transfer(columns, fp8)
+        self.final_state = final_state
 
     def finish_start(self, compilation_seconds: float | None) -> None:
         """End of the engine's start-up (after vLLM's warm-up): say whether it was warm."""
@@ -88,8 +89,8 @@ class Capture:
             return False
         if self.thread is not None:
             raise RuntimeError(f"a capture sink ({self.sink_kind}) is already open on this worker")
-        self._set_final_state(shard_cfg.final_state)
-        self.writer = ShardWriter(shard_cfg, list(self.cfg.layer_ids), self.hidden_size, self.transfer.device_buf.dtype)
+        self._set_layout(shard_cfg.final_state, shard_cfg.fp8)
+        self.writer = ShardWriter(shard_cfg, list(self.cfg.layer_ids), self.hidden_size, self.transfer.values_dtype)
         self.thread = AssemblerThread(Assembler(self.transfer, self.writer),
                                       cpus=compat.cpus_off_the_forward(self.runner.device))
         self.sink_kind = "shards"
@@ -151,8 +152,8 @@ class Capture:
                       "start the server with `vllm-hidden serve`")
             return False
         pub = Publisher(address)
-        self._set_final_state(False)
-        sink = MemorySink(self.transfer.shape[1:], self.transfer.device_buf.dtype, pub.send_sample, pub.send_failure)
+        self._set_layout(False)
+        sink = MemorySink(self.transfer.shape[1:], self.transfer.values_dtype, pub.send_sample, pub.send_failure)
         self.thread = AssemblerThread(Assembler(self.transfer, sink), cpus=compat.cpus_off_the_forward(self.runner.device))
         self.sink_kind = "publish"
         log.info("vllm-hidden: sending hidden states to the API server at %s", address)

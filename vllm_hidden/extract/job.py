@@ -81,6 +81,11 @@ class ProgressBar:
 
 
 
+# how an fp8 output's shards hold the states (the manifest's `storage`)
+FP8_STORAGE = {"dtype": "float8_e4m3fn", "scale": "float32 per (token, layer): amax / 448; value = fp8 * scale",
+               "tensors": {"hidden_states": "hidden_states_scale", "final_hidden_states": "final_hidden_states_scale"}}
+
+
 def manifest_fields(cfg: ExtractConfig, plan: Plan, engine: dict[str, Any], reader: Any) -> dict[str, Any]:
     """The manifest's description of the run (everything but shards and errors)."""
     from vllm_hidden.engine import compat
@@ -91,7 +96,8 @@ def manifest_fields(cfg: ExtractConfig, plan: Plan, engine: dict[str, Any], read
                 layers_run=engine.get("layers_run", plan.info.num_layers),
                 dtype=engine.pop("dtype"), versions={"vllm": compat.VLLM_VERSION, "vllm_hidden": __version__},
                 engine=engine, input=reader.describe(), final_state=cfg.final_state,
-                generate=cfg.generate.to_dict() if cfg.generate is not None else None)
+                generate=cfg.generate.to_dict() if cfg.generate is not None else None,
+                storage=FP8_STORAGE if cfg.storage_dtype == "fp8" else None)
 
 
 

@@ -112,7 +112,8 @@ def plan_extract(cfg: ExtractConfig) -> Plan:
     model = str(Path(m).expanduser().resolve()) if Path(m).expanduser().is_dir() else m
     identity = {"format": FORMAT, "model": model, "layer_ids": list(layer_ids), "hidden_size": info.hidden_size,
                 "final_state": cfg.final_state, "loss_mask": cfg.loss_mask or "default",
-                "generate": cfg.generate.to_dict() if cfg.generate is not None else None}
+                "generate": cfg.generate.to_dict() if cfg.generate is not None else None,
+                **({"storage_dtype": cfg.storage_dtype} if cfg.storage_dtype != "auto" else {})}
     # not part of the identity: a cut model computes the captured layers exactly as the whole one
     layers_run = layers_to_run(info.num_layers, layer_ids, info.moe_layers, full=cfg.needs_full_model)
     return Plan(info=info, layer_ids=list(layer_ids), max_prompt_len=max_prompt_len, identity=identity,

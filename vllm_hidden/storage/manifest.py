@@ -39,6 +39,9 @@ class Manifest:
     # and generation record, gathered (in shard order) into generations_file
     generate: dict[str, Any] | None = None
     generations_file: str | None = None
+    # None: the states are stored in `dtype`; else how they are quantized (--storage-dtype fp8:
+    # float8 e4m3 values, one float32 scale per token and layer, in *_scale tensors)
+    storage: dict[str, Any] | None = None
     format: str = FORMAT
 
     @property

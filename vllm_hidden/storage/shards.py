@@ -40,16 +40,21 @@ from typing import Any
 import blake3
 import torch
 
+from vllm_hidden.capture import quant
 from vllm_hidden.config import ShardConfig
 from vllm_hidden.storage.files import FORMAT, ShardInfo, fsync_dir, shard_file
 
 log = logging.getLogger("vllm_hidden")
 
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64",
-              torch.uint8: "U8"}
+              torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3"}
 _WRITE_BATCH = 32 << 20  # completed rows handed to a writer thread in batches of this size
 _SYNC_EVERY = 256 << 20  # fdatasync as data accumulates, so the final fsync has little left
 _HEADER_FIXED = 4096  # header bytes besides the sample index (tensor entries, format, layer ids)
+
+
+# an arena's tensors: values [R, K, H], final state [R, H] | None, their statistics [R, K] and [R] | None
+_Buffers = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor, "torch.Tensor | None"]
 
 
 def _raw(t: torch.Tensor) -> memoryview:
@@ -71,10 +76,12 @@ def _entry_bytes(sample_id: Any, row: int, count: int, num_prompt: int | None = 
 
 
 class SampleSlot:
-    """Rows reserved for one sample; the assembler fills `buf` [T, K, H], then commits."""
+    """Rows reserved for one sample; the assembler fills them (`place`), then commits: `buf`
+    [T, K, H], `final` [T, H] (--final-state), and their per-row statistics `stat` [T, K] and
+    `final_stat` [T] (float32: the amax, or with fp8 values the scale; see capture.quant)."""
 
-    __slots__ = ("arena", "sample_id", "token_ids", "row", "buf", "final", "state", "line", "loss_spans", "num_prompt",
-                 "record", "src")
+    __slots__ = ("arena", "sample_id", "token_ids", "row", "buf", "final", "stat", "final_stat", "state", "line",
+                 "loss_spans", "num_prompt", "record", "src", "src_stat", "placed")
     # NOT_FINITE: committed, then refused by its writer thread (NaN/Inf); left out like DROPPED
     RESERVED, COMMITTED, DROPPED, NOT_FINITE = 0, 1, 2, 3
 
@@ -84,31 +91,57 @@ class SampleSlot:
         self.arena = arena
         self.num_prompt = num_prompt
         self.record = record
-        self.src: torch.Tensor | None = None  # rows [T, C, H] its writer thread copies into `buf` (add_rows)
+        self.src: torch.Tensor | None = None  # rows [T, C, H] its writer thread places (add_rows)
+        self.src_stat: torch.Tensor | None = None
         self.sample_id = sample_id
         self.token_ids = token_ids
         self.row = row
         n = token_ids.shape[0]
         self.buf = arena.buf[row : row + n]
         self.final = arena.final[row : row + n] if arena.final is not None else None
+        self.stat = arena.stat[row : row + n]
+        self.final_stat = arena.final_stat[row : row + n] if arena.final_stat is not None else None
         self.state = SampleSlot.RESERVED
+        self.placed = False  # rows came through `place`, with their statistics
         self.line = line
         self.loss_spans = loss_spans
 
+    def place(self, pos: int, rows: torch.Tensor, stat: torch.Tensor) -> None:
+        """Rows [pos, pos + n) as the ring holds them: [n, C, H] and [n, C], the last column
+        the final state's when this output stores it (kept apart)."""
+        n = rows.shape[0]
+        self.placed = True
+        if self.final is None:
+            self.buf[pos : pos + n].copy_(rows)
+            self.stat[pos : pos + n].copy_(stat)
+        else:
+            self.buf[pos : pos + n].copy_(rows[:, :-1])
+            self.final[pos : pos + n].copy_(rows[:, -1])
+            self.stat[pos : pos + n].copy_(stat[:, :-1])
+            self.final_stat[pos : pos + n].copy_(stat[:, -1])
+
     def zero(self) -> None:
-        self.buf.zero_()
-        if self.final is not None:
-            self.final.zero_()
+        for t in (self.buf, self.final, self.stat, self.final_stat):
+            if t is not None:
+                t.zero_()
 
 
 def slot_not_finite(slot: SampleSlot, layer_ids: list[int]) -> str | None:
+    """From the rows' statistics ([T, K] floats, computed beside the gather): the states
+    themselves are read only for a sample that has a non-finite row, to say where."""
+    if bool(torch.isfinite(slot.stat).all()) and (slot.final_stat is None or bool(torch.isfinite(slot.final_stat).all())):
+        return None
+    if slot.buf.dtype == quant.FP8:  # the values are the quantized ones: the scales say where
+        stat = slot.stat if slot.final_stat is None else torch.cat([slot.stat, slot.final_stat[:, None]], dim=1)
+        return not_finite(stat[:, :, None], [*layer_ids, *(["final"] if slot.final_stat is not None else [])],
+                          what="(token, layer) rows")
     why = not_finite(slot.buf, layer_ids)
     if why is None and slot.final is not None:
         why = not_finite(slot.final[:, None], ["final"])
     return why
 
 
-def not_finite(buf: torch.Tensor, layer_ids: list[Any]) -> str | None:
+def not_finite(buf: torch.Tensor, layer_ids: list[Any], what: str = "values") -> str | None:
     """None if every value of `buf` [T, K, H] is finite, else what is wrong and where. One
     allocation-free reduction (min/max propagate NaN and reach +-Inf), ~10 GB/s per core on
     bf16; the counts are only worked out for a bad sample."""
@@ -121,18 +154,19 @@ def not_finite(buf: torch.Tensor, layer_ids: list[Any]) -> str | None:
     nan = int(torch.isnan(buf).sum())
     layers = [layer_ids[k] for k in bad.any(dim=(0, 2)).nonzero().flatten().tolist()]
     rows = bad.any(dim=(1, 2)).nonzero().flatten()
-    return (f"hidden states are not finite: {nan} NaN and {int(bad.sum()) - nan} Inf values in layer ids "
+    return (f"hidden states are not finite: {nan} NaN and {int(bad.sum()) - nan} Inf {what} in layer ids "
             f"{layers}, {rows.numel()} of {buf.shape[0]} tokens (first at token {int(rows[0])}); not written")
 
 
 class _Arena:
     """One shard in the making: its rows in memory, its temporary file, its pending writes."""
 
-    __slots__ = ("buf", "final", "rows", "slots", "pending", "sealed", "pooled", "tmp", "fd", "index_bytes", "batch",
-                 "batch_bytes", "writes", "unsynced")
+    __slots__ = ("bufs", "buf", "final", "stat", "final_stat", "rows", "slots", "pending", "sealed", "pooled", "tmp",
+                 "fd", "index_bytes", "batch", "batch_bytes", "writes", "unsynced")
 
-    def __init__(self, bufs: tuple[torch.Tensor, torch.Tensor | None], pooled: bool, tmp: Path) -> None:
-        self.buf, self.final = bufs
+    def __init__(self, bufs: "_Buffers", pooled: bool, tmp: Path) -> None:
+        self.bufs = bufs
+        self.buf, self.final, self.stat, self.final_stat = bufs
         self.rows = 0
         self.slots: list[SampleSlot] = []
         self.pending = 0  # reserved, not yet committed or dropped
@@ -158,7 +192,7 @@ class _Arena:
 
 
 class ShardWriter:
-    """reserve() -> fill slot.buf -> commit() (or drop()); close() finishes what is left and
+    """reserve() -> slot.place(rows, stats) (or fill slot.buf) -> commit() (or drop()); close() finishes what is left and
     returns every shard written. reserve/commit/drop are called from one thread (the
     assembler); files are written by `cfg.writer_threads` threads."""
 
@@ -167,6 +201,9 @@ class ShardWriter:
             raise ValueError(f"hidden_size must be positive, got {hidden_size!r}")
         if dtype not in _ST_DTYPES:
             raise ValueError(f"unsupported hidden-state dtype {dtype}")
+        if (dtype == quant.FP8) != cfg.fp8:
+            raise ValueError(f"values of dtype {dtype} for an output with fp8={cfg.fp8}")
+        self.fp8 = cfg.fp8
         self.cfg = cfg
         self.dir = Path(cfg.output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -180,6 +217,8 @@ class ShardWriter:
         # Padding the header JSON with spaces is valid safetensors. `max_shard_bytes` bounds the
         # tensor data; the header adds at most 1 MiB.
         extra = self.final_row_bytes + 8 + cfg.loss_mask  # + the final state, token id and mask byte
+        if self.fp8:  # + their scales
+            extra += 4 * (len(self.layer_ids) + cfg.final_state)
         self.rows_per_shard = max(1, cfg.max_shard_bytes // (self.row_bytes + extra))
         room = _HEADER_FIXED + 32 * min(self.rows_per_shard, 1 << 15)
         self.header_room = min(room + (-room % 8), 1 << 20)
@@ -188,7 +227,7 @@ class ShardWriter:
         self.max_arenas = cfg.writer_threads + 1
         self._pool = ThreadPoolExecutor(cfg.writer_threads, thread_name_prefix="vllm-hidden-writer")
         self._cv = threading.Condition()
-        self._free: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._free: list[_Buffers] = []
         self._allocated = 0
         self._finishing = 0
         self._futures: list[Future] = []
@@ -213,13 +252,15 @@ class ShardWriter:
         self._reserve_wait_s = 0.0  # assembler blocked on a free arena (backpressure)
 
     # -- arenas ------------------------------------------------------------------------
-    def _new_buffer(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _new_buffer(self, rows: int) -> "_Buffers":
         # untouched until rows are filled: a small run costs only what it writes; arenas
         # are reused, so the first-touch page faults are paid once per arena
         final = torch.empty((rows, self.row_shape[1]), dtype=self.dtype) if self.final_row_bytes else None
-        return torch.empty((rows, *self.row_shape), dtype=self.dtype), final
+        final_stat = torch.empty(rows, dtype=torch.float32) if self.final_row_bytes else None
+        return (torch.empty((rows, *self.row_shape), dtype=self.dtype), final,
+                torch.empty((rows, self.row_shape[0]), dtype=torch.float32), final_stat)
 
-    def _take_buffer(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _take_buffer(self) -> "_Buffers":
         t0 = time.perf_counter()
         with self._cv:
             while True:
@@ -237,7 +278,7 @@ class ShardWriter:
             self._reserve_wait_s += time.perf_counter() - t0
         return self._new_buffer(self.rows_per_shard)
 
-    def _new_arena(self, bufs: tuple[torch.Tensor, torch.Tensor | None], pooled: bool) -> _Arena:
+    def _new_arena(self, bufs: "_Buffers", pooled: bool) -> _Arena:
         self._seq += 1
         a = _Arena(bufs, pooled, self.dir / f".{self.cfg.prefix}-{os.getpid()}-{self._seq}.tmp")
         self._open.append(a)
@@ -280,6 +321,9 @@ class ShardWriter:
         return a.add(sample_id, tok, entry, line, loss_spans, num_prompt, record)
 
     def commit(self, slot: SampleSlot) -> None:
+        if self.fp8 and not slot.placed and slot.src is None:
+            raise ValueError(f"sample {slot.sample_id!r}: an fp8 output takes rows with their scales (place), "
+                             "not values written into buf")
         self._resolve(slot, SampleSlot.COMMITTED)
 
     def drop(self, slot: SampleSlot) -> None:
@@ -289,7 +333,7 @@ class ShardWriter:
 
     def add(self, sample_id: Any, token_ids: torch.Tensor, hidden_states: torch.Tensor, *,
             final_hidden_states: torch.Tensor | None = None, loss_spans: list[list[int]] | None = None) -> None:
-        """A whole sample at once (one copy into its shard's arena)."""
+        """A whole sample at once, in the model's dtype (quantized here for an fp8 output)."""
         if tuple(hidden_states.shape[1:]) != self.row_shape or hidden_states.shape[0] != len(token_ids):
             raise ValueError(f"sample {sample_id!r}: hidden_states shape {tuple(hidden_states.shape)} does not "
                              f"match [{len(token_ids)}, {self.row_shape[0]}, {self.row_shape[1]}]")
@@ -297,15 +341,22 @@ class ShardWriter:
             raise ValueError(f"sample {sample_id!r}: final_hidden_states must be given exactly when the output "
                              f"stores them (final_state={self.cfg.final_state})")
         slot = self.reserve(sample_id, token_ids, loss_spans=loss_spans)
-        slot.buf.copy_(hidden_states)
-        if slot.final is not None:
-            slot.final.copy_(final_hidden_states)
+        rows = hidden_states if final_hidden_states is None else torch.cat([hidden_states, final_hidden_states[:, None]], 1)
+        stat = torch.empty(rows.shape[:2], dtype=torch.float32)
+        if self.fp8:
+            values = torch.empty(rows.shape, dtype=quant.FP8)
+            quant.quantize(rows, values, stat, torch.empty_like(stat))
+            rows = values
+        else:
+            quant.row_amax(rows, stat)
+        slot.place(0, rows, stat)
         self.commit(slot)
 
-    def add_rows(self, sample_id: Any, token_ids: Any, rows: torch.Tensor, *, loss_spans: list[list[int]] | None,
-                 num_prompt: int, record: str, line: int | None = None) -> None:
-        """A generated sample, rows [T, C, H] as the capture ring holds them (the layers, then
-        the final state's column if this output stores it), with its generation record."""
+    def add_rows(self, sample_id: Any, token_ids: Any, rows: torch.Tensor, stat: torch.Tensor, *,
+                 loss_spans: list[list[int]] | None, num_prompt: int, record: str, line: int | None = None) -> None:
+        """A generated sample, rows [T, C, H] and statistics [T, C] as the capture ring holds
+        them (the layers, then the final state's column if this output stores it), with its
+        generation record."""
         k = self.row_shape[0]
         if rows.shape[1] != k + bool(self.final_row_bytes) or rows.shape[0] != len(token_ids):
             raise ValueError(f"sample {sample_id!r}: rows of shape {tuple(rows.shape)} for {len(token_ids)} tokens")
@@ -313,7 +364,7 @@ class ShardWriter:
                             record=record.encode())
         # the copy into the arena is the writer threads' (several at once), not the caller's: a
         # wave of responses ending together is GBs, and the caller is what the engine waits on
-        slot.src = rows
+        slot.src, slot.src_stat = rows, stat
         self.commit(slot)
 
     def _resolve(self, slot: SampleSlot, state: int) -> None:
@@ -348,11 +399,12 @@ class ShardWriter:
             nbytes = 0
             for s in batch:
                 if s.src is not None:
-                    k = self.row_shape[0]
-                    s.buf.copy_(s.src[:, :k])
+                    s.place(0, s.src, s.src_stat)
+                    s.src = s.src_stat = None
+                elif not s.placed:  # values written into buf by the caller: no statistics came with them
+                    quant.row_amax(s.buf, s.stat)
                     if s.final is not None:
-                        s.final.copy_(s.src[:, k])
-                    s.src = None
+                        quant.row_amax(s.final[:, None], s.final_stat[:, None])
                 why = slot_not_finite(s, self.layer_ids)
                 if why is not None:  # never written: its rows stay zeros (file and memory), the index skips it
                     s.zero()
@@ -412,8 +464,10 @@ class ShardWriter:
             gens = None
             if self.cfg.generate:
                 gens = torch.frombuffer(bytearray(b"".join(s.record for s in done)), dtype=torch.uint8)
-            tail = [("final_hidden_states", a.final[:rows] if a.final is not None else None), ("token_ids", tokens),
-                    ("loss_mask", mask), ("generations", gens)]
+            scales = [("hidden_states_scale", a.stat[:rows]),
+                      ("final_hidden_states_scale", a.final_stat[:rows] if a.final_stat is not None else None)]
+            tail = [("final_hidden_states", a.final[:rows] if a.final is not None else None),
+                    *(scales if self.fp8 else []), ("token_ids", tokens), ("loss_mask", mask), ("generations", gens)]
             tail = [(name, t) for name, t in tail if t is not None]
             listed = [[s.sample_id, s.row, int(s.token_ids.shape[0]), *([s.num_prompt] if gens is not None else [])]
                       for s in done]
@@ -476,7 +530,7 @@ class ShardWriter:
                 self._finishing -= 1
                 self._write_s += time.perf_counter() - t0
                 if a.pooled:
-                    self._free.append((a.buf, a.final))
+                    self._free.append(a.bufs)
                 self._cv.notify_all()
 
     def _raise_error(self) -> None:

@@ -32,7 +32,10 @@ class Report:
 def _from_manifest(m: Manifest) -> tuple[dict[str, Any], list[ShardInfo], int]:
     summary = {"model": m.model, "layer_ids": m.layer_ids, "hidden_size": m.hidden_size, "dtype": m.dtype,
                "samples": m.num_samples, "tokens": m.num_tokens, "shards": len(m.shards),
-               "bytes": sum(s.bytes for s in m.shards), "errors": m.num_errors}
+               "bytes": sum(s.bytes for s in m.shards), "errors": m.num_errors,
+               "storage_dtype": (m.storage or {}).get("dtype", m.dtype), "layers_run": m.layers_run}
+    if m.num_tokens:
+        summary["bytes_per_token"] = round(summary["bytes"] / m.num_tokens, 1)
     return summary, m.shards, len(m.layer_ids)
 
 
@@ -40,7 +43,8 @@ def _from_run(run: dict[str, Any], shards: list[ShardInfo]) -> tuple[dict[str, A
     """An interrupted run: what run.json says, and the shards recorded as durable so far."""
     summary = {"model": run.get("model"), "layer_ids": run.get("layer_ids"), "hidden_size": run.get("hidden_size"),
                "samples": sum(s.num_samples for s in shards), "tokens": sum(s.num_tokens for s in shards),
-               "shards": len(shards), "bytes": sum(s.bytes for s in shards)}
+               "shards": len(shards), "bytes": sum(s.bytes for s in shards),
+               "storage_dtype": run.get("storage_dtype", "auto")}
     return summary, shards, len(run["layer_ids"]) if run.get("layer_ids") else None
 
 
@@ -88,9 +92,11 @@ def _check_s3_shard(loc, s: ShardInfo, layers: int | None) -> list[str]:
 
 
 def _optional_problems(s: ShardInfo, shapes: dict[str, list[int]]) -> list[str]:
-    """final_hidden_states [R, H] and loss_mask [R], where a shard has them, cover its rows."""
+    """final_hidden_states [R, H], loss_mask [R] and (fp8) the scales [R, K] / [R], where a
+    shard has them, cover its rows."""
     hs = shapes["hidden_states"]
-    want = {"final_hidden_states": [hs[0], hs[2]], "loss_mask": [hs[0]]}
+    want = {"final_hidden_states": [hs[0], hs[2]], "loss_mask": [hs[0]], "hidden_states_scale": [hs[0], hs[1]],
+            "final_hidden_states_scale": [hs[0]]}
     return [f"{s.file}: {name} has shape {shapes[name]}, expected {shape}"
             for name, shape in want.items() if name in shapes and list(shapes[name]) != shape]
 
