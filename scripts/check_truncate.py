@@ -1,0 +1,76 @@
+"""The cut model against the whole one under torch.compile (the CI test compares them in eager
+mode): the same prompts extracted twice, with the default cut and with --full-model, both
+compiled (no --enforce-eager), each into a fresh compile cache; prints and writes how many
+samples are bit-identical and the largest difference.
+
+    python scripts/check_truncate.py [--model DIR --layers 1,4 --engine-arg ...] [--result FILE]
+
+Default: a tiny random Qwen3-Next (8 layers, its MoE layer first so the cut can keep it),
+layers 1,4 (the cut runs 5 of 8), chunked prefill (128-token steps)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--layers", default="1,4")
+    ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--engine-arg", action="append", default=[])
+    ap.add_argument("--result", default=None)
+    a = ap.parse_args()
+    from vllm_hidden.data import HiddenStatesDataset
+    from vllm_hidden.demo import make_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix="check-truncate-"))
+    model = a.model or str(make_tiny_model(work / "model", arch="qwen3_next", num_layers=8, moe_layer=0))
+    rng = random.Random(5)
+    with open(work / "in.jsonl", "w") as f:
+        for i in range(a.prompts):
+            n = rng.randrange(16, 250)
+            f.write(json.dumps({"id": f"t{i}", "token_ids": [rng.randrange(10, 1000) for _ in range(n)]}) + "\n")
+    engine = a.engine_arg or ["--dtype", "bfloat16", "--max-model-len", "256", "--max-num-batched-tokens", "128",
+                              "--max-num-seqs", "8"]
+    for name, extra in (("cut", []), ("full", ["--full-model"])):
+        r = subprocess.run([sys.executable, "-m", "vllm_hidden.cli", "extract", "-m", model, "-i", str(work / "in.jsonl"),
+                            "-o", str(work / name), "--layers", a.layers, "--no-progress",
+                            "--cache-dir", str(work / f"cache-{name}"), *extra, *engine],
+                           capture_output=True, text=True,
+                           env={"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, "PYTHONPATH": str(ROOT)})  # (CPU: a small KV cache)
+        if r.returncode:
+            sys.exit(f"{name}: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    cut, full = HiddenStatesDataset(work / "cut"), HiddenStatesDataset(work / "full")
+    by_id = {full[i]["id"]: full[i] for i in range(len(full))}
+    same, worst, maxabs = 0, 0.0, 0.0
+    for i in range(len(cut)):
+        x, y = cut[i]["hidden_states"].float(), by_id[cut[i]["id"]]["hidden_states"].float()
+        same += torch.equal(x, y)
+        worst = max(worst, ((x - y).norm() / y.norm()).item())
+        maxabs = max(maxabs, (x - y).abs().max().item())
+    import vllm
+
+    res = {"command": " ".join(["python", "scripts/check_truncate.py", *sys.argv[1:]]), "model": a.model or "tiny qwen3_next 8 layers, MoE layer 0",
+           "layers": a.layers, "engine_args": engine, "compiled": "--enforce-eager" not in engine,
+           "layers_run": {n: json.loads((work / n / "manifest.json").read_text())["layers_run"] for n in ("cut", "full")},
+           "samples": len(cut), "bit_identical_samples": same, "worst_rel_l2": worst, "max_abs_diff": maxabs,
+           "versions": {"vllm": vllm.__version__, "torch": torch.__version__}}
+    print(json.dumps(res))
+    if a.result:
+        Path(a.result).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
