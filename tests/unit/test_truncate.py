@@ -1,0 +1,91 @@
+"""The cut model's pieces without an engine: how many layers a run needs, the config cut vLLM
+is handed, which checkpoint weights are dropped, and where the layer count travels."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from transformers import Qwen3Config, Qwen3NextConfig
+
+from vllm_hidden.config import CaptureConfig, ExtractConfig
+from vllm_hidden.engine.truncate import MARKER, filter_weights, hf_overrides, keep_weight, kept_layers
+from vllm_hidden.extract.plan import plan_extract
+from vllm_hidden.layers import layers_to_run, moe_layer_indices
+
+
+def test_layers_to_run_stops_at_the_deepest_captured_layer():
+    assert layers_to_run(64, [1, 16, 31, 46, 61]) == 62  # DFlash's default on Qwen3.6-27B
+    assert layers_to_run(64, [31, 1, 60]) == 61  # EAGLE-3's (aux 2,32,61), any order
+    assert layers_to_run(64, [63]) == 64
+    assert layers_to_run(64, [1, 16], full=True) == 64
+    # vLLM's MoE models need an MoE layer: a cut that would remove them all keeps the first
+    assert layers_to_run(8, [1, 2], moe_layers=(7,)) == 8
+    assert layers_to_run(8, [1, 2], moe_layers=(0, 4)) == 3
+    assert layers_to_run(8, [1], moe_layers=(4, 5)) == 5
+
+
+def test_moe_layers_follow_the_config():
+    assert moe_layer_indices(Qwen3Config(num_hidden_layers=4)) == ()
+    cfg = Qwen3NextConfig(num_hidden_layers=6, num_experts=4, mlp_only_layers=[0, 1, 5], decoder_sparse_step=1)
+    assert moe_layer_indices(cfg) == (2, 3, 4)
+    assert moe_layer_indices(Qwen3NextConfig(num_hidden_layers=6, num_experts=4, mlp_only_layers=[],
+                                             decoder_sparse_step=2)) == (1, 3, 5)
+
+
+def test_the_config_cut_vllm_applies():
+    types = ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2
+    cfg = Qwen3NextConfig(num_hidden_layers=8, layer_types=types)
+    fn = pickle.loads(pickle.dumps(hf_overrides(5)))  # it travels to the engine's processes with the config
+    out = fn(cfg)
+    assert out.num_hidden_layers == 5 and out.layer_types == types[:5] and getattr(out, MARKER) == 8
+    assert kept_layers(out) == 5 and kept_layers(Qwen3NextConfig(num_hidden_layers=8, layer_types=types)) is None
+    with pytest.raises(ValueError, match="9 of the model's 8"):
+        hf_overrides(9)(Qwen3NextConfig(num_hidden_layers=8, layer_types=types))
+
+    class Probe:  # vLLM first calls it on an empty config, to see whether model_type changes
+        def get_text_config(self):
+            return self
+
+    probe = Probe()
+    assert hf_overrides(5)(probe) is probe
+
+
+def test_only_the_cut_layers_weights_are_dropped():
+    names = ["model.embed_tokens.weight", "model.layers.4.mlp.up_proj.weight", "model.layers.5.self_attn.q_proj.weight",
+             "model.layers.12.input_layernorm.weight", "model.language_model.layers.61.linear_attn.A_log",
+             "model.language_model.layers.62.mlp.down_proj.weight", "model.norm.weight", "lm_head.weight",
+             "mtp.layers.0.mlp.gate_proj.weight", "model.visual.blocks.30.attn.qkv.weight"]
+    kept = [n for n, _ in filter_weights(((n, None) for n in names), 5)]
+    assert kept == ["model.embed_tokens.weight", "model.layers.4.mlp.up_proj.weight", "model.norm.weight",
+                    "lm_head.weight", "mtp.layers.0.mlp.gate_proj.weight", "model.visual.blocks.30.attn.qkv.weight"]
+    assert keep_weight("model.language_model.layers.61.linear_attn.A_log", 62)
+    assert not keep_weight("model.language_model.layers.62.mlp.down_proj.weight", 62)
+
+
+def test_the_layer_count_rides_in_additional_config():
+    c = CaptureConfig(layer_ids=(1, 4), layers_run=5)
+    assert CaptureConfig.from_additional_config(c.to_additional_config()) == c
+    assert "layers_run" not in CaptureConfig(layer_ids=(1,)).to_additional_config()["vllm_hidden"]
+    with pytest.raises(ValueError, match="layers_run.*0"):
+        CaptureConfig(layer_ids=(1,), layers_run=0)
+
+
+@pytest.mark.parametrize("options,expected", [({}, 3), ({"full_model": True}, 6), ({"final_state": "post-norm"}, 6),
+                                              ({"generate": "yes"}, 6)])
+def test_the_plan_cuts_unless_something_needs_every_layer(tmp_path, options, expected):
+    from vllm_hidden.config import GenerateConfig
+
+    Qwen3Config(num_hidden_layers=6, vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=32, max_position_embeddings=512).save_pretrained(tmp_path / "m")
+    if "generate" in options:
+        options = {"generate": GenerateConfig(max_tokens=16)}
+    cfg = ExtractConfig(model=str(tmp_path / "m"), input_path="x", output_dir="y", layers="0,2", **options)
+    plan = plan_extract(cfg)
+    assert plan.layers_run == expected
+    assert "layers_run" not in plan.identity  # the states are the same: a resume may cut or not
+
+
+def test_storage_dtype_is_checked():
+    with pytest.raises(ValueError, match="--storage-dtype.*'fp16'"):
+        ExtractConfig(model="m", input_path="x", output_dir="y", storage_dtype="fp16")
