@@ -105,10 +105,12 @@ class Capture:
         self.thread = self.writer = None
         self.sink_kind = None
         error: BaseException | None = None
+        t0 = time.perf_counter()
         try:
             thread.close()  # every queued step assembled
         except BaseException as e:  # noqa: BLE001 - the writer must still be shut down
             error = thread.error if thread.error is not None else e  # the cause, not its wrapper
+        drain_s = time.perf_counter() - t0
         in_flight = thread.assembler.in_flight
         try:
             thread.assembler.abandon()
@@ -122,7 +124,8 @@ class Capture:
             return {"error": failure(error)}
         asm = thread.assembler
         stats = {**self._stats.to_dict(), "assembler_busy_s": round(thread.busy_s, 3),
-                 "assembler_wait_copy_s": round(asm.wait_copy_s, 3), **writer.stats()}
+                 "assembler_wait_copy_s": round(asm.wait_copy_s, 3), "close_drain_s": round(drain_s, 4),
+                 **writer.stats()}
         return {
             "shards": [s.to_dict() for s in shards],
             "not_finite": writer.not_finite,

@@ -42,7 +42,7 @@ import torch
 
 from vllm_hidden.capture import quant
 from vllm_hidden.config import ShardConfig
-from vllm_hidden.storage.files import FORMAT, ShardInfo, fsync_dir, shard_file
+from vllm_hidden.storage.files import FORMAT, ShardInfo, fsync_dir, shard_file, write_behind
 
 log = logging.getLogger("vllm_hidden")
 
@@ -162,7 +162,7 @@ class _Arena:
     """One shard in the making: its rows in memory, its temporary file, its pending writes."""
 
     __slots__ = ("bufs", "buf", "final", "stat", "final_stat", "rows", "slots", "pending", "sealed", "pooled", "tmp",
-                 "fd", "index_bytes", "batch", "batch_bytes", "writes", "unsynced")
+                 "fd", "index_bytes", "batch", "batch_bytes", "writes", "unsynced", "deferred")
 
     def __init__(self, bufs: "_Buffers", pooled: bool, tmp: Path) -> None:
         self.bufs = bufs
@@ -179,6 +179,7 @@ class _Arena:
         self.batch_bytes = 0
         self.writes: list[Future] = []
         self.unsynced = 0
+        self.deferred = 0  # committed samples whose finiteness a writer thread decides (their stats come there)
 
     def add(self, sample_id: Any, token_ids: torch.Tensor, entry_bytes: int, line: int | None = None,
             loss_spans: list[list[int]] | None = None, num_prompt: int | None = None,
@@ -250,6 +251,8 @@ class ShardWriter:
         self._closed = False
         self._write_s = 0.0  # summed over writer threads
         self._reserve_wait_s = 0.0  # assembler blocked on a free arena (backpressure)
+        self._close_s = 0.0
+        self._tail: dict[str, float] = {}  # the slowest phases of the shards finished by close(): the end of a run
 
     # -- arenas ------------------------------------------------------------------------
     def _new_buffer(self, rows: int) -> "_Buffers":
@@ -373,6 +376,14 @@ class ShardWriter:
         slot.state = state
         a = slot.arena
         a.pending -= 1
+        if state == SampleSlot.COMMITTED and slot.placed and slot.src is None:
+            # the stats came with the rows: decided now, so a shard's index is known when it is sealed
+            why = slot_not_finite(slot, self.layer_ids)
+            if why is not None:
+                self._refuse(slot, why)
+                state = SampleSlot.NOT_FINITE
+        elif state == SampleSlot.COMMITTED:
+            a.deferred += 1
         if state == SampleSlot.COMMITTED:
             a.batch.append(slot)
             a.batch_bytes += slot.buf.numel() * slot.buf.element_size()
@@ -398,23 +409,22 @@ class ShardWriter:
         try:
             nbytes = 0
             for s in batch:
-                if s.src is not None:
-                    s.place(0, s.src, s.src_stat)
-                    s.src = s.src_stat = None
-                elif not s.placed:  # values written into buf by the caller: no statistics came with them
-                    quant.row_amax(s.buf, s.stat)
-                    if s.final is not None:
-                        quant.row_amax(s.final[:, None], s.final_stat[:, None])
-                why = slot_not_finite(s, self.layer_ids)
-                if why is not None:  # never written: its rows stay zeros (file and memory), the index skips it
-                    s.zero()
-                    s.state = SampleSlot.NOT_FINITE
-                    with self._cv:
-                        self._not_finite.append([s.sample_id, s.line, why])
-                    log.warning("vllm-hidden: sample %r: %s", s.sample_id, why)
-                    continue
+                if s.src is not None or not s.placed:  # deferred: its statistics are made here
+                    if s.src is not None:
+                        s.place(0, s.src, s.src_stat)
+                        s.src = s.src_stat = None
+                    else:  # values written into buf by the caller: no statistics came with them
+                        quant.row_amax(s.buf, s.stat)
+                        if s.final is not None:
+                            quant.row_amax(s.final[:, None], s.final_stat[:, None])
+                    why = slot_not_finite(s, self.layer_ids)
+                    if why is not None:
+                        self._refuse(s, why)
+                        continue
                 mv = _raw(s.buf)
-                _pwrite_all(a.fd, mv, self.header_room + s.row * self.row_bytes)
+                offset = self.header_room + s.row * self.row_bytes
+                _pwrite_all(a.fd, mv, offset)
+                write_behind(a.fd, offset, len(mv))
                 nbytes += len(mv)
             with self._cv:
                 a.unsynced += nbytes
@@ -427,6 +437,14 @@ class ShardWriter:
             with self._cv:
                 self._write_s += time.perf_counter() - t0
 
+    def _refuse(self, s: SampleSlot, why: str) -> None:
+        """Never written: its rows stay zeros (file and memory), the index skips it."""
+        s.zero()
+        s.state = SampleSlot.NOT_FINITE
+        with self._cv:
+            self._not_finite.append([s.sample_id, s.line, why])
+        log.warning("vllm-hidden: sample %r: %s", s.sample_id, why)
+
     def _finish(self, a: _Arena) -> None:
         self._open.remove(a)
         self._flush_batch(a)
@@ -438,11 +456,78 @@ class ShardWriter:
             self._finishing += 1
         self._futures.append(self._pool.submit(self._finish_file, a, index))
 
+    def _layout(self, a: _Arena, done: list[SampleSlot]) -> tuple[bytes, list[tuple[str, torch.Tensor]], dict, int]:
+        """The file around the streamed-out rows: the padded header, the tensors after
+        `hidden_states` in file order, their entries, and the tensor data's size."""
+        rows = a.rows
+        hs_bytes = rows * self.row_bytes
+        tokens = torch.zeros(rows, dtype=torch.int64)
+        mask = torch.zeros(rows, dtype=torch.uint8) if self.cfg.loss_mask else None
+        for s in done:
+            tokens[s.row : s.row + s.token_ids.shape[0]] = s.token_ids
+            if mask is not None:
+                for lo, hi in s.loss_spans:
+                    mask[s.row + lo : s.row + hi] = 1
+        gens = None
+        if self.cfg.generate:
+            gens = torch.frombuffer(bytearray(b"".join(s.record for s in done)), dtype=torch.uint8)
+        scales = [("hidden_states_scale", a.stat[:rows]),
+                  ("final_hidden_states_scale", a.final_stat[:rows] if a.final_stat is not None else None)]
+        tail = [("final_hidden_states", a.final[:rows] if a.final is not None else None),
+                *(scales if self.fp8 else []), ("token_ids", tokens), ("loss_mask", mask), ("generations", gens)]
+        tail = [(name, t) for name, t in tail if t is not None]
+        listed = [[s.sample_id, s.row, int(s.token_ids.shape[0]), *([s.num_prompt] if gens is not None else [])]
+                  for s in done]
+        meta = {"format": FORMAT, "layer_ids": json.dumps(self.layer_ids), "samples": json.dumps(listed)}
+        entries = {"hidden_states": {"dtype": _ST_DTYPES[self.dtype], "shape": [rows, *self.row_shape],
+                                     "data_offsets": [0, hs_bytes]}}
+        end = hs_bytes
+        for name, t in tail:
+            nbytes = t.numel() * t.element_size()
+            entries[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [end, end + nbytes]}
+            end += nbytes
+        header = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode()
+        if len(header) > self.header_room - 8:
+            raise RuntimeError(f"shard header of {len(header)} bytes overflows its {self.header_room - 8} reserved")
+        head = struct.pack("<Q", self.header_room - 8) + header + b" " * (self.header_room - 8 - len(header))
+        return head, tail, entries, end
+
     def _finish_file(self, a: _Arena, index: int) -> None:
-        """Runs after the arena's row writes (queued before it, so running or done)."""
+        """Runs after the arena's row writes were queued (so they run or are done). The file's
+        BLAKE3 is computed from memory: as soon as its index is known (every sample's
+        finiteness decided, which is at commit unless a writer thread makes its statistics),
+        so beside the last row writes and the fsync rather than after them."""
         t0 = time.perf_counter()
+        phases: dict[str, float] = {}
+        h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        failed: list[BaseException] = []
+        hashing: threading.Thread | None = None
+
+        def start_hash(head: bytes, tail: list[tuple[str, torch.Tensor]]) -> threading.Thread:
+            def digest() -> None:
+                t = time.perf_counter()
+                try:
+                    for part in (memoryview(head), _raw(a.buf[: a.rows]), *(_raw(x) for _, x in tail)):
+                        h.update(part)
+                except BaseException as e:  # noqa: BLE001 - re-raised below
+                    failed.append(e)
+                phases["hash_s"] = time.perf_counter() - t
+
+            th = threading.Thread(target=digest, name="vllm-hidden-hash")
+            th.start()
+            return th
+
         try:
-            wait(a.writes)  # all of them, even if one failed: none may still touch fd or buffer below
+            layout = None
+            if a.deferred == 0 and index >= 0:  # nothing left for the writers to decide
+                done = [s for s in a.slots if s.state == SampleSlot.COMMITTED]
+                if done:
+                    layout = self._layout(a, done)
+                    hashing = start_hash(layout[0], layout[1])
+            try:
+                wait(a.writes)  # all of them, even if one failed: none may still touch fd or buffer below
+            finally:
+                phases["wait_writes_s"] = time.perf_counter() - t0
             for w in a.writes:
                 w.result()
             done = [s for s in a.slots if s.state == SampleSlot.COMMITTED]
@@ -451,59 +536,21 @@ class ShardWriter:
                 a.fd = -1
                 a.tmp.unlink()
                 return
-            rows = a.rows
-            hs_bytes = rows * self.row_bytes
-            tokens = torch.zeros(rows, dtype=torch.int64)
-            mask = torch.zeros(rows, dtype=torch.uint8) if self.cfg.loss_mask else None
-            for s in done:
-                tokens[s.row : s.row + s.token_ids.shape[0]] = s.token_ids
-                if mask is not None:
-                    for lo, hi in s.loss_spans:
-                        mask[s.row + lo : s.row + hi] = 1
-            # after hidden_states (streamed out already), in file order
-            gens = None
-            if self.cfg.generate:
-                gens = torch.frombuffer(bytearray(b"".join(s.record for s in done)), dtype=torch.uint8)
-            scales = [("hidden_states_scale", a.stat[:rows]),
-                      ("final_hidden_states_scale", a.final_stat[:rows] if a.final_stat is not None else None)]
-            tail = [("final_hidden_states", a.final[:rows] if a.final is not None else None),
-                    *(scales if self.fp8 else []), ("token_ids", tokens), ("loss_mask", mask), ("generations", gens)]
-            tail = [(name, t) for name, t in tail if t is not None]
-            listed = [[s.sample_id, s.row, int(s.token_ids.shape[0]), *([s.num_prompt] if gens is not None else [])]
-                      for s in done]
-            meta = {"format": FORMAT, "layer_ids": json.dumps(self.layer_ids), "samples": json.dumps(listed)}
-            entries = {"hidden_states": {"dtype": _ST_DTYPES[self.dtype], "shape": [rows, *self.row_shape],
-                                         "data_offsets": [0, hs_bytes]}}
-            end = hs_bytes
-            for name, t in tail:
-                nbytes = t.numel() * t.element_size()
-                entries[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [end, end + nbytes]}
-                end += nbytes
-            header = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode()
-            if len(header) > self.header_room - 8:
-                raise RuntimeError(f"shard header of {len(header)} bytes overflows its {self.header_room - 8} reserved")
-            head = struct.pack("<Q", self.header_room - 8) + header + b" " * (self.header_room - 8 - len(header))
+            if layout is None:
+                layout = self._layout(a, done)
+            head, tail, entries, end = layout
             for name, t in tail:
                 _pwrite_all(a.fd, _raw(t), self.header_room + entries[name]["data_offsets"][0])
             _pwrite_all(a.fd, memoryview(head), 0)
-            h = blake3.blake3(max_threads=blake3.blake3.AUTO)  # from memory, beside the fsync
-            failed: list[BaseException] = []
-
-            def digest() -> None:
-                try:
-                    for part in (memoryview(head), _raw(a.buf[:rows]), *(_raw(t) for _, t in tail)):
-                        h.update(part)
-                except BaseException as e:  # noqa: BLE001 - re-raised below
-                    failed.append(e)
-
-            hashing = threading.Thread(target=digest)
-            hashing.start()
-            try:
-                os.fsync(a.fd)
-            finally:
-                hashing.join()
+            if hashing is None:
+                hashing = start_hash(head, tail)
+            t1 = time.perf_counter()
+            os.fsync(a.fd)
+            phases["fsync_s"] = time.perf_counter() - t1
+            hashing.join()
             if failed:
                 raise failed[0]
+            t1 = time.perf_counter()
             os.close(a.fd)
             a.fd = -1
             name = shard_file(index, self.cfg.prefix)
@@ -512,6 +559,7 @@ class ShardWriter:
             info = ShardInfo(file=name, bytes=self.header_room + end, blake3=h.hexdigest(),
                              num_samples=len(done), num_tokens=sum(int(s.token_ids.shape[0]) for s in done))
             self._journal.record(info)  # ...before its samples count as done
+            phases["rename_s"] = time.perf_counter() - t1
             with self._cv:
                 self._shards.append((index, info))
             if self._uploader is not None:
@@ -522,6 +570,8 @@ class ShardWriter:
                 if self._error is None:
                     self._error = e
         finally:
+            if hashing is not None:
+                hashing.join()  # it reads the arena, which goes back to the pool below
             if a.fd >= 0:
                 os.close(a.fd)
                 a.fd = -1
@@ -529,6 +579,10 @@ class ShardWriter:
             with self._cv:
                 self._finishing -= 1
                 self._write_s += time.perf_counter() - t0
+                if self._closed:
+                    phases["finish_s"] = time.perf_counter() - t0
+                    for k, v in phases.items():
+                        self._tail[k] = max(self._tail.get(k, 0.0), v)
                 if a.pooled:
                     self._free.append(a.bufs)
                 self._cv.notify_all()
@@ -540,7 +594,9 @@ class ShardWriter:
     def stats(self) -> dict[str, Any]:
         with self._cv:
             d = {"writer_threads": self.cfg.writer_threads, "arenas": self._allocated,
-                 "writer_busy_s": round(self._write_s, 3), "arena_wait_s": round(self._reserve_wait_s, 3)}
+                 "writer_busy_s": round(self._write_s, 3), "arena_wait_s": round(self._reserve_wait_s, 3),
+                 "writer_close_s": round(self._close_s, 4),
+                 "writer_close_phases": {k: round(v, 4) for k, v in sorted(self._tail.items())}}
         if self._uploader is not None:
             d.update(upload_busy_s=round(self._uploader.busy_s, 3), uploaded_bytes=self._uploader.bytes)
         return d
@@ -560,7 +616,9 @@ class ShardWriter:
         """Finish every shard (samples still reserved, never completed, are left out), wait
         for every write, return all shards in order."""
         if not self._closed:
-            self._closed = True
+            t0 = time.perf_counter()
+            with self._cv:
+                self._closed = True
             self._current = None
             for a in list(self._open):
                 for s in a.slots:
@@ -573,6 +631,7 @@ class ShardWriter:
                 f.exception()  # wait; errors were recorded where they happened
             self._pool.shutdown(wait=True)
             self._journal.close()
+            self._close_s = time.perf_counter() - t0
         uploaded = None
         if self._uploader is not None:
             try:
