@@ -253,6 +253,7 @@ class Capture:
         thread.put(StepRecord(slot, hi - lo, segments, new, frozenset(ended)))
         st.steps += 1
         st.rows += hi - lo
+        st.last_rows = hi - lo
         st.acquire_wait_s += t1 - t0
         st.submit_s += time.perf_counter() - t1
 
@@ -268,14 +269,15 @@ class _StepStats:
     """Engine-thread cost of capture, per run: time blocked on a free ring slot
     (backpressure from the host side) and time launching the gather + copy."""
 
-    __slots__ = ("steps", "rows", "acquire_wait_s", "submit_s")
+    __slots__ = ("steps", "rows", "last_rows", "acquire_wait_s", "submit_s")
 
     def __init__(self) -> None:
-        self.steps = self.rows = 0
+        self.steps = self.rows = self.last_rows = 0
         self.acquire_wait_s = self.submit_s = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "rows": self.rows, "engine_acquire_wait_s": round(self.acquire_wait_s, 3),
+        # the last step's rows are what the end of a run (flush) has to write after the last request ends
+        return {"steps": self.steps, "rows": self.rows, "last_step_rows": self.last_rows, "engine_acquire_wait_s": round(self.acquire_wait_s, 3),
                 "engine_submit_s": round(self.submit_s, 3)}
 
 
