@@ -5,6 +5,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from vllm_hidden.capture import quant
 from vllm_hidden.config import ShardConfig
 from vllm_hidden.data import HiddenStatesDataset
 from vllm_hidden.storage.manifest import Manifest
@@ -211,14 +212,20 @@ def test_manifest_from_an_older_writer_is_refused_by_name(tmp_path):
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")])
-def test_samples_with_nan_or_inf_are_refused_named_and_not_written(tmp_path, poison):
+@pytest.mark.parametrize("fill", ["buf", "place"])  # stats made by a writer thread / came with the rows (decided at commit)
+def test_samples_with_nan_or_inf_are_refused_named_and_not_written(tmp_path, poison, fill):
     w = ShardWriter(ShardConfig(output_dir=str(tmp_path), max_shard_bytes=1 << 20, writer_threads=2),
                     [3, 5], H, torch.bfloat16)
     data = {f"id{i}": sample(i, 6) for i in range(4)}
     data["id1"][1][2:4, 1, 0] = poison  # tokens 2 and 3 of layer id 5
     for line, (sid, (tok, hs)) in enumerate(data.items()):
         slot = w.reserve(sid, tok, line=line + 10)
-        slot.buf.copy_(hs)
+        if fill == "buf":
+            slot.buf.copy_(hs)
+        else:
+            stat = torch.empty(hs.shape[:2])
+            quant.row_amax(hs, stat)
+            slot.place(0, hs, stat)
         w.commit(slot)
     alone = w.reserve("alone", torch.arange(3))  # never completed: left out at close
     w.close()
@@ -245,3 +252,23 @@ def test_a_shard_of_only_refused_samples_is_not_written(tmp_path):
     w.add("x", tok, hs)
     assert w.close() == [] and [e[0] for e in w.not_finite] == ["x"]
     assert not list(tmp_path.glob("*.safetensors")) and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_write_behind_turns_itself_off_where_unsupported(tmp_path, monkeypatch):
+    import ctypes
+
+    from vllm_hidden.storage import files
+
+    calls = []
+
+    def unsupported(fd, offset, nbytes, flags):
+        calls.append((offset, nbytes, flags))
+        ctypes.set_errno(95)  # EOPNOTSUPP
+        return -1
+
+    monkeypatch.setattr(files, "_SYNC_FILE_RANGE", unsupported)
+    shards, data = write(tmp_path, [4, 5], max_shard_bytes=1 << 20)
+    assert len(calls) == 1 and calls[0][2] == 2 and files._SYNC_FILE_RANGE is None  # two writes: tried once
+    (s,) = shards
+    assert blake3.blake3((tmp_path / s.file).read_bytes()).hexdigest() == s.blake3
+    assert torch.equal(HiddenStatesDataset(tmp_path)[1]["hidden_states"], data["id1"][1])
