@@ -81,7 +81,8 @@ def _references(model, prompts):
                     r = hf(torch.tensor([ids], device="cuda"), output_hidden_states=True, use_cache=False,
                            logits_to_keep=1)
                 # [0] the embeddings, [k + 1] the output of layer k
-                refs[dtype][sid] = [h[0].float().cpu() for h in r.hidden_states[: len(LAYERS)]] + [last["h"][0].float().cpu()]
+                refs[dtype][sid] = [h[0].float().cpu() for h in r.hidden_states[: len(LAYERS)]]
+                refs[dtype][sid].append(last["h"][0].float().cpu())
                 del r
             seconds[dtype] = time.perf_counter() - t1
             hook.remove()

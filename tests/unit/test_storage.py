@@ -212,7 +212,8 @@ def test_manifest_from_an_older_writer_is_refused_by_name(tmp_path):
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")])
-@pytest.mark.parametrize("fill", ["buf", "place"])  # stats made by a writer thread / came with the rows (decided at commit)
+# "buf": the stats are made by a writer thread; "place": they came with the rows (decided at commit)
+@pytest.mark.parametrize("fill", ["buf", "place"])
 def test_samples_with_nan_or_inf_are_refused_named_and_not_written(tmp_path, poison, fill):
     w = ShardWriter(ShardConfig(output_dir=str(tmp_path), max_shard_bytes=1 << 20, writer_threads=2),
                     [3, 5], H, torch.bfloat16)

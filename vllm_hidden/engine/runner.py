@@ -277,8 +277,8 @@ class _StepStats:
 
     def to_dict(self) -> dict[str, Any]:
         # the last step's rows are what the end of a run (flush) has to write after the last request ends
-        return {"steps": self.steps, "rows": self.rows, "last_step_rows": self.last_rows, "engine_acquire_wait_s": round(self.acquire_wait_s, 3),
-                "engine_submit_s": round(self.submit_s, 3)}
+        return {"steps": self.steps, "rows": self.rows, "last_step_rows": self.last_rows,
+                "engine_acquire_wait_s": round(self.acquire_wait_s, 3), "engine_submit_s": round(self.submit_s, 3)}
 
 
 def install_capture(runner: Any, cfg: CaptureConfig) -> Capture:

@@ -570,6 +570,7 @@ class ShardWriter:
                 if self._error is None:
                     self._error = e
         finally:
+            wait(a.writes)  # on every path (the early layout may raise first): none may still use fd or buffer
             if hashing is not None:
                 hashing.join()  # it reads the arena, which goes back to the pool below
             if a.fd >= 0:
