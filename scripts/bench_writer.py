@@ -2,6 +2,7 @@
 
     python scripts/bench_writer.py --dir /dev/shm/wb --dir .bench/wb          # tmpfs and disk
     python scripts/bench_writer.py --dir /dev/shm/wb --s3                     # + upload to a local S3 (moto)
+    python scripts/bench_writer.py --dir .bench/wb --tail w-chat              # the end of a run (flush)
 
 Data: samples of 27B-shaped rows ([T, 5, 5120] bf16, 51.2 KB per token). `save_file` gets each
 shard's tensors already concatenated (its concatenation is not timed) and writes them one
@@ -93,6 +94,70 @@ def bench_writer(data, d: Path, shard_bytes: int, threads: int, k: int, h: int, 
             "stats": w.stats()}
 
 
+def steps_of(lengths: list[int], budget: int, taper: bool) -> list[list[tuple[int, int, int]]]:
+    """The prompts cut into engine steps as vLLM's scheduler does under chunked prefill (FCFS,
+    `budget` tokens a step; with `taper`, the end of the run as engine.scheduler shapes it):
+    per step, (sample, first position, rows) segments."""
+    from vllm_hidden.engine.scheduler import taper_budget
+
+    left = sum(lengths)
+    steps, cur = [], []
+    room = taper_budget(left, budget) if taper else budget
+    for i, n in enumerate(lengths):
+        pos = 0
+        while pos < n:
+            c = min(n - pos, room)
+            cur.append((i, pos, c))
+            pos, room, left = pos + c, room - c, left - c
+            if room == 0:
+                steps.append(cur)
+                cur, room = [], taper_budget(left, budget) if taper else budget
+    if cur:
+        steps.append(cur)
+    return steps
+
+
+def bench_tail(d: Path, workload: str, threads: int, k: int, h: int, tok_per_s: float, budget: int,
+               taper: bool) -> dict:
+    """The end of a run without an engine: a workload's rows arrive step by step at the GPU's
+    pace (a step of n rows every n / tok_per_s seconds) and go through the real shard writer
+    as the assembler places them; flush = from the last step's rows placed to every shard
+    durable (what `flush_seconds` measures in an extract, less the engine's last step)."""
+    from bench import WORKLOADS, make_prompts
+    from vllm_hidden.config import ShardConfig
+    from vllm_hidden.storage.shards import ShardWriter
+
+    lengths = [len(p) for p in make_prompts(WORKLOADS[workload], 248320)]  # the lengths bench.py's 27B runs had
+    steps = steps_of(lengths, budget, taper)
+    src = torch.randn(budget, k, h).to(torch.bfloat16)  # the ring slot
+    stat = torch.ones(budget, k)
+    shutil.rmtree(d, ignore_errors=True)
+    w = ShardWriter(ShardConfig(output_dir=str(d), writer_threads=threads), list(range(k)), h, torch.bfloat16)
+    slots: dict[int, object] = {}
+    t0 = time.perf_counter()
+    due = t0
+    for step in steps:
+        rows = sum(c for _, _, c in step)
+        due += rows / tok_per_s
+        time.sleep(max(0.0, due - time.perf_counter()))  # the GPU computes the step
+        row = 0
+        for i, pos, c in step:
+            if pos == 0:
+                slots[i] = w.reserve(i, torch.zeros(lengths[i], dtype=torch.int64))
+            slots[i].place(pos, src[row : row + c], stat[row : row + c])
+            row += c
+            if pos + c == lengths[i]:
+                w.commit(slots.pop(i))
+    t1 = time.perf_counter()
+    shards = w.close()
+    t2 = time.perf_counter()
+    shutil.rmtree(d, ignore_errors=True)
+    return {"workload": workload, "taper": taper, "steps": len(steps),
+            "last_steps_rows": [sum(c for _, _, c in st) for st in steps[-6:]],
+            "rows": sum(lengths), "bytes": sum(s.bytes for s in shards), "seconds": t2 - t0, "flush_seconds": t2 - t1,
+            "stats": w.stats()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", action="append", required=True, help="target directory (repeat: tmpfs, disk)")
@@ -100,9 +165,24 @@ def main() -> None:
     ap.add_argument("--shard-bytes", type=int, default=1 << 30)
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--s3", action="store_true", help="also upload to a local S3 endpoint (moto server)")
+    ap.add_argument("--tail", default=None, help="only the end of a run: this workload (bench.py's) at --tok-per-s")
+    ap.add_argument("--tok-per-s", type=float, default=11600.0)
+    ap.add_argument("--step-tokens", type=int, default=16384)
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--taper", choices=["on", "off", "both"], default="both", help="the end of a run tapered (engine.scheduler)")
     ap.add_argument("--result", default=None)
     a = ap.parse_args()
     k, h = 5, 5120
+    if a.tail:
+        runs = []
+        for _ in range(a.repeat):
+            for taper in {"on": [True], "off": [False], "both": [False, True]}[a.taper]:
+                runs.append(bench_tail(Path(a.dir[0]), a.tail, a.threads, k, h, a.tok_per_s, a.step_tokens, taper))
+                print(json.dumps(runs[-1]), flush=True)
+        if a.result:
+            Path(a.result).write_text(json.dumps({"command": " ".join(["python", "scripts/bench_writer.py", *sys.argv[1:]]),
+                                                  "cpus": os.cpu_count(), "runs": runs}, indent=1))
+        return
     data = samples(int(a.gb * 1e9), k, h)
     res = {"command": " ".join(["python", "scripts/bench_writer.py", *sys.argv[1:]]), "cpus": os.cpu_count(),
            "data_bytes": sum(s[2].numel() * 2 for s in data), "samples": len(data), "shard_bytes": a.shard_bytes,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from tests.integration.helpers import HFReference, rel_l2, run_cli, verify_checksums
+from tests.integration.helpers import HFReference, last_json, rel_l2, run_cli, verify_checksums
 from vllm_hidden.data import HiddenStatesDataset
 
 pytestmark = pytest.mark.integration
@@ -127,10 +127,30 @@ def compiled(tiny_models, tmp_path_factory):
                         "--final-state", "post-norm")
             assert r.returncode == 0, r.stderr[-4000:]
             assert f"{len(good)} samples" in r.stdout and f"{len(bad)} errors" in r.stdout
+            (root / "summary.json").write_text(json.dumps(last_json(r)))
             runs[arch] = (model, root, out, good, bad)
         return runs[arch]
 
     return get
+
+
+def test_the_end_of_a_run_tapers(compiled):
+    """The real scheduler, given the driver's last request: once under two full steps (64
+    tokens here) of prompt tokens are left, each step takes half of what is left (the stats
+    keep the last 8 steps' rows; every row of this run is captured). The parity tests above
+    check the same run's states."""
+    _, root, _, _, _ = compiled("qwen3_next")
+    rows = json.loads((root / "summary.json").read_text())["capture_stats"]["last_steps_rows"]
+    assert len(rows) == 8 and sum(rows) > 2 * 64, rows
+    left = [sum(rows[i:]) for i in range(len(rows))]
+    tapered = [(n, r) for n, r in zip(left, rows) if n < 2 * 64]
+    # 64 // 16 = 4: halving while half of what is left is 4 or more, then the rest in one step
+    expected = []
+    for n, _ in tapered:
+        half = -(-n // 2)
+        expected.append(half if half >= 4 else n)
+    assert [r for _, r in tapered] == expected, rows
+    assert len(tapered) >= 4 and rows[-1] <= 8, rows
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3"])

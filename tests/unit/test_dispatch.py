@@ -137,13 +137,20 @@ def test_reader_feed_reports_bad_lines_skips_done_ids_and_ends():
     errors = []
     feed = ReaderFeed(items, {"b", "e"}, errors.append)
     assert feed.next() == Prompt(0, "a", [1])
-    assert errors == [] and not feed.exhausted  # read lazily: nothing past "a" yet
+    # read one prompt ahead, no further: the bad line and the done id before "c", nothing past it
+    assert errors == [items[1]] and feed.resumed == 1 and not feed.exhausted
     assert feed.next() == Prompt(3, "c", [4])
-    assert errors == [items[1]] and feed.resumed == 1
-    assert feed.next() is None and feed.exhausted
-    assert errors == [items[1], items[4]] and feed.resumed == 2
+    # the last prompt: the feed knows it is the end as it hands it out
+    assert feed.exhausted and errors == [items[1], items[4]] and feed.resumed == 2
     assert feed.next() is None and feed.next(wait=False) is None
     assert feed.exhausted and feed.resumed == 2 and len(errors) == 2
+
+
+def test_reader_feed_of_one_prompt_and_of_none():
+    feed = ReaderFeed([Prompt(0, "a", [1])], set(), [].append)
+    assert not feed.exhausted and feed.next() == Prompt(0, "a", [1]) and feed.exhausted
+    feed = ReaderFeed([BadLine(0, 0, "invalid JSON")], set(), [].append)
+    assert feed.next() is None and feed.exhausted
 
 
 @pytest.mark.parametrize("kind", ["queue", "multiprocessing"])
@@ -157,8 +164,12 @@ def test_queue_feed(kind):
     q.put(None)
     feed._poll_s = 10  # the multiprocessing queue hands items over through a feeder thread
     assert feed.next() == Prompt(7, "x", [1, 2, 3])
+    assert not feed.exhausted
     assert feed.next() == Prompt(9, 42, [4])
-    assert feed.taken == 2 and not feed.exhausted
+    assert feed.taken == 2
+    if kind == "queue":  # the end marker already queued behind the last prompt: known with it
+        assert feed.exhausted
+    # (a multiprocessing queue may not have handed the marker over yet: only a look, no wait)
     assert feed.next() is None and feed.exhausted
     q.put((10, "late", [5]))  # after the end marker: left for whoever else reads the queue
     assert feed.next() is None and feed.next(wait=False) is None and feed.taken == 2

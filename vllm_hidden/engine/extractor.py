@@ -61,7 +61,20 @@ def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: C
 
             args.hf_overrides = hf_overrides(capture.layers_run)
         args.additional_config = {**(args.additional_config or {}), **capture.to_additional_config()}
+        if not generate_tokens:
+            _taper_the_end(args)
     return args
+
+
+def _taper_the_end(args) -> None:
+    """Prefill-only: the last steps of a run shrink so that their rows reach disk as the GPU
+    finishes (engine.scheduler)."""
+    from vllm_hidden.engine import scheduler
+
+    if args.scheduler_cls is not None:
+        log.info("vllm-hidden: --scheduler-cls %s given; the end of a run is not tapered", args.scheduler_cls)
+        return
+    args.scheduler_cls = scheduler.QUALNAME
 
 
 # load formats read through vLLM's default loader, whose weight iterator drops a cut model's
@@ -295,6 +308,7 @@ class Extractor:
         finish together (and, under --generate, that the rows they hold fit in host memory)."""
         from vllm_hidden.engine import compat
         from vllm_hidden.engine.runner import LINE_KEY, LOSS_KEY, REQUEST_KEY
+        from vllm_hidden.engine.scheduler import LAST_KEY
 
         engine = self.engine
         if engine is None:
@@ -330,6 +344,8 @@ class Extractor:
                         if shard_cfg.loss_mask:  # a few [start, end) pairs, not a per-token list
                             spans = item.loss_spans if item.loss_spans is not None else [(0, len(item.token_ids))]
                             extra[LOSS_KEY] = [list(s) for s in spans]  # a prompt without one: every token
+                        if feed.exhausted:  # the run's last prompt: its last steps taper (engine.scheduler)
+                            extra[LAST_KEY] = True
                         params = compat.prefill_sampling_params(extra)
                         rows = len(item.token_ids)
                     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -253,7 +254,7 @@ class Capture:
         thread.put(StepRecord(slot, hi - lo, segments, new, frozenset(ended)))
         st.steps += 1
         st.rows += hi - lo
-        st.last_rows = hi - lo
+        st.last_rows.append(hi - lo)
         st.acquire_wait_s += t1 - t0
         st.submit_s += time.perf_counter() - t1
 
@@ -267,17 +268,19 @@ def failure(e: BaseException) -> dict[str, Any]:
 
 class _StepStats:
     """Engine-thread cost of capture, per run: time blocked on a free ring slot
-    (backpressure from the host side) and time launching the gather + copy."""
+    (backpressure from the host side) and time launching the gather + copy; and the rows of
+    the last few steps (what the end of a run has to write: see engine.scheduler)."""
 
     __slots__ = ("steps", "rows", "last_rows", "acquire_wait_s", "submit_s")
 
     def __init__(self) -> None:
-        self.steps = self.rows = self.last_rows = 0
+        self.steps = self.rows = 0
+        self.last_rows: deque[int] = deque(maxlen=8)
         self.acquire_wait_s = self.submit_s = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        # the last step's rows are what the end of a run (flush) has to write after the last request ends
-        return {"steps": self.steps, "rows": self.rows, "last_step_rows": self.last_rows,
+        return {"steps": self.steps, "rows": self.rows, "last_step_rows": self.last_rows[-1] if self.last_rows else 0,
+                "last_steps_rows": list(self.last_rows),
                 "engine_acquire_wait_s": round(self.acquire_wait_s, 3), "engine_submit_s": round(self.submit_s, 3)}
 
 

@@ -1,5 +1,7 @@
 """Where an engine's prompts come from. An engine's loop asks `next(wait)` whenever it has
-room; `exhausted` turns true once no prompt will ever come."""
+room; `exhausted` turns true once no prompt will ever come: as soon as the last one is
+handed out where the feed can tell (a reader looks one prompt ahead), so that the engine
+knows which request ends its run (engine.scheduler tapers the steps after it)."""
 
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ class ReaderFeed:
         self._on_error = on_error
         self.exhausted = False
         self.resumed = 0
+        self._ahead: Prompt | None = None
 
-    def next(self, wait: bool = True) -> Prompt | None:
+    def _read(self) -> Prompt | None:
         for item in self._it:
             if isinstance(item, BadLine):
                 self._on_error(item)
@@ -33,8 +36,15 @@ class ReaderFeed:
                 self.resumed += 1
             else:
                 return item
-        self.exhausted = True
         return None
+
+    def next(self, wait: bool = True) -> Prompt | None:
+        if self.exhausted:
+            return None
+        item = self._ahead if self._ahead is not None else self._read()
+        self._ahead = self._read() if item is not None else None
+        self.exhausted = self._ahead is None
+        return item
 
 
 def pack(p: Prompt) -> tuple[Any, ...]:
@@ -51,23 +61,40 @@ class QueueFeed:
         self._poll_s = poll_s
         self.exhausted = False
         self.taken = 0
+        self._ahead: tuple | None = None
 
-    def next(self, wait: bool = True) -> Prompt | None:
-        if self.exhausted:
-            return None
-        deadline = time.monotonic() + (self._poll_s if wait else 0.0)
+    def _get(self, wait_s: float) -> Any:
+        deadline = time.monotonic() + wait_s
         while True:
             # never a blocking get: a multiprocessing queue's reader holds its lock while it
             # blocks, and an engine killed then would leave the lock held for all the others
             try:
-                item = self._q.get_nowait()
-                break
+                return self._q.get_nowait()
             except queue.Empty:  # Ray's queue raises a subclass of it
                 if time.monotonic() >= deadline:
-                    return None
+                    return _EMPTY
                 time.sleep(0.005)
+
+    def next(self, wait: bool = True) -> Prompt | None:
+        if self.exhausted:
+            return None
+        if self._ahead is not None:
+            item, self._ahead = self._ahead, None
+        else:
+            item = self._get(self._poll_s if wait else 0.0)
+        if item is _EMPTY:
+            return None
         if item is None:
             self.exhausted = True
             return None
+        # is the end already queued behind it? (only a look: a prompt not there yet is not waited for)
+        ahead = self._get(0.0)
+        if ahead is None:
+            self.exhausted = True
+        elif ahead is not _EMPTY:
+            self._ahead = ahead
         self.taken += 1
         return Prompt(*item)
+
+
+_EMPTY = object()

@@ -252,6 +252,8 @@ class ShardWriter:
         self._write_s = 0.0  # summed over writer threads
         self._reserve_wait_s = 0.0  # assembler blocked on a free arena (backpressure)
         self._close_s = 0.0
+        self._unwritten = 0  # bytes of committed rows handed to the writer threads, not yet written
+        self._close_unwritten = 0  # ...when close() began: what the end of a run had left to write
         self._tail: dict[str, float] = {}  # the slowest phases of the shards finished by close(): the end of a run
 
     # -- arenas ------------------------------------------------------------------------
@@ -401,13 +403,15 @@ class ShardWriter:
     # -- files -------------------------------------------------------------------------
     def _flush_batch(self, a: _Arena) -> None:
         if a.batch:
+            with self._cv:
+                self._unwritten += a.batch_bytes
             batch, a.batch, a.batch_bytes = a.batch, [], 0
             a.writes.append(self._pool.submit(self._write_rows, a, batch))
 
     def _write_rows(self, a: _Arena, batch: list[SampleSlot]) -> None:
         t0 = time.perf_counter()
+        nbytes = 0
         try:
-            nbytes = 0
             for s in batch:
                 if s.src is not None or not s.placed:  # deferred: its statistics are made here
                     if s.src is not None:
@@ -436,6 +440,7 @@ class ShardWriter:
         finally:
             with self._cv:
                 self._write_s += time.perf_counter() - t0
+                self._unwritten -= sum(s.buf.numel() * s.buf.element_size() for s in batch)
 
     def _refuse(self, s: SampleSlot, why: str) -> None:
         """Never written: its rows stay zeros (file and memory), the index skips it."""
@@ -596,7 +601,7 @@ class ShardWriter:
         with self._cv:
             d = {"writer_threads": self.cfg.writer_threads, "arenas": self._allocated,
                  "writer_busy_s": round(self._write_s, 3), "arena_wait_s": round(self._reserve_wait_s, 3),
-                 "writer_close_s": round(self._close_s, 4),
+                 "writer_close_s": round(self._close_s, 4), "close_unwritten_bytes": self._close_unwritten,
                  "writer_close_phases": {k: round(v, 4) for k, v in sorted(self._tail.items())}}
         if self._uploader is not None:
             d.update(upload_busy_s=round(self._uploader.busy_s, 3), uploaded_bytes=self._uploader.bytes)
@@ -620,6 +625,7 @@ class ShardWriter:
             t0 = time.perf_counter()
             with self._cv:
                 self._closed = True
+                self._close_unwritten = self._unwritten + sum(a.batch_bytes for a in self._open)
             self._current = None
             for a in list(self._open):
                 for s in a.slots:

@@ -1,0 +1,75 @@
+"""The end of a prefill-only extract, shaped so that its rows are on disk soon after the GPU
+finishes.
+
+A step of N rows leaves N rows for the writers, written while later steps run. At the end of
+a run there is no later step: a full last step (16,384 rows of 51 KB at 27B widths, 0.8 GB)
+leaves the disk (about 2 GB/s on our GPU host) ~0.4 s of writing after the GPU is done. So once
+the driver has said that no more prompts will come (`LAST_KEY` on its last request) and
+fewer than two full steps of prompt tokens are left, each step takes half of what is left
+(what is left of under an eighth of a full step goes in one): every step's rows are written
+while the next, half-size step runs, and the last step is small. The GPU does the same work in a few more
+steps (~3 at the end of a run).
+
+`taper_scheduler` is what the engine is given as its `scheduler_cls`: it builds the scheduler
+vLLM would have picked (async or not) with this one change.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger("vllm.vllm_hidden")  # in the engine core process: through vLLM's logging
+
+# SamplingParams.extra_args key on the driver's last request of a run: no more will come
+LAST_KEY = "vllm_hidden_last"
+QUALNAME = f"{__name__}.taper_scheduler"
+FLOOR_FRACTION = 16  # the smallest tapered step: this fraction of a full step
+
+
+def taper_budget(remaining: int, full: int) -> int:
+    """Tokens the next step may take when `remaining` prompt tokens are all that is left of a
+    run and a full step is `full` tokens."""
+    if remaining >= 2 * full or remaining <= 0:
+        return full
+    half = -(-remaining // 2)
+    # below the floor, the rest goes in one step rather than a full-floor one and a sliver
+    return min(full, half if half >= max(1, full // FLOOR_FRACTION) else remaining)
+
+
+class _Taper:
+    """Mixed into vLLM's scheduler: `max_num_scheduled_tokens` (every schedule() reads its
+    budget from it) follows `taper_budget` while a run drains."""
+
+    _vh_draining = False
+
+    def add_request(self, request: Any) -> None:
+        super().add_request(request)  # type: ignore[misc]
+        params = getattr(request, "sampling_params", None)
+        extra = getattr(params, "extra_args", None) or {}
+        # the last request of a run starts its end; any other request belongs to a run still
+        # being fed (or the next run on this engine)
+        self._vh_draining = bool(extra.get(LAST_KEY))
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._vh_draining:
+            return super().schedule(*args, **kwargs)  # type: ignore[misc]
+        full = self.max_num_scheduled_tokens
+        remaining = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self.requests.values())
+        self.max_num_scheduled_tokens = taper_budget(remaining, full)
+        try:
+            return super().schedule(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self.max_num_scheduled_tokens = full
+
+
+def taper_scheduler(*args: Any, **kwargs: Any) -> Any:
+    """vLLM's scheduler for this engine (async or not, as vLLM decided), tapering at the end."""
+    vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+    if vllm_config.scheduler_config.async_scheduling:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler as base
+    else:
+        from vllm.v1.core.sched.scheduler import Scheduler as base
+    cls = type(f"Tapering{base.__name__}", (_Taper, base), {"__module__": __name__})
+    log.info("vllm-hidden: %s, with the last steps of each extract run tapered", base.__name__)
+    return cls(*args, **kwargs)
