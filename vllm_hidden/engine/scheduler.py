@@ -7,8 +7,8 @@ leaves the disk (about 2 GB/s on our GPU host) ~0.4 s of writing after the GPU i
 the driver has said that no more prompts will come (`LAST_KEY` on its last request) and
 fewer than two full steps of prompt tokens are left, each step takes half of what is left
 (what is left of under an eighth of a full step goes in one): every step's rows are written
-while the next, half-size step runs, and the last step is small. The GPU does the same work in a few more
-steps (~3 at the end of a run).
+while the next, half-size step runs, and the last step is small. The GPU does the same work
+in a few more steps (~3 at the end of a run).
 
 `taper_scheduler` is what the engine is given as its `scheduler_cls`: it builds the scheduler
 vLLM would have picked (async or not) with this one change.

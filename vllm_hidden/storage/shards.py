@@ -403,15 +403,15 @@ class ShardWriter:
     # -- files -------------------------------------------------------------------------
     def _flush_batch(self, a: _Arena) -> None:
         if a.batch:
+            batch, size, a.batch, a.batch_bytes = a.batch, a.batch_bytes, [], 0
             with self._cv:
-                self._unwritten += a.batch_bytes
-            batch, a.batch, a.batch_bytes = a.batch, [], 0
-            a.writes.append(self._pool.submit(self._write_rows, a, batch))
+                self._unwritten += size
+            a.writes.append(self._pool.submit(self._write_rows, a, batch, size))
 
-    def _write_rows(self, a: _Arena, batch: list[SampleSlot]) -> None:
+    def _write_rows(self, a: _Arena, batch: list[SampleSlot], size: int) -> None:
         t0 = time.perf_counter()
-        nbytes = 0
         try:
+            nbytes = 0
             for s in batch:
                 if s.src is not None or not s.placed:  # deferred: its statistics are made here
                     if s.src is not None:
@@ -440,7 +440,7 @@ class ShardWriter:
         finally:
             with self._cv:
                 self._write_s += time.perf_counter() - t0
-                self._unwritten -= sum(s.buf.numel() * s.buf.element_size() for s in batch)
+                self._unwritten -= size
 
     def _refuse(self, s: SampleSlot, why: str) -> None:
         """Never written: its rows stay zeros (file and memory), the index skips it."""
