@@ -159,7 +159,8 @@ def extract(
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
     help="Run vLLM's OpenAI-compatible server with hidden-state capture. /v1/completions and "
     "/v1/chat/completions accept \"hidden_states\": true or {\"layers\": [...], \"tokens\": \"prompt\"|\"all\"} "
-    "and then return the states inline (base64 safetensors). Unknown options go to `vllm serve` "
+    "and then return the states inline (base64 safetensors) or, with \"transfer\": \"fetch\", at a URL for one "
+    "GET of the binary safetensors. Unknown options go to `vllm serve` "
     "(e.g. --port 8000 --api-key KEY --tensor-parallel-size 2).",
 )
 def serve(
@@ -172,6 +173,10 @@ def serve(
     max_request_bytes: Annotated[int, typer.Option(help="Largest body of a request with hidden_states; more is HTTP 413.")] = ServeConfig.max_request_bytes,
     max_concurrent: Annotated[int, typer.Option(help="Hidden-state requests in flight at once (more wait); bounds the memory they hold.")] = ServeConfig.max_concurrent,
     hidden_states_timeout: Annotated[float, typer.Option(help="Seconds a finished response waits for its hidden states.")] = ServeConfig.timeout_s,
+    fetch_ttl: Annotated[float, typer.Option(help="Fetch form: seconds a response's states wait for their GET, then they are deleted.")] = ServeConfig.fetch_ttl_s,
+    max_unfetched_bytes: Annotated[int, typer.Option(help="Fetch form: bytes all unfetched states may hold, split over the API server processes; "
+                                                     "a request that does not fit is HTTP 503.")] = ServeConfig.max_unfetched_bytes,
+    fetch_dir: Annotated[Optional[Path], typer.Option(help="Fetch form: where unfetched states are kept (default /dev/shm, memory).")] = None,
     cache_dir: CacheDir = None,
     tp: Tp = 1,
 ) -> None:
@@ -181,14 +186,17 @@ def serve(
 
         CacheDirs.resolve(str(cache_dir) if cache_dir else None).apply()  # before vLLM is imported
         limits = ServeConfig(max_hidden_tokens=max_hidden_tokens, max_request_bytes=max_request_bytes,
-                             max_concurrent=max_concurrent, timeout_s=hidden_states_timeout)
+                             max_concurrent=max_concurrent, timeout_s=hidden_states_timeout, fetch_ttl_s=fetch_ttl,
+                             max_unfetched_bytes=max_unfetched_bytes)
+        if fetch_dir is not None and not fetch_dir.is_dir():
+            raise ValueError(f"--fetch-dir must be an existing directory, got {str(fetch_dir)!r}")
         from vllm_hidden.engine.serving import prepare_environment, run_vllm_serve, serve_argv
         from vllm_hidden.extract.plan import model_info
         from vllm_hidden.layers import resolve_layer_ids
 
         ids = resolve_layer_ids(model_info(model).num_layers, layers, aux_layers, str(layers_from) if layers_from else None)
         argv = serve_argv(model, ids, list(ctx.args), tp=tp)
-        prepare_environment(limits.to_env())
+        prepare_environment(limits.to_env(), str(fetch_dir) if fetch_dir else None)
     except (ValueError, ImportError, OSError) as e:
         _fail(str(e))
     try:

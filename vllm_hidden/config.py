@@ -278,18 +278,26 @@ class ServeConfig:
     max_concurrent: int = 64
     # Seconds a finished response waits for its hidden states.
     timeout_s: float = 120.0
+    # Fetch form: seconds a response's states wait to be fetched, and the bytes all unfetched
+    # states may hold (memory: /dev/shm), split evenly over the API server processes.
+    fetch_ttl_s: float = 120.0
+    max_unfetched_bytes: int = 8 << 30
 
     ENV = {"max_hidden_tokens": "VHIDDEN_MAX_TOKENS", "max_request_bytes": "VHIDDEN_MAX_REQUEST_BYTES",
-           "max_concurrent": "VHIDDEN_MAX_CONCURRENT", "timeout_s": "VHIDDEN_TIMEOUT"}
+           "max_concurrent": "VHIDDEN_MAX_CONCURRENT", "timeout_s": "VHIDDEN_TIMEOUT",
+           "fetch_ttl_s": "VHIDDEN_FETCH_TTL", "max_unfetched_bytes": "VHIDDEN_MAX_UNFETCHED_BYTES"}
 
     def __post_init__(self) -> None:
-        for name in ("max_hidden_tokens", "max_request_bytes", "max_concurrent"):
+        for name in ("max_hidden_tokens", "max_request_bytes", "max_concurrent", "max_unfetched_bytes"):
             _positive_int(self._what(name), getattr(self, name))
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
-            raise ValueError(f"{self._what('timeout_s')} must be a positive number, got {self.timeout_s!r}")
+        for name in ("timeout_s", "fetch_ttl_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{self._what(name)} must be a positive number, got {v!r}")
 
     FLAGS = {"max_hidden_tokens": "--max-hidden-tokens", "max_request_bytes": "--max-request-bytes",
-             "max_concurrent": "--max-concurrent", "timeout_s": "--hidden-states-timeout"}
+             "max_concurrent": "--max-concurrent", "timeout_s": "--hidden-states-timeout",
+             "fetch_ttl_s": "--fetch-ttl", "max_unfetched_bytes": "--max-unfetched-bytes"}
 
     def _what(self, name: str) -> str:
         return f"{self.FLAGS[name]} ({self.ENV[name]})"
@@ -302,7 +310,7 @@ class ServeConfig:
             if raw is None or raw == "":
                 continue
             try:
-                kw[name] = float(raw) if name == "timeout_s" else int(raw)
+                kw[name] = float(raw) if name.endswith("_s") else int(raw)
             except ValueError:
                 raise ValueError(f"{var} must be a number, got {raw!r}") from None
         return cls(**kw)

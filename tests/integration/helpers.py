@@ -124,12 +124,14 @@ def token_prompt(seed: int, n: int, hi: int = 500) -> list[int]:
 
 
 def check_states(ref: HFReference, obj: dict, layers: list[int], ids: list[int] | None = None,
-                 tol: float = 1e-2) -> dict:
+                 tol: float = 1e-2, fetched: dict | None = None) -> dict:
     """A server response's `hidden_states` object: its shape and token ids (`ids`, if given),
-    and every layer against HF within `tol` rel. L2. Returns the decoded tensors."""
+    and every layer against HF within `tol` rel. L2. Returns the decoded tensors (for the
+    fetch form, pass what `fetch` returned as `fetched`)."""
     from vllm_hidden.server import decode
 
-    d = decode(obj)
+    d = decode(obj) if fetched is None else fetched
+    assert obj["not_finite"]["count"] == 0 and list(d["hidden_states"].shape) == obj["shape"]
     hs, got = d["hidden_states"], d["token_ids"].tolist()
     assert obj["num_tokens"] == len(got) == hs.shape[0]
     assert obj["layer_ids"] == layers and hs.shape[1] == len(layers)

@@ -1,12 +1,17 @@
 """The OpenAI server with hidden states: real `vllm-hidden serve` processes on 127.0.0.1, the
-official `openai` client, states checked against HF Transformers on the same weights."""
+official `openai` client, states checked against HF Transformers on the same weights. The
+main server runs two API server processes (`--api-server-count 2`), so every test here also
+checks that a response's states come back to the process holding its request, and that a
+fetch reaching the other process gets them."""
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
+import torch
 
 from tests.integration.helpers import HFReference, Server, check_states
 from tests.integration.helpers import token_prompt as prompt
@@ -17,6 +22,9 @@ LAYERS = [0, 2, 3]  # of a 4-layer model; 3 is the last (taken before the final 
 KEY = "test-key-1"
 MAX_HIDDEN = 400
 MAX_BODY = 200_000
+FETCH_TTL = 30  # s; the expiry test (last) waits out what is left of it after the others
+UNFETCHED = 2 << 20  # bytes over both API processes
+EXPIRING: dict = {}  # an unfetched fetch-form object and when it was answered, for the expiry test
 
 
 @pytest.fixture(scope="module")
@@ -27,12 +35,22 @@ def dense(tiny_models):
 # The dense servers run eager (a compile each would cost the CI machine ~30 s); the hybrid
 # server below runs compiled, vLLM's default, prefill and decode.
 @pytest.fixture(scope="module")
-def server(dense, tmp_path_factory):
+def fetch_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("fetch")
+
+
+@pytest.fixture(scope="module")
+def server(dense, tmp_path_factory, fetch_dir):
     s = Server(dense, tmp_path_factory.mktemp("srv") / "server.log", ",".join(map(str, LAYERS)),
                "--max-model-len", "1024", "--enforce-eager", "--enable-prompt-tokens-details", "--max-hidden-tokens", str(MAX_HIDDEN),
-               "--max-request-bytes", str(MAX_BODY), api_key=KEY)
+               "--max-request-bytes", str(MAX_BODY), "--api-server-count", "2", "--fetch-ttl", str(FETCH_TTL),
+               "--max-unfetched-bytes", str(UNFETCHED), "--fetch-dir", str(fetch_dir), api_key=KEY)
     yield s
     s.stop()
+
+
+def _unfetched_bytes(fetch_dir) -> int:
+    return sum(f.stat().st_size for f in fetch_dir.glob("vllm-hidden-fetch-*/*"))
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +65,116 @@ def test_completion_prompt_states_match_hf(server, ref):
                              extra_body={"hidden_states": True})
     obj = r.model_extra["hidden_states"]
     assert obj["format"] == "safetensors" and obj["encoding"] == "base64" and obj["tokens"] == "prompt"
+    assert obj["not_finite"] == {"count": 0, "tokens": 0, "first_token": None, "layer_ids": []}
     check_states(ref, obj, LAYERS, ids=p)
     assert r.choices[0].text  # the completion itself is still there
+
+
+def test_fetch_form_equals_inline_and_hf(server, ref):
+    """Both forms of the same requests (completions, chat, streaming): the same states, equal
+    to HF; the fetch form's bytes come by one GET, with the client helper or by hand."""
+    import requests
+
+    from vllm_hidden.server import decode, fetch
+
+    c = server.client()
+    model = server.model_name()
+    p = prompt(40, 45)
+    got = {}
+    for transfer in ("inline", "fetch"):
+        r = c.completions.create(model=model, prompt=p, max_tokens=5, temperature=0,
+                                 extra_body={"hidden_states": {"tokens": "all", "transfer": transfer}})
+        obj = r.model_extra["hidden_states"]
+        got[transfer] = (decode(obj) if transfer == "inline" else fetch(c, obj), obj)
+    inline, fetched = got["inline"][0], got["fetch"][0]
+    obj = got["fetch"][1]
+    assert "data" not in obj and obj["url"].startswith("/v1/hidden_states/") and obj["expires_in"] == FETCH_TTL
+    assert {k: v for k, v in obj.items() if k not in ("url", "bytes", "expires_in", "transfer")} == \
+        {k: v for k, v in got["inline"][1].items() if k not in ("data", "encoding", "transfer")}
+    assert fetched["token_ids"].tolist() == inline["token_ids"].tolist()
+    assert torch.equal(fetched["hidden_states"], inline["hidden_states"])
+    check_states(ref, got["inline"][1], LAYERS, ids=inline["token_ids"].tolist())
+
+    # chat, streaming: the fetch object arrives with the last event; fetched by a plain GET
+    for stream in (False, True):
+        kw = dict(model=model, messages=[{"role": "user", "content": "abc de fgh ij"}], max_tokens=4, temperature=0,
+                  extra_body={"hidden_states": {"layers": [3, 0], "transfer": "fetch"}})
+        if stream:
+            obj = [ch for ch in c.chat.completions.create(stream=True, **kw)][-1].model_extra["hidden_states"]
+        else:
+            obj = c.chat.completions.create(**kw).model_extra["hidden_states"]
+        r = requests.get(server.url + obj["url"], headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream"
+        assert len(r.content) == obj["bytes"]
+        from safetensors.torch import load
+
+        d = load(r.content)
+        assert list(d["hidden_states"].shape) == obj["shape"]
+        check_states(ref, obj, [3, 0], fetched=d)
+        # once only
+        again = requests.get(server.url + obj["url"], headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        assert again.status_code == 404 and "already fetched" in again.text
+
+    # left unfetched, for the expiry test at the end of this module
+    r = c.completions.create(model=model, prompt=prompt(41, 12), max_tokens=1,
+                             extra_body={"hidden_states": {"transfer": "fetch"}})
+    EXPIRING.update(obj=r.model_extra["hidden_states"], at=time.monotonic())
+
+
+def test_fetch_needs_the_api_key_and_a_known_id(server, ref):
+    import requests
+
+    from vllm_hidden.server import fetch
+
+    c = server.client()
+    p = prompt(42, 20)
+    obj = c.completions.create(model=server.model_name(), prompt=p, max_tokens=2,
+                               extra_body={"hidden_states": {"transfer": "fetch"}}).model_extra["hidden_states"]
+    for auth in (None, "Bearer wrong"):
+        r = requests.get(server.url + obj["url"], headers={"Authorization": auth} if auth else {}, timeout=60)
+        assert r.status_code == 401, (auth, r.status_code, r.text)
+    with pytest.raises(RuntimeError, match="HTTP 401"):
+        fetch(server.url, obj, api_key="wrong")
+    d = fetch(server.url + "/v1", obj, api_key=KEY)  # a 401 does not use the fetch up
+    assert d["token_ids"].tolist() == p
+    with pytest.raises(RuntimeError, match="HTTP 404"):
+        fetch(c, obj)
+    for bad in ("A" * 32, "x", "..%2F..%2Fetc%2Fpasswd", obj["url"].rsplit("/", 1)[1] + "A"):
+        r = requests.get(server.url + "/v1/hidden_states/" + bad, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        assert r.status_code == 404 and r.json()["error"]["code"] == 404, (bad, r.text)
+
+
+def test_unfetched_states_are_bounded(server, fetch_dir):
+    """Fetch-form responses nobody fetches: past --max-unfetched-bytes the next one is a 503
+    naming the limit (before the engine runs it), the directory never holds more, and
+    fetching frees the room."""
+    from vllm_hidden.server import fetch
+
+    c = server.client()
+    model = server.model_name()
+    held, refused = [], 0
+    for i in range(400):
+        code, body = server.post("/v1/completions", {"model": model, "prompt": prompt(2000 + i, MAX_HIDDEN), "max_tokens": 1,
+                                                     "hidden_states": {"transfer": "fetch"}})
+        if code == 503:
+            assert "--max-unfetched-bytes" in body["error"]["message"], body
+            refused += 1
+            if refused >= 6:  # 6 in a row: full (each connection reaches either API process)
+                break
+            continue
+        assert code == 200, body
+        refused = 0
+        held.append(body["hidden_states"])
+        assert _unfetched_bytes(fetch_dir) <= UNFETCHED
+    size = held[0]["bytes"]
+    # at least one API process's half of the budget is full, and nothing is over it
+    assert refused >= 6 and UNFETCHED // 2 - size <= len(held) * size <= UNFETCHED, (len(held), size)
+    for obj in held:
+        assert fetch(c, obj)["hidden_states"].shape[0] == MAX_HIDDEN
+    assert _unfetched_bytes(fetch_dir) <= EXPIRING["obj"]["bytes"]
+    code, body = server.post("/v1/completions", {"model": model, "prompt": prompt(3000, MAX_HIDDEN), "max_tokens": 1,
+                                                 "hidden_states": {"transfer": "fetch"}})
+    assert code == 200 and fetch(c, body["hidden_states"])["token_ids"].tolist() == prompt(3000, MAX_HIDDEN)
 
 
 def test_completion_all_tokens_cover_generated_tokens(server, ref):
@@ -198,8 +324,11 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, ref):
 
 
 def test_concurrent_mixed_load(server, ref):
-    """32 clients x 3 requests, with and without states, streaming and not: every response
-    complete and correct; the server's memory does not grow with the load."""
+    """32 clients x 3 requests, with and without states, inline and fetch, streaming and not,
+    over two API server processes: every response complete and carrying its own request's
+    states; the server's memory does not grow with the load."""
+    from vllm_hidden.server import fetch
+
     model = server.model_name()
     c = server.client(timeout=300)
     errors: list = []
@@ -210,7 +339,9 @@ def test_concurrent_mixed_load(server, ref):
             for j in range(3):
                 p = prompt(1000 + 3 * i + j, 10 + (7 * i + j) % 50)
                 want = (i + j) % 2 == 0
-                extra = {"hidden_states": {"layers": LAYERS, "tokens": "all" if j == 1 else "prompt"}} if want else {}
+                transfer = "fetch" if i % 3 == 1 else "inline"
+                extra = {"hidden_states": {"layers": LAYERS, "tokens": "all" if j == 1 else "prompt",
+                                           "transfer": transfer}} if want else {}
                 if i % 4 == 3:
                     chunks = list(c.completions.create(model=model, prompt=p, max_tokens=4, temperature=0, stream=True,
                                                        extra_body=extra))
@@ -219,7 +350,8 @@ def test_concurrent_mixed_load(server, ref):
                 else:
                     r = c.completions.create(model=model, prompt=p, max_tokens=4, temperature=0, extra_body=extra)
                     obj, text = r.model_extra.get("hidden_states"), r.choices[0].text
-                results.append((p, want, j == 1, obj, text))
+                fetched = fetch(c, obj) if obj is not None and transfer == "fetch" else None
+                results.append((p, want, j == 1, obj, text, fetched))
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(repr(e))
 
@@ -237,15 +369,18 @@ def test_concurrent_mixed_load(server, ref):
     rss1 = server.rss_bytes()
     assert errors == []
     assert len(results) == 96
-    for p, want, all_tokens, obj, text in results:
+    for p, want, all_tokens, obj, text, fetched in results:
         assert text
         if not want:
             assert obj is None
             continue
-        d = check_states(ref, obj, LAYERS)
+        d = check_states(ref, obj, LAYERS, fetched=fetched)
         ids = d["token_ids"].tolist()
         assert ids[: len(p)] == p and len(ids) == (len(p) + 3 if all_tokens else len(p))
     assert rss1 - rss0 < 256 << 20, (rss0, rss1)
+    # both API server processes served states (each logs it when it first does)
+    log = server.log.read_text()
+    assert "API server process 0 of 2" in log and "API server process 1 of 2" in log
 
 
 @pytest.fixture(scope="module")
@@ -290,3 +425,19 @@ def test_client_disconnect_mid_stream_leaves_the_server_serving(server, ref):
     code, body = server.post("/v1/completions", {"model": model, "prompt": p, "max_tokens": 3, "hidden_states": True})
     assert code == 200
     check_states(ref, body["hidden_states"], LAYERS, ids=p)
+
+
+def test_unfetched_states_expire(server, fetch_dir):
+    """The fetch-form object left unfetched by the first fetch test: a 404 once its TTL is
+    over, and its file deleted."""
+    import requests
+
+    obj = EXPIRING["obj"]
+    time.sleep(max(0.0, EXPIRING["at"] + FETCH_TTL + 1 - time.monotonic()))
+    r = requests.get(server.url + obj["url"], headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 404 and "expired" in r.text
+    entry = obj["url"].rsplit("/", 1)[1]
+    deadline = time.monotonic() + 30
+    while list(fetch_dir.glob(f"vllm-hidden-fetch-*/{entry}")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not list(fetch_dir.glob(f"vllm-hidden-fetch-*/{entry}"))

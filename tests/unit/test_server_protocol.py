@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from vllm_hidden.server.middleware import _check_shape, _splice_parts, _StreamSplicer, _strip_reserved
+from vllm_hidden.server.registry import Pending
 from vllm_hidden.server.protocol import (HiddenStatesSpec, RequestError, decode, encode, parse_field,
                                          returned_token_ids)
 
@@ -419,7 +420,8 @@ def test_stream_splicer_rejected_request_gets_a_400_and_no_events():
     mw = FakeMiddleware()
     pieces = _split(stream, [30, 100])
     msgs = [START_200] + [_body(p) for p in pieces] + [_body(b"", more=False)]
-    sent = _run_splicer(msgs, SimpleNamespace(rejected=msg), mw)
+    pending = Pending(token="t", spec=parse_field(True, (0,)), max_tokens=1, future=None, rejected=msg)
+    sent = _run_splicer(msgs, pending, mw)
 
     starts = [m for m in sent if m["type"] == "http.response.start"]
     assert len(starts) == 1 and starts[0]["status"] == 400

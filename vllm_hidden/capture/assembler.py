@@ -68,6 +68,7 @@ class Sample:
     sample_id: Any
     token_ids: torch.Tensor  # int64 [T]
     hidden_states: torch.Tensor  # [T, K, H]
+    finite: bool = True  # the rows' statistics found no NaN/Inf (MemorySink sets it)
 
 
 class CaptureError(RuntimeError):
@@ -93,13 +94,16 @@ class Sink(Protocol):
 
 
 class _MemSlot:
-    __slots__ = ("sample_id", "token_ids", "buf")
+    __slots__ = ("sample_id", "token_ids", "buf", "finite")
 
     def __init__(self, sample_id: Any, token_ids: list[int], buf: torch.Tensor) -> None:
         self.sample_id, self.token_ids, self.buf = sample_id, token_ids, buf
+        self.finite = True
 
     def place(self, pos: int, rows: torch.Tensor, stat: torch.Tensor) -> None:
         self.buf[pos : pos + rows.shape[0]].copy_(rows)
+        if self.finite and not bool(torch.isfinite(stat).all()):  # [n, C] floats: cheap
+            self.finite = False
 
 
 class MemorySink:
@@ -118,7 +122,7 @@ class MemorySink:
         return _MemSlot(sample_id, token_ids, torch.empty((n, *self.row_shape), dtype=self.dtype))
 
     def commit(self, slot: _MemSlot) -> None:
-        self.on_sample(Sample(slot.sample_id, torch.tensor(slot.token_ids, dtype=torch.int64), slot.buf))
+        self.on_sample(Sample(slot.sample_id, torch.tensor(slot.token_ids, dtype=torch.int64), slot.buf, slot.finite))
 
     def drop(self, slot: _MemSlot) -> None:
         pass

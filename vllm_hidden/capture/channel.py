@@ -1,10 +1,13 @@
-"""The result channel: worker (capture writer rank) -> API server, one ZMQ PUSH/PULL pair.
+"""The result channel: worker (capture writer rank) -> API server process, ZMQ PUSH/PULL.
 
 A finished sample travels as two frames, a small JSON header and the raw rows (sent
-without a copy). The API server binds; every writer rank (one per engine, so also each
-data-parallel engine) connects. The address is an IPC socket in a private directory, set
-in the environment before vLLM starts its engine processes, which inherit it (by the plugin's
-registration, which vLLM runs while parsing its arguments, or by `vllm-hidden serve`).
+without a copy). Each API server process binds its own IPC socket (vLLM may run several,
+`--api-server-count`) and names it in each request it sends to the engine, so every sample
+goes back to the process that holds its HTTP request; a writer rank (one per engine, so also
+each data-parallel engine) keeps one PUSH socket per API server process. A key set in the
+environment before vLLM starts its processes (by the plugin's registration, which vLLM runs
+while parsing its arguments, or by `vllm-hidden serve`) proves a request came through an
+API server process: the worker connects only where such a request says.
 """
 
 from __future__ import annotations
@@ -22,20 +25,16 @@ import torch
 
 log = logging.getLogger("vllm_hidden")
 
-CHANNEL_ENV = "VHIDDEN_CHANNEL"
 KEY_ENV = "VHIDDEN_CHANNEL_KEY"
 # A full 27B sample of a few thousand tokens is hundreds of MB: few in flight per sender.
 SEND_HWM = 16
 SEND_TIMEOUT_MS = 120_000
+MAX_ROUTES = 256  # API server processes one writer rank keeps a socket to
 
 
 def new_address() -> str:
     # ZMQ makes the socket file with the umask's mode: other users cannot connect by default
     return f"ipc://{tempfile.gettempdir()}/vllm-hidden-{os.getpid()}-{secrets.token_hex(6)}.sock"
-
-
-def channel_address() -> str | None:
-    return os.environ.get(CHANNEL_ENV) or None
 
 
 def channel_key() -> str | None:
@@ -44,57 +43,71 @@ def channel_key() -> str | None:
     return os.environ.get(KEY_ENV) or None
 
 
-def ensure_address(fresh: bool = False) -> str:
-    """The address (and key) for this server's processes, set in the environment so that
-    the engine processes vLLM starts next inherit them."""
-    addr = None if fresh else channel_address()
-    if addr is None or channel_key() is None:
-        addr = os.environ[CHANNEL_ENV] = new_address()
+def ensure_key(fresh: bool = False) -> str:
+    """The key for this server's processes, set in the environment so that the processes
+    vLLM starts next inherit it."""
+    if fresh or channel_key() is None:
         os.environ[KEY_ENV] = secrets.token_hex(16)
-    return addr
+    return os.environ[KEY_ENV]
+
+
+def routed_id(address: str, token: str) -> str:
+    """A served sample's id on the worker: where it goes and the API server's token."""
+    return f"{address}#{token}"
 
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (torch.bfloat16, torch.float16, torch.float32)}
 
 
 class Publisher:
-    """Worker side (the assembler thread only: a ZMQ socket is not thread-safe). Never
-    raises: a lost sample fails its one request (the API server times out on it), not the
-    engine."""
+    """Worker side (the assembler thread only: a ZMQ socket is not thread-safe): each sample
+    to the API server process its id names (`routed_id`). Never raises: a lost sample fails
+    its one request (the API server times out on it), not the engine."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self) -> None:
         import zmq
 
         self._zmq = zmq
         self._ctx = zmq.Context(1)
-        self._sock = self._ctx.socket(zmq.PUSH)
-        self._sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-        self._sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)  # backpressure, but bounded
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(address)
-        self.address = address
+        self._socks: dict[str, Any] = {}
 
-    def _send(self, header: dict[str, Any], payload: Any = b"") -> None:
+    def _sock(self, address: str):
+        sock = self._socks.pop(address, None)
+        if sock is None:
+            if len(self._socks) >= MAX_ROUTES:  # the least recently used goes (a server's processes are few)
+                self._socks.pop(next(iter(self._socks))).close(0)
+            sock = self._ctx.socket(self._zmq.PUSH)
+            sock.setsockopt(self._zmq.SNDHWM, SEND_HWM)
+            sock.setsockopt(self._zmq.SNDTIMEO, SEND_TIMEOUT_MS)  # backpressure, but bounded
+            sock.setsockopt(self._zmq.LINGER, 0)
+            sock.connect(address)
+        self._socks[address] = sock
+        return sock
+
+    def _send(self, sample_id: str, header: dict[str, Any], payload: Any = b"") -> None:
+        address, _, token = str(sample_id).rpartition("#")
+        header["id"] = token
         try:
-            self._sock.send_multipart([json.dumps(header).encode(), payload], copy=False)
+            self._sock(address).send_multipart([json.dumps(header).encode(), payload], copy=False)
         except self._zmq.ZMQError as e:
-            log.error("vllm-hidden: could not send hidden states for request %s to %s: %s",
-                      header.get("id"), self.address, e)
+            log.error("vllm-hidden: could not send hidden states for request %s to %s: %s", token, address, e)
 
     def send_sample(self, sample: Any) -> None:
         hs = sample.hidden_states.contiguous()
-        header = {"id": sample.sample_id, "shape": list(hs.shape), "dtype": str(hs.dtype).replace("torch.", "")}
-        self._send(header, hs.view(torch.uint8).numpy())  # zmq keeps a reference until sent
+        header = {"shape": list(hs.shape), "dtype": str(hs.dtype).replace("torch.", ""),
+                  "finite": bool(getattr(sample, "finite", True))}
+        self._send(sample.sample_id, header, hs.view(torch.uint8).numpy())  # zmq keeps a reference until sent
 
     def send_failure(self, sample_id: Any, message: str) -> None:
-        self._send({"id": sample_id, "error": message})
+        self._send(sample_id, {"error": message})
 
 
 class Receiver:
     """API-server side: an asyncio task pulling samples and handing each to `deliver(id,
-    rows or None, error or None)`."""
+    rows or None, error or None, finite)` (`finite`: the worker's row statistics found no
+    NaN/Inf)."""
 
-    def __init__(self, address: str, deliver: Callable[[str, torch.Tensor | None, str | None], None]) -> None:
+    def __init__(self, address: str, deliver: Callable[[str, torch.Tensor | None, str | None, bool], None]) -> None:
         import zmq
         import zmq.asyncio
 
@@ -104,8 +117,7 @@ class Receiver:
         try:
             self._sock.bind(address)
         except zmq.ZMQError as e:
-            raise RuntimeError(f"cannot bind the hidden-states channel {address!r} ({e}); one API server process "
-                               f"per address: leave {CHANNEL_ENV} unset and --api-server-count at 1") from None
+            raise RuntimeError(f"cannot bind the hidden-states channel {address!r} ({e})") from None
         self.address = address
         self._deliver = deliver
         self._task = None
@@ -122,13 +134,14 @@ class Receiver:
             try:
                 header = json.loads(bytes(frames[0].buffer))
                 if header.get("error") is not None:
-                    self._deliver(str(header["id"]), None, str(header["error"]))
+                    self._deliver(str(header["id"]), None, str(header["error"]), True)
                     continue
                 dtype = _DTYPES[header["dtype"]]
                 with warnings.catch_warnings():  # a read-only buffer; nothing writes to it
                     warnings.simplefilter("ignore")
                     raw = torch.frombuffer(frames[1].buffer, dtype=torch.uint8) if len(frames[1].buffer) \
                         else torch.empty(0, dtype=torch.uint8)
-                self._deliver(str(header["id"]), raw.view(dtype).reshape(header["shape"]), None)
+                self._deliver(str(header["id"]), raw.view(dtype).reshape(header["shape"]), None,
+                              bool(header.get("finite", False)))
             except Exception:  # noqa: BLE001 - one bad message must not stop the channel
                 log.exception("vllm-hidden: bad message on the hidden-states channel")

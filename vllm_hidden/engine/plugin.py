@@ -8,8 +8,9 @@ weight iterator, a pass-through unless the model's config was truncated by us
 (`engine.truncate`: the checkpoint's weights of the cut layers are dropped there). With
 capture on, it also wraps the
 worker's `compile_or_warm_up_model` (the end of an engine's start-up) to report whether the
-start was warm (`caches.StartProbe`). And it puts the server's result channel address in the
-environment (a string; nothing is opened) for the engine processes.
+start was warm (`caches.StartProbe`). And it puts the server's channel key and the name of
+its fetch-form directory in the environment (strings; nothing is opened or made) for the
+processes vLLM starts.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ def register() -> None:
         return
     _registered = True
     from vllm_hidden.engine import compat
-    from vllm_hidden.capture.channel import ensure_address
+    from vllm_hidden.capture.channel import ensure_key
+    from vllm_hidden.server.store import ensure_dir_env
 
     # vLLM registers plugins while parsing its arguments, before it starts the engine's
-    # processes: a `vllm serve --middleware ...` server gets its result channel here.
-    ensure_address()
+    # processes: a `vllm serve --middleware ...` server gets its channel key here.
+    ensure_key()
+    ensure_dir_env()
 
     runner_cls = compat.model_runner_class()
     original = runner_cls._setup_eagle3_aux_hidden_state_outputs

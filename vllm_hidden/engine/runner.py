@@ -22,7 +22,7 @@ from vllm_hidden.capture.ring import StepTransfer
 from vllm_hidden.config import CaptureConfig, ShardConfig
 from vllm_hidden.engine import compat
 from vllm_hidden.engine.caches import StartProbe, describe
-from vllm_hidden.capture.channel import Publisher, channel_address, channel_key
+from vllm_hidden.capture.channel import Publisher, channel_key, routed_id
 from vllm_hidden.engine.serving import WORKER_KEY
 from vllm_hidden.storage.shards import ShardWriter
 
@@ -149,18 +149,14 @@ class Capture:
         return failure(thread.error)
 
     def _open_publisher(self) -> bool:
-        """A server's requests: samples go back to the API server over its channel."""
-        address = channel_address()
-        if address is None:
-            log.error("vllm-hidden: a request asked for hidden states but no result channel is configured; "
-                      "start the server with `vllm-hidden serve`")
-            return False
-        pub = Publisher(address)
+        """A server's requests: samples go back over the result channel to the API server
+        process each request names."""
+        pub = Publisher()
         self._set_layout(False)
         sink = MemorySink(self.transfer.shape[1:], self.transfer.values_dtype, pub.send_sample, pub.send_failure)
         self.thread = AssemblerThread(Assembler(self.transfer, sink), cpus=compat.cpus_off_the_forward(self.runner.device))
         self.sink_kind = "publish"
-        log.info("vllm-hidden: sending hidden states to the API server at %s", address)
+        log.info("vllm-hidden: sending hidden states to the API server")
         return True
 
     def _new_request(self, extra: dict[str, Any], prompt: list[int] | None) -> NewRequest | None:
@@ -175,7 +171,7 @@ class Capture:
         spec = extra.get(WORKER_KEY)
         if not isinstance(spec, dict) or not prompt or self.sink_kind == "shards":
             return None
-        if spec.get("key") is None or spec.get("key") != channel_key():
+        if spec.get("key") is None or spec.get("key") != channel_key() or not isinstance(spec.get("to"), str):
             log.warning("vllm-hidden: ignoring a capture request without the server's key")
             return None
         if self.sink_kind is None and not self._open_publisher():
@@ -183,7 +179,7 @@ class Capture:
         rows = spec.get("rows") if spec.get("all") else None
         if rows is not None:  # the API server checked it; never trust it with memory
             rows = max(1, min(int(rows), self.max_model_len))
-        return NewRequest(str(spec["id"]), prompt, rows)
+        return NewRequest(routed_id(spec["to"], str(spec["id"])), prompt, rows)
 
     # -- per step ------------------------------------------------------------------
     def on_step(self, scheduler_output: Any) -> None:

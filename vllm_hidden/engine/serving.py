@@ -63,8 +63,13 @@ def install_generate_hook(lookup: Callable[[Any], Any]) -> None:
                                 f"{pending.max_tokens} hidden-state tokens per response"
                                 + ("; lower max_tokens" if spec.all_tokens else ""))
             raise Rejected(pending.rejected)
+        if pending.admit is not None:  # fetch form: room for the unfetched bytes, before the engine runs
+            why = pending.admit(rows)
+            if why is not None:
+                pending.rejected, pending.rejected_status = why, 503
+                raise Rejected(why)
         params.extra_args[WORKER_KEY] = {"id": pending.token, "rows": rows, "all": spec.all_tokens,
-                                         "key": channel_key()}
+                                         "key": channel_key(), "to": pending.reply_to}
         params.skip_reading_prefix_cache = True
         delta = params.output_kind == RequestOutputKind.DELTA
         async for out in original(self, prompt, params, request_id, *args, **kwargs):
@@ -164,17 +169,17 @@ def run_vllm_serve(argv: list[str]) -> None:
     else:
         configure_logging_from_args(args)
     cmd.validate(args)
-    if getattr(args, "api_server_count", None) not in (None, 1):
-        raise ValueError(f"--api-server-count {args.api_server_count}: hidden states are served by one API server "
-                         "process (it owns the result channel)")
     compat.bind_cpu_threads(args.tensor_parallel_size)
     log.info("vllm-hidden: %s", " ".join(argv))
     args.dispatch_function(args)
 
 
-def prepare_environment(serve_env: dict[str, str]) -> str:
-    """A fresh result channel and the server limits, in the environment the engine inherits."""
-    from vllm_hidden.capture.channel import ensure_address
+def prepare_environment(serve_env: dict[str, str], fetch_parent: str | None = None) -> None:
+    """A fresh channel key, the fetch-form directory's name and the server limits, in the
+    environment the engine and API server processes inherit."""
+    from vllm_hidden.capture.channel import ensure_key
+    from vllm_hidden.server.store import ensure_dir_env
 
     os.environ.update(serve_env)
-    return ensure_address(fresh=True)
+    ensure_key(fresh=True)
+    ensure_dir_env(fetch_parent, fresh=True)

@@ -8,8 +8,13 @@ Loaded with vLLM's `--middleware vllm_hidden.server.HiddenStatesMiddleware` (wha
   server-made token in `vllm_xargs`, and vLLM serves it as usual; the engine hook
   (`engine/serving.py`) turns the token into capture settings for the worker. The response
   JSON (or, streaming, the last event before `[DONE]`) gets a `hidden_states` object spliced
-  in, built from the rows the worker sent over the channel and the token ids vLLM returned.
-Nothing in a request names a file or socket: the channel address comes from the environment.
+  in, built from the rows the worker sent over the channel and the token ids vLLM returned:
+  inline (base64 in the JSON) or, for `"transfer": "fetch"`, a URL on this server.
+On GET /v1/hidden_states/{id} (behind vLLM's --api-key check like every /v1 path): a fetch-form
+response's safetensors bytes, once (`store.FetchStore`), from whichever API server process
+the connection reached.
+Nothing in a request names a file or socket: each API server process binds its own channel
+address and names it to the worker in the request's (keyed) capture settings.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ from typing import Any
 
 from vllm_hidden.config import ServeConfig
 from vllm_hidden.engine.serving import RESERVED_PREFIX, TOKEN_KEY, install_generate_hook
-from vllm_hidden.server.protocol import (FIELD, RequestError, encode_parts, parse_field,
-                                         returned_token_ids)
+from vllm_hidden.server.protocol import (FETCH_PATH, FIELD, RequestError, fetch_parts, inline_parts, parse_field,
+                                         prepare, returned_token_ids)
 from vllm_hidden.server.registry import REGISTRY, Pending
+from vllm_hidden.server.store import READ_CHUNK
 
 log = logging.getLogger("vllm_hidden")
 
@@ -177,7 +183,11 @@ class HiddenStatesMiddleware:
         self._auth: tuple[type, tuple, dict] | None = None
         self._auth_checked = False
         self._receiver = None
+        self._address = ""
         self._slots: asyncio.Semaphore | None = None
+        self._store = None  # store.FetchStore, made with the first fetch-form request or GET
+        self._row_bytes: dict[int, int] = {}  # layers asked -> bytes per returned row
+        self._processes = 1
         install_generate_hook(REGISTRY.get)
 
     # -- setup (first request; vLLM builds the app's state before serving) --------------
@@ -185,22 +195,58 @@ class HiddenStatesMiddleware:
         if self._layers is not None:
             return
         from vllm_hidden.config import CaptureConfig
-        from vllm_hidden.capture.channel import Receiver, channel_address
+        from vllm_hidden.capture.channel import Receiver, channel_key, new_address
 
         app = scope["app"]
         client = getattr(app.state, "engine_client", None)
-        cap = CaptureConfig.from_additional_config(client.vllm_config.additional_config) if client else None
+        vcfg = client.vllm_config if client else None
+        cap = CaptureConfig.from_additional_config(vcfg.additional_config) if vcfg else None
         if cap is None:
             raise RequestError("this server does not capture hidden states: start it with `vllm-hidden serve MODEL "
                                "--layers ...` (or additional_config {\"vllm_hidden\": {\"layer_ids\": [...]}})")
-        address = channel_address()
-        if address is None:
-            raise RequestError("the hidden-states channel is not configured (VHIDDEN_CHANNEL is unset)", status=500)
-        self._receiver = Receiver(address, REGISTRY.deliver)
+        if channel_key() is None:
+            raise RequestError("the hidden-states channel key is not configured (VHIDDEN_CHANNEL_KEY is unset)",
+                               status=500)
+        if not log.handlers and not logging.getLogger().handlers:  # an API server process vLLM started
+            vllm_log = logging.getLogger("vllm")
+            for h in vllm_log.handlers:
+                log.addHandler(h)
+            log.setLevel(vllm_log.level or logging.INFO)
+            log.propagate = False
+        self._address = new_address()
+        self._receiver = Receiver(self._address, REGISTRY.deliver)
         self._receiver.start()
         self._slots = asyncio.Semaphore(self.cfg.max_concurrent)
+        mc = vcfg.model_config
+        self._hidden, self._itemsize = mc.get_hidden_size(), mc.dtype.itemsize
+        self._processes = max(1, int(getattr(vcfg.parallel_config, "_api_process_count", 1) or 1))
         self._layers = tuple(cap.layer_ids)
-        log.info("vllm-hidden: serving hidden states of layers %s on %s", list(cap.layer_ids), ", ".join(ENDPOINTS))
+        log.info("vllm-hidden: serving hidden states of layers %s on %s (API server process %s of %d)",
+                 list(cap.layer_ids), ", ".join(ENDPOINTS),
+                 getattr(vcfg.parallel_config, "_api_process_rank", 0), self._processes)
+
+    def _fetch_store(self):
+        """This process's view of the server's fetch-form directory (made on first use)."""
+        if self._store is None:
+            from vllm_hidden.server.store import DIR_ENV, FetchStore
+
+            root = os.environ.get(DIR_ENV)
+            if not root:
+                raise RequestError(f"the fetch form is not configured ({DIR_ENV} is unset)", status=500)
+            self._store = FetchStore(root, max(1, self.cfg.max_unfetched_bytes // self._processes), self.cfg.fetch_ttl_s)
+            asyncio.get_running_loop().create_task(self._sweep())
+        return self._store
+
+    async def _sweep(self) -> None:
+        import atexit
+
+        atexit.register(self._store.close)
+        while True:
+            await asyncio.sleep(min(5.0, self.cfg.fetch_ttl_s / 4))
+            try:
+                self._store.sweep()
+            except OSError:  # the directory was removed under us: nothing left to hold
+                log.exception("vllm-hidden: sweeping unfetched hidden states")
 
     def _find_auth(self, scope: dict[str, Any]) -> None:
         """vLLM's --api-key check (its own middleware, which sits inside ours), to run before
@@ -220,7 +266,12 @@ class HiddenStatesMiddleware:
 
     # -- ASGI ------------------------------------------------------------------------
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST":
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if scope.get("method") == "GET" and _path(scope).startswith(FETCH_PATH):
+            self._find_auth(scope)
+            return await self._guarded(self._fetch)(scope, receive, send)
+        if scope.get("method") != "POST":
             return await self.app(scope, receive, send)
         ours = _path(scope) in ENDPOINTS
         if not ours and not _is_json(scope):
@@ -271,6 +322,46 @@ class HiddenStatesMiddleware:
 
         return await self._guarded(handler)(scope, receive, send)
 
+    async def _fetch(self, scope, receive, send) -> None:
+        """GET /v1/hidden_states/{id}: the bytes, once; 404 for an unknown, expired or
+        already fetched id."""
+        entry = _path(scope)[len(FETCH_PATH):]
+        try:
+            self._setup(scope)
+            fd = self._fetch_store().open(entry)
+        except RequestError as e:
+            return await _send_json(send, e.status, e.body())
+        if fd is None:
+            err = RequestError(f"no hidden states with id {entry[:64]!r}: unknown, expired (after "
+                               f"{self.cfg.fetch_ttl_s:g} s) or already fetched", status=404, param=None)
+            return await _send_json(send, 404, err.body())
+        try:
+            size = os.fstat(fd).st_size
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/octet-stream"),
+                                    (b"content-length", str(size).encode())]})
+            # read the next chunk (a thread) while this one is sent
+            off, nxt = 0, asyncio.ensure_future(asyncio.to_thread(os.pread, fd, min(READ_CHUNK, size), 0))
+            while True:
+                chunk = await nxt
+                off += len(chunk)
+                if len(chunk) == 0 and off < size:
+                    raise OSError(f"hidden states {entry!r} ended after {off} of {size} bytes")
+                more = off < size
+                if more:
+                    nxt = asyncio.ensure_future(asyncio.to_thread(os.pread, fd, min(READ_CHUNK, size - off), off))
+                await send({"type": "http.response.body", "body": chunk, "more_body": more})
+                if not more:
+                    break
+        finally:
+            if not nxt.done():
+                nxt.cancel()
+                try:
+                    await nxt
+                except BaseException:  # noqa: BLE001 - the read's own outcome no longer matters
+                    pass
+            os.close(fd)
+
     async def _elsewhere(self, scope, receive, send, body: bytes, complete: bool) -> None:
         """A JSON POST to another endpoint (/v1/responses, /v1/messages, /invocations, ...):
         vLLM would ignore the field and answer without states, so a request that asks for
@@ -315,7 +406,24 @@ class HiddenStatesMiddleware:
 
     async def _serve(self, scope, receive, send, req: dict[str, Any], spec) -> None:
         token = secrets.token_urlsafe(18)
-        pending = REGISTRY.add(token, spec, self.cfg.max_hidden_tokens)
+        admit = None
+        if spec.fetch:
+            try:
+                store = self._fetch_store()
+            except (RequestError, OSError) as e:
+                err = e if isinstance(e, RequestError) else RequestError(f"the fetch form is unavailable: {e}", status=500)
+                return await _send_json(send, err.status, err.body())
+            row_bytes = len(spec.columns) * self._hidden * self._itemsize + 8  # the rows and their token ids
+
+            def admit(rows: int) -> str | None:
+                want = rows * row_bytes + 4096  # + the safetensors header
+                why = store.reserve(want)
+                if why is None:
+                    pending.reserved = want
+                return why
+
+        pending = REGISTRY.add(token, spec, self.cfg.max_hidden_tokens, reply_to=self._address, admit=admit,
+                               root_path=scope.get("root_path", "") or "")
         try:
             xargs = req.get("vllm_xargs")
             req["vllm_xargs"] = {**(xargs if isinstance(xargs, dict) else {}), TOKEN_KEY: token}
@@ -327,6 +435,8 @@ class HiddenStatesMiddleware:
                 await self._serve_json(scope, _replay(body, receive), send, pending)
         finally:
             REGISTRY.remove(token)
+            if pending.reserved:  # never stored (an error, the client left)
+                self._store.release(pending.reserved)
 
     async def _serve_json(self, scope, receive, send, pending: Pending) -> None:
         start: dict[str, Any] | None = None
@@ -343,7 +453,8 @@ class HiddenStatesMiddleware:
 
         await self.app(scope, receive, collect)
         if pending.rejected is not None:
-            return await _send_json(send, 400, RequestError(pending.rejected, param="max_tokens").body())
+            err = pending.rejection()
+            return await _send_json(send, err.status, err.body())
         body = b"".join(chunks)
         if start is None:
             return None
@@ -360,9 +471,9 @@ class HiddenStatesMiddleware:
 
     async def hidden_states_json(self, pending: Pending) -> list:
         """Wait for the worker's rows, then encode them (off the event loop: it is MBs) into
-        JSON byte pieces."""
+        JSON byte pieces: inline, or stored for one GET and the object saying where."""
         try:
-            rows, error = await asyncio.wait_for(asyncio.shield(pending.future), self.cfg.timeout_s)
+            rows, error, finite = await asyncio.wait_for(asyncio.shield(pending.future), self.cfg.timeout_s)
         except asyncio.TimeoutError:
             raise RequestError(f"hidden states did not arrive within {self.cfg.timeout_s:g} s "
                                f"({ServeConfig.ENV['timeout_s']})", status=500) from None
@@ -371,7 +482,21 @@ class HiddenStatesMiddleware:
         if pending.prompt_ids is None:
             raise RequestError("the engine returned no prompt token ids", status=500)
         ids = returned_token_ids(pending.spec, pending.prompt_ids, pending.generated)
-        return await asyncio.to_thread(encode_parts, pending.spec, rows, ids)
+        prepared = await asyncio.to_thread(prepare, pending.spec, rows, ids, not finite)
+        bad = prepared.meta["not_finite"]
+        if bad["count"]:
+            log.warning("vllm-hidden: %d NaN/Inf values in the hidden states of %d tokens of a response (first at "
+                        "token %d, layer ids %s); returned as they are", bad["count"], bad["tokens"],
+                        bad["first_token"], bad["layer_ids"])
+        if not pending.spec.fetch:
+            return await asyncio.to_thread(inline_parts, prepared)
+        reserved, pending.reserved = pending.reserved, 0
+        try:
+            entry, size = await self._store.put(prepared.pieces, reserved)
+        except OSError as e:
+            raise RequestError(f"could not keep the hidden states for fetching: {e}", status=500) from None
+        url = pending.root_path + FETCH_PATH + entry
+        return fetch_parts(prepared, url, size, self.cfg.fetch_ttl_s)
 
 
 class _StreamSplicer:
@@ -399,7 +524,8 @@ class _StreamSplicer:
         if not self.started:
             if self.pending.rejected is not None:
                 self.dropped = True
-                return await _send_json(self.send, 400, RequestError(self.pending.rejected, param="max_tokens").body())
+                err = self.pending.rejection()
+                return await _send_json(self.send, err.status, err.body())
             self.started = True
             await self.send(self.start)
             self.passthrough = self.start.get("status") != 200

@@ -1,9 +1,12 @@
-"""The server's request field and response object (pure; no vLLM).
+"""The server's request field and response object (pure; no vLLM), and the client helpers.
 
 Request: `"hidden_states": true` (the server's layers, prompt tokens) or
-`{"layers": [ids], "tokens": "prompt" | "all"}`. Response: `"hidden_states": {"format":
-"safetensors", "encoding": "base64", "data": ..., "layer_ids": [...], "num_tokens": T, ...}`,
-the decoded safetensors holding `hidden_states` [T, K, H] and `token_ids` [T].
+`{"layers": [ids], "tokens": "prompt" | "all", "transfer": "inline" | "fetch"}`. Response,
+inline (the default): `"hidden_states": {"format": "safetensors", "encoding": "base64",
+"data": ..., "layer_ids": [...], "num_tokens": T, ...}`, the decoded safetensors holding
+`hidden_states` [T, K, H] and `token_ids` [T]. With "fetch" the same safetensors bytes are
+not in the response but at `"url"`, for one GET with the same API key (`fetch` below).
+Both forms carry `"not_finite"`: how many values are NaN or Inf and the first token with one.
 
 With `"tokens": "all"` the rows are the prompt's and then the generated tokens' except the
 last one: a sampled token is only run through the model at the next step, and the last one
@@ -12,16 +15,17 @@ never is. `token_ids` lists exactly the tokens whose states are returned.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 from dataclasses import dataclass
 from typing import Any
 
+import pybase64
 import torch
 
 FIELD = "hidden_states"
 TOKENS_MODES = ("prompt", "all")
+TRANSFERS = ("inline", "fetch")
+FETCH_PATH = "/v1/hidden_states/"
 
 
 class RequestError(ValueError):
@@ -33,7 +37,8 @@ class RequestError(ValueError):
         self.param = param
 
     def body(self) -> dict[str, Any]:
-        kind = {400: "BadRequestError", 413: "RequestEntityTooLarge"}.get(self.status, "InternalServerError")
+        kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                413: "RequestEntityTooLarge", 503: "ServiceUnavailableError"}.get(self.status, "InternalServerError")
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.status}}
 
 
@@ -44,10 +49,15 @@ class HiddenStatesSpec:
     layer_ids: tuple[int, ...]
     columns: tuple[int, ...]  # index of each requested layer among the server's layers
     tokens: str = "prompt"
+    transfer: str = "inline"
 
     @property
     def all_tokens(self) -> bool:
         return self.tokens == "all"
+
+    @property
+    def fetch(self) -> bool:
+        return self.transfer == "fetch"
 
 
 def _show(v: Any, most: int = 300) -> str:
@@ -65,12 +75,15 @@ def parse_field(value: Any, server_layers: tuple[int, ...]) -> HiddenStatesSpec 
         return HiddenStatesSpec(layer_ids=tuple(server_layers), columns=tuple(range(len(server_layers))))
     if not isinstance(value, dict):
         raise RequestError(f"'hidden_states' must be true or an object like {{\"layers\": {allowed}}}, got {_show(value)}")
-    unknown = sorted(set(value) - {"layers", "tokens"})
+    unknown = sorted(set(value) - {"layers", "tokens", "transfer"})
     if unknown:
-        raise RequestError(f"'hidden_states' has unknown keys {_show(unknown)}; allowed: 'layers', 'tokens'")
+        raise RequestError(f"'hidden_states' has unknown keys {_show(unknown)}; allowed: 'layers', 'tokens', 'transfer'")
     tokens = value.get("tokens", "prompt")
     if tokens not in TOKENS_MODES:
         raise RequestError(f"'hidden_states.tokens' must be one of {list(TOKENS_MODES)}, got {_show(tokens)}")
+    transfer = value.get("transfer", "inline")
+    if transfer not in TRANSFERS:
+        raise RequestError(f"'hidden_states.transfer' must be one of {list(TRANSFERS)}, got {_show(transfer)}")
     layers = value.get("layers")
     if layers is None:
         layers = allowed
@@ -83,7 +96,8 @@ def parse_field(value: Any, server_layers: tuple[int, ...]) -> HiddenStatesSpec 
     bad = [i for i in layers if i not in server_layers]
     if bad:
         raise RequestError(f"layer ids {_show(bad)} are not captured by this server; allowed layer ids: {allowed}")
-    return HiddenStatesSpec(layer_ids=tuple(layers), columns=tuple(allowed.index(i) for i in layers), tokens=tokens)
+    return HiddenStatesSpec(layer_ids=tuple(layers), columns=tuple(allowed.index(i) for i in layers), tokens=tokens,
+                            transfer=transfer)
 
 
 def returned_token_ids(spec: HiddenStatesSpec, prompt: list[int], generated: list[int]) -> list[int]:
@@ -92,15 +106,15 @@ def returned_token_ids(spec: HiddenStatesSpec, prompt: list[int], generated: lis
 
 
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64"}
+_FROM_ST = {v: k for k, v in _ST_DTYPES.items()}
 _B64_CHUNK = 3 << 20  # a multiple of 3: chunks encode independently
 
 
-def _b64_into(pieces: list) -> bytearray:
-    """base64 of the concatenation of `pieces`, written into one preallocated buffer (no
-    concatenated copy of the input, no growing output: fresh host pages are slow to touch)."""
-    total = sum(len(p) for p in pieces)
-    out = bytearray(4 * ((total + 2) // 3))
-    o, carry = 0, b""
+def _b64_pieces(pieces: list) -> list:
+    """base64 of the concatenation of `pieces`, as a list of encoded chunks: no concatenated
+    copy of the input or the output, and the encoder (SIMD, GIL released) runs a few MB at a
+    time, so the API server's event loop is never held for a whole response."""
+    out, carry = [], b""
     for p in pieces:
         mv, i = memoryview(p).cast("B"), 0
         if carry:
@@ -109,24 +123,17 @@ def _b64_into(pieces: list) -> bytearray:
             if len(head) < 3:
                 carry = head
                 continue
-            out[o : o + 4] = binascii.b2a_base64(head, newline=False)
-            o, carry = o + 4, b""
+            out.append(pybase64.b64encode(head))
+            carry = b""
         n = (len(mv) - i) // 3 * 3
-        for j in range(i, i + n, _B64_CHUNK):
-            e = binascii.b2a_base64(mv[j : min(j + _B64_CHUNK, i + n)], newline=False)
-            out[o : o + len(e)] = e
-            o += len(e)
+        out += [pybase64.b64encode(mv[j : min(j + _B64_CHUNK, i + n)]) for j in range(i, i + n, _B64_CHUNK)]
         carry = bytes(mv[i + n :])
     if carry:
-        e = binascii.b2a_base64(carry, newline=False)
-        out[o : o + len(e)] = e
-        o += len(e)
-    if o != len(out):
-        raise RuntimeError(f"base64 wrote {o} of {len(out)} bytes")
+        out.append(pybase64.b64encode(carry))
     return out
 
 
-def _safetensors_pieces(tensors: dict[str, torch.Tensor]) -> list:
+def safetensors_pieces(tensors: dict[str, torch.Tensor]) -> list:
     """A safetensors file as [header, raw bytes of each tensor] without copying the tensors.
     The header is padded with spaces (allowed by the format) to a multiple of 24 bytes
     with its length prefix: data stays 8-aligned, and base64 pieces split on whole groups."""
@@ -142,33 +149,153 @@ def _safetensors_pieces(tensors: dict[str, torch.Tensor]) -> list:
     return [len(header).to_bytes(8, "little") + header, *raws]
 
 
-def encode_parts(spec: HiddenStatesSpec, rows: torch.Tensor, token_ids: list[int]) -> list:
-    """The response's `hidden_states` object as JSON byte pieces (send them in order; their
-    concatenation is the object). `rows` [R, K_server, H] holds at least one row per returned
-    token (a worker may have computed a row or two past the end)."""
+def load_safetensors(buf: bytearray | bytes) -> dict[str, torch.Tensor]:
+    """A safetensors file in memory -> tensors viewing `buf` (no copy when it is writable)."""
+    import warnings
+
+    if len(buf) < 8:
+        raise ValueError(f"not a safetensors file: {len(buf)} bytes")
+    n = int.from_bytes(buf[:8], "little")
+    if not 2 <= n <= len(buf) - 8:
+        raise ValueError(f"not a safetensors file: header of {n} bytes in {len(buf)}")
+    meta = json.loads(bytes(buf[8 : 8 + n]))
+    base, out = 8 + n, {}
+    for name, m in meta.items():
+        if name == "__metadata__":
+            continue
+        lo, hi = m["data_offsets"]
+        dtype = _FROM_ST[m["dtype"]]
+        with warnings.catch_warnings():  # bytes are read-only; nothing writes to them
+            warnings.simplefilter("ignore")
+            raw = torch.frombuffer(buf, dtype=torch.uint8, offset=base + lo, count=hi - lo) if hi > lo \
+                else torch.empty(0, dtype=torch.uint8)
+        out[name] = raw.view(dtype).reshape(m["shape"])
+    return out
+
+
+def finiteness(hs: torch.Tensor, layer_ids: tuple[int, ...], suspect: bool = True) -> dict[str, Any]:
+    """The response's `not_finite` object for states `hs` [T, K, H]: the count of NaN/Inf
+    values, of tokens holding one, the first such token (index into `token_ids`) and its
+    layers. `suspect=False` (the worker's row statistics say every row is finite) skips the
+    pass over the values."""
+    none = {"count": 0, "tokens": 0, "first_token": None, "layer_ids": []}
+    if not suspect or hs.numel() == 0:
+        return none
+    lo, hi = torch.aminmax(hs)
+    if torch.isfinite(lo) and torch.isfinite(hi):
+        return none
+    bad = ~torch.isfinite(hs)
+    rows = bad.any(dim=(1, 2)).nonzero().flatten()
+    return {"count": int(bad.sum()), "tokens": int(rows.numel()), "first_token": int(rows[0]),
+            "layer_ids": [layer_ids[k] for k in bad[int(rows[0])].any(dim=1).nonzero().flatten().tolist()]}
+
+
+@dataclass(kw_only=True)
+class Prepared:
+    """One response's states, ready to go out: the safetensors pieces and the object's keys
+    other than the bytes (or where to fetch them)."""
+
+    pieces: list
+    meta: dict[str, Any]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(memoryview(p).cast("B")) for p in self.pieces)
+
+
+def prepare(spec: HiddenStatesSpec, rows: torch.Tensor, token_ids: list[int], suspect: bool = True) -> Prepared:
+    """`rows` [R, K_server, H] holds at least one row per returned token (a worker may have
+    computed a row or two past the end)."""
     t = len(token_ids)
     if rows.shape[0] < t:
         raise RequestError(f"hidden states incomplete: {rows.shape[0]} rows captured for {t} tokens", status=500)
     hs = rows[:t]
     if list(spec.columns) != list(range(rows.shape[1])):
         hs = hs.index_select(1, torch.tensor(spec.columns))
-    data = _b64_into(_safetensors_pieces({"hidden_states": hs, "token_ids": torch.tensor(token_ids, dtype=torch.int64)}))
-    tail = {"layer_ids": list(spec.layer_ids), "num_tokens": t, "tokens": spec.tokens,
-            "dtype": str(rows.dtype).replace("torch.", ""), "shape": [t, len(spec.columns), rows.shape[2]]}
-    return [b'{"format":"safetensors","encoding":"base64","data":"', data,
-            b'",' + json.dumps(tail, separators=(",", ":")).encode()[1:]]
+    meta = {"layer_ids": list(spec.layer_ids), "num_tokens": t, "tokens": spec.tokens,
+            "dtype": str(rows.dtype).replace("torch.", ""), "shape": [t, len(spec.columns), rows.shape[2]],
+            "not_finite": finiteness(hs, spec.layer_ids, suspect)}
+    pieces = safetensors_pieces({"hidden_states": hs, "token_ids": torch.tensor(token_ids, dtype=torch.int64)})
+    return Prepared(pieces=pieces, meta=meta)
+
+
+def _tail(meta: dict[str, Any]) -> bytes:
+    return json.dumps(meta, separators=(",", ":")).encode()[1:]
+
+
+def inline_parts(p: Prepared) -> list:
+    """The inline `hidden_states` object as JSON byte pieces (their concatenation is the object)."""
+    return [b'{"format":"safetensors","encoding":"base64","transfer":"inline","data":"', *_b64_pieces(p.pieces),
+            b'",' + _tail(p.meta)]
+
+
+def fetch_parts(p: Prepared, url: str, nbytes: int, ttl_s: float) -> list:
+    """The fetch `hidden_states` object: where to GET the safetensors bytes, once, within `ttl_s`."""
+    head = {"format": "safetensors", "transfer": "fetch", "url": url, "bytes": nbytes, "expires_in": ttl_s}
+    return [json.dumps(head, separators=(",", ":")).encode()[:-1] + b"," + _tail(p.meta)]
+
+
+def encode_parts(spec: HiddenStatesSpec, rows: torch.Tensor, token_ids: list[int]) -> list:
+    """The inline `hidden_states` object as JSON byte pieces."""
+    return inline_parts(prepare(spec, rows, token_ids))
 
 
 def encode(spec: HiddenStatesSpec, rows: torch.Tensor, token_ids: list[int]) -> bytes:
-    """`encode_parts` joined: the `hidden_states` object as JSON bytes."""
+    """`encode_parts` joined: the inline `hidden_states` object as JSON bytes."""
     return b"".join(encode_parts(spec, rows, token_ids))
 
 
+# -- client helpers ------------------------------------------------------------------------
 def decode(obj: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """A response's `hidden_states` object -> {"hidden_states": [T, K, H], "token_ids": [T]}."""
-    from safetensors.torch import load
-
+    """An inline `hidden_states` object -> {"hidden_states": [T, K, H], "token_ids": [T]}."""
+    if obj.get("transfer") == "fetch":
+        raise ValueError("this hidden_states object is the fetch form: get its bytes with "
+                         "vllm_hidden.server.fetch(client_or_url, obj)")
     if obj.get("format") != "safetensors" or obj.get("encoding") != "base64":
         raise ValueError(f"not a vllm-hidden hidden_states object: format={obj.get('format')!r} "
                          f"encoding={obj.get('encoding')!r}")
-    return load(base64.b64decode(obj["data"]))
+    return load_safetensors(pybase64.b64decode_as_bytearray(obj["data"]))
+
+
+def fetch(client_or_url: Any, obj: dict[str, Any], *, api_key: str | None = None,
+          timeout: float = 600.0) -> dict[str, torch.Tensor]:
+    """A fetch-form `hidden_states` object -> {"hidden_states": [T, K, H], "token_ids": [T]}:
+    one GET of its `url` on the server that answered. `client_or_url` is an `openai.OpenAI`
+    client (its base URL and API key are used) or the server's URL ("http://host:8000", a
+    "/v1" suffix is fine) with `api_key`. The server gives the bytes once: a second fetch of
+    the same object is a 404, as is one after `expires_in` seconds."""
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    if obj.get("transfer") != "fetch" or not isinstance(obj.get("url"), str):
+        raise ValueError(f"not a fetch-form hidden_states object (transfer={obj.get('transfer')!r}); "
+                         "inline states are read with vllm_hidden.server.decode(obj)")
+    if isinstance(client_or_url, str):
+        base = client_or_url
+    else:
+        base = str(getattr(client_or_url, "base_url", "") or "")
+        if api_key is None:
+            api_key = getattr(client_or_url, "api_key", None)
+    if not base.startswith(("http://", "https://")):
+        raise ValueError(f"client_or_url must be an OpenAI client or an http(s) URL, got {client_or_url!r}")
+    url = urllib.parse.urljoin(base, obj["url"])
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            n = int(r.headers.get("Content-Length", -1))
+            if n < 0:
+                raise RuntimeError(f"GET {url}: no Content-Length in the answer")
+            buf = bytearray(n)
+            view, got = memoryview(buf), 0
+            while got < n:
+                k = r.readinto(view[got:])
+                if not k:
+                    raise RuntimeError(f"GET {url}: the connection closed after {got} of {n} bytes")
+                got += k
+    except urllib.error.HTTPError as e:
+        detail = e.read()[:1000].decode(errors="replace")
+        raise RuntimeError(f"GET {url}: HTTP {e.code}: {detail}") from None
+    if obj.get("bytes") is not None and n != obj["bytes"]:
+        raise RuntimeError(f"GET {url}: {n} bytes, the response said {obj['bytes']}")
+    return load_safetensors(buf)
