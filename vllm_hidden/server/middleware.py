@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import mmap
 import os
 import secrets
 from typing import Any
@@ -31,7 +32,6 @@ from vllm_hidden.engine.serving import RESERVED_PREFIX, TOKEN_KEY, install_gener
 from vllm_hidden.server.protocol import (FETCH_PATH, FIELD, RequestError, fetch_parts, inline_parts, parse_field,
                                          prepare, returned_token_ids)
 from vllm_hidden.server.registry import REGISTRY, Pending
-from vllm_hidden.server.store import READ_CHUNK
 
 log = logging.getLogger("vllm_hidden")
 
@@ -155,13 +155,14 @@ def _splice_parts(obj_json: bytes, key: bytes, value: list) -> list:
 
 
 _SEND_CHUNK = 1 << 20
+SEND_CHUNK_FETCH = 4 << 20
 
 
-async def _send_body(send, parts: list, more: bool) -> None:
-    """Send byte pieces as body messages of at most 1 MiB: a response of hundreds of MB is
-    never joined into one more copy, and the server's write buffer stays small (each send
-    waits for the socket to drain)."""
-    chunks = [memoryview(p)[i : i + _SEND_CHUNK] for p in parts for i in range(0, len(p), _SEND_CHUNK)]
+async def _send_body(send, parts: list, more: bool, chunk: int = _SEND_CHUNK) -> None:
+    """Send byte pieces as body messages of at most `chunk` bytes: a response of hundreds of
+    MB is never joined into one more copy, and the server's write buffer stays small (each
+    send waits for the socket to drain)."""
+    chunks = [memoryview(p)[i : i + chunk] for p in parts for i in range(0, len(p), chunk)]
     if not chunks:
         chunks = [b""]
     for i, c in enumerate(chunks):
@@ -173,6 +174,16 @@ async def _send_json(send, status: int, payload: dict[str, Any]) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _map(fd: int) -> memoryview:
+    """A file's bytes, mapped, not read: the socket sends straight from the (tmpfs) pages, no
+    copy here. The mapping lives as long as the transport holds slices of it."""
+    size = os.fstat(fd).st_size
+    if not size:
+        return memoryview(b"")
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # page tables filled here, in a thread
+    return memoryview(mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ))
 
 
 class HiddenStatesMiddleware:
@@ -336,31 +347,13 @@ class HiddenStatesMiddleware:
                                f"{self.cfg.fetch_ttl_s:g} s) or already fetched", status=404, param=None)
             return await _send_json(send, 404, err.body())
         try:
-            size = os.fstat(fd).st_size
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"application/octet-stream"),
-                                    (b"content-length", str(size).encode())]})
-            # read the next chunk (a thread) while this one is sent
-            off, nxt = 0, asyncio.ensure_future(asyncio.to_thread(os.pread, fd, min(READ_CHUNK, size), 0))
-            while True:
-                chunk = await nxt
-                off += len(chunk)
-                if len(chunk) == 0 and off < size:
-                    raise OSError(f"hidden states {entry!r} ended after {off} of {size} bytes")
-                more = off < size
-                if more:
-                    nxt = asyncio.ensure_future(asyncio.to_thread(os.pread, fd, min(READ_CHUNK, size - off), off))
-                await send({"type": "http.response.body", "body": chunk, "more_body": more})
-                if not more:
-                    break
+            view = await asyncio.to_thread(_map, fd)
         finally:
-            if not nxt.done():
-                nxt.cancel()
-                try:
-                    await nxt
-                except BaseException:  # noqa: BLE001 - the read's own outcome no longer matters
-                    pass
             os.close(fd)
+        size = len(view)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/octet-stream"), (b"content-length", str(size).encode())]})
+        await _send_body(send, [view], more=False, chunk=SEND_CHUNK_FETCH)
 
     async def _elsewhere(self, scope, receive, send, body: bytes, complete: bool) -> None:
         """A JSON POST to another endpoint (/v1/responses, /v1/messages, /invocations, ...):

@@ -30,7 +30,6 @@ log = logging.getLogger("vllm_hidden")
 DIR_ENV = "VHIDDEN_FETCH_DIR"
 _PREFIX = "vllm-hidden-fetch-"
 _ID = re.compile(r"[A-Za-z0-9_-]{32}")
-READ_CHUNK = 4 << 20
 
 
 def default_parent() -> str:
