@@ -12,13 +12,16 @@ API server process: the worker connects only where such a request says.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import secrets
+import shutil
 import tempfile
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +29,9 @@ import torch
 log = logging.getLogger("vllm_hidden")
 
 KEY_ENV = "VHIDDEN_CHANNEL_KEY"
+# where a server keeps fetch-form states (server.store), shared by its API server processes
+DIR_ENV = "VHIDDEN_FETCH_DIR"
+_PREFIX = "vllm-hidden-fetch-"
 # A full 27B sample of a few thousand tokens is hundreds of MB: few in flight per sender.
 SEND_HWM = 16
 SEND_TIMEOUT_MS = 120_000
@@ -49,6 +55,43 @@ def ensure_key(fresh: bool = False) -> str:
     if fresh or channel_key() is None:
         os.environ[KEY_ENV] = secrets.token_hex(16)
     return os.environ[KEY_ENV]
+
+
+def default_parent() -> str:
+    """/dev/shm when there is one (memory, shared by processes), else the temp directory."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else tempfile.gettempdir()
+
+
+def ensure_dir_env(parent: str | None = None, fresh: bool = False) -> str:
+    """This server's directory (named, not made), in the environment the API server processes
+    inherit. Directories left by servers that are gone are removed on the way."""
+    current = None if fresh else os.environ.get(DIR_ENV)
+    if current:
+        return current
+    parent = parent or default_parent()
+    _remove_stale(Path(parent))
+    path = os.path.join(parent, f"{_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
+    os.environ[DIR_ENV] = path
+    atexit.register(shutil.rmtree, path, ignore_errors=True)  # this process started the server
+    return path
+
+
+def _remove_stale(parent: Path) -> None:
+    try:
+        found = list(parent.glob(f"{_PREFIX}*"))
+    except OSError:
+        return
+    for d in found:
+        try:
+            pid = int(d.name[len(_PREFIX):].split("-", 1)[0])
+            os.kill(pid, 0)
+        except ValueError:
+            continue
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except PermissionError:  # another user's live server
+            continue
 
 
 def routed_id(address: str, token: str) -> str:

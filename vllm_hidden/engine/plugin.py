@@ -24,8 +24,7 @@ def register() -> None:
         return
     _registered = True
     from vllm_hidden.engine import compat
-    from vllm_hidden.capture.channel import ensure_key
-    from vllm_hidden.server.store import ensure_dir_env
+    from vllm_hidden.capture.channel import ensure_dir_env, ensure_key
 
     # vLLM registers plugins while parsing its arguments, before it starts the engine's
     # processes: a `vllm serve --middleware ...` server gets its channel key here.

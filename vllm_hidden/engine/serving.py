@@ -177,8 +177,7 @@ def run_vllm_serve(argv: list[str]) -> None:
 def prepare_environment(serve_env: dict[str, str], fetch_parent: str | None = None) -> None:
     """A fresh channel key, the fetch-form directory's name and the server limits, in the
     environment the engine and API server processes inherit."""
-    from vllm_hidden.capture.channel import ensure_key
-    from vllm_hidden.server.store import ensure_dir_env
+    from vllm_hidden.capture.channel import ensure_dir_env, ensure_key
 
     os.environ.update(serve_env)
     ensure_key(fresh=True)

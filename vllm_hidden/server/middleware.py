@@ -239,7 +239,8 @@ class HiddenStatesMiddleware:
     def _fetch_store(self):
         """This process's view of the server's fetch-form directory (made on first use)."""
         if self._store is None:
-            from vllm_hidden.server.store import DIR_ENV, FetchStore
+            from vllm_hidden.capture.channel import DIR_ENV
+            from vllm_hidden.server.store import FetchStore
 
             root = os.environ.get(DIR_ENV)
             if not root:

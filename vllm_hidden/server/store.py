@@ -5,69 +5,27 @@ vLLM's API server processes all accept on one socket, so the GET for a response'
 reach any of them: the bytes live in a shared directory (tmpfs, /dev/shm, by default: memory,
 never a disk write) and any process can serve them. The process that answered the request
 wrote the file and owns its memory budget (`--max-unfetched-bytes` split evenly over the API
-processes) and its expiry. A GET claims a file by renaming it (atomic: exactly one GET gets
-the bytes), unlinks it and streams it from the open descriptor. Ids are 192-bit random
-tokens; nothing in a request names a path.
+processes) and its expiry (also the file's mtime, so any process can tell). A GET claims a
+file by renaming it (atomic: exactly one GET gets the bytes), unlinks it and sends it from
+the open descriptor. Ids are 192-bit random tokens; nothing in a request names a path. The
+directory is named (`capture.channel.ensure_dir_env`) by the process that starts the server.
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import errno
 import logging
 import os
 import re
 import secrets
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger("vllm_hidden")
-
-DIR_ENV = "VHIDDEN_FETCH_DIR"
-_PREFIX = "vllm-hidden-fetch-"
 _ID = re.compile(r"[A-Za-z0-9_-]{32}")
-
-
-def default_parent() -> str:
-    """/dev/shm when there is one (memory, shared by processes), else the temp directory."""
-    shm = Path("/dev/shm")
-    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else tempfile.gettempdir()
-
-
-def ensure_dir_env(parent: str | None = None, fresh: bool = False) -> str:
-    """This server's directory (named, not made), in the environment the API server processes
-    inherit. Directories left by servers that are gone are removed on the way."""
-    current = None if fresh else os.environ.get(DIR_ENV)
-    if current:
-        return current
-    parent = parent or default_parent()
-    _remove_stale(Path(parent))
-    path = os.path.join(parent, f"{_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
-    os.environ[DIR_ENV] = path
-    atexit.register(shutil.rmtree, path, ignore_errors=True)  # this process started the server
-    return path
-
-
-def _remove_stale(parent: Path) -> None:
-    try:
-        found = list(parent.glob(f"{_PREFIX}*"))
-    except OSError:
-        return
-    for d in found:
-        try:
-            pid = int(d.name[len(_PREFIX):].split("-", 1)[0])
-            os.kill(pid, 0)
-        except ValueError:
-            continue
-        except ProcessLookupError:
-            shutil.rmtree(d, ignore_errors=True)
-        except PermissionError:  # another user's live server
-            continue
-
 
 def new_id() -> str:
     return secrets.token_urlsafe(24)
