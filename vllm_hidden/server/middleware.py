@@ -197,7 +197,6 @@ class HiddenStatesMiddleware:
         self._address = ""
         self._slots: asyncio.Semaphore | None = None
         self._store = None  # store.FetchStore, made with the first fetch-form request or GET
-        self._row_bytes: dict[int, int] = {}  # layers asked -> bytes per returned row
         self._processes = 1
         install_generate_hook(REGISTRY.get)
 
