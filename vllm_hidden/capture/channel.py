@@ -138,7 +138,7 @@ class Publisher:
     def send_sample(self, sample: Any) -> None:
         hs = sample.hidden_states.contiguous()
         header = {"shape": list(hs.shape), "dtype": str(hs.dtype).replace("torch.", ""),
-                  "finite": bool(getattr(sample, "finite", True))}
+                  "finite": sample.finite}
         self._send(sample.sample_id, header, hs.view(torch.uint8).numpy())  # zmq keeps a reference until sent
 
     def send_failure(self, sample_id: Any, message: str) -> None:

@@ -20,6 +20,7 @@ address and names it to the worker in the request's (keyed) capture settings.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import logging
 import mmap
@@ -245,13 +246,11 @@ class HiddenStatesMiddleware:
             if not root:
                 raise RequestError(f"the fetch form is not configured ({DIR_ENV} is unset)", status=500)
             self._store = FetchStore(root, max(1, self.cfg.max_unfetched_bytes // self._processes), self.cfg.fetch_ttl_s)
+            atexit.register(self._store.close)
             asyncio.get_running_loop().create_task(self._sweep())
         return self._store
 
     async def _sweep(self) -> None:
-        import atexit
-
-        atexit.register(self._store.close)
         while True:
             await asyncio.sleep(min(5.0, self.cfg.fetch_ttl_s / 4))
             try:

@@ -178,13 +178,11 @@ def finiteness(hs: torch.Tensor, layer_ids: tuple[int, ...], suspect: bool = Tru
     values, of tokens holding one, the first such token (index into `token_ids`) and its
     layers. `suspect=False` (the worker's row statistics say every row is finite) skips the
     pass over the values."""
-    none = {"count": 0, "tokens": 0, "first_token": None, "layer_ids": []}
-    if not suspect or hs.numel() == 0:
-        return none
-    lo, hi = torch.aminmax(hs)
-    if torch.isfinite(lo) and torch.isfinite(hi):
-        return none
-    bad = ~torch.isfinite(hs)
+    from vllm_hidden.storage.shards import bad_values
+
+    bad = bad_values(hs) if suspect else None
+    if bad is None:
+        return {"count": 0, "tokens": 0, "first_token": None, "layer_ids": []}
     rows = bad.any(dim=(1, 2)).nonzero().flatten()
     return {"count": int(bad.sum()), "tokens": int(rows.numel()), "first_token": int(rows[0]),
             "layer_ids": [layer_ids[k] for k in bad[int(rows[0])].any(dim=1).nonzero().flatten().tolist()]}
@@ -197,10 +195,6 @@ class Prepared:
 
     pieces: list
     meta: dict[str, Any]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(len(memoryview(p).cast("B")) for p in self.pieces)
 
 
 def prepare(spec: HiddenStatesSpec, rows: torch.Tensor, token_ids: list[int], suspect: bool = True) -> Prepared:

@@ -141,16 +141,23 @@ def slot_not_finite(slot: SampleSlot, layer_ids: list[int]) -> str | None:
     return why
 
 
-def not_finite(buf: torch.Tensor, layer_ids: list[Any], what: str = "values") -> str | None:
-    """None if every value of `buf` [T, K, H] is finite, else what is wrong and where. One
-    allocation-free reduction (min/max propagate NaN and reach +-Inf), ~10 GB/s per core on
-    bf16; the counts are only worked out for a bad sample."""
+def bad_values(buf: torch.Tensor) -> torch.Tensor | None:
+    """The mask of `buf`'s NaN/Inf values, or None if every value is finite. One
+    allocation-free reduction first (min/max propagate NaN and reach +-Inf), ~10 GB/s per
+    core on bf16; the mask is only made for a bad sample."""
     if buf.numel() == 0:
         return None
     lo, hi = torch.aminmax(buf)
     if torch.isfinite(lo) and torch.isfinite(hi):
         return None
-    bad = ~torch.isfinite(buf)
+    return ~torch.isfinite(buf)
+
+
+def not_finite(buf: torch.Tensor, layer_ids: list[Any], what: str = "values") -> str | None:
+    """None if every value of `buf` [T, K, H] is finite, else what is wrong and where."""
+    bad = bad_values(buf)
+    if bad is None:
+        return None
     nan = int(torch.isnan(buf).sum())
     layers = [layer_ids[k] for k in bad.any(dim=(0, 2)).nonzero().flatten().tolist()]
     rows = bad.any(dim=(1, 2)).nonzero().flatten()
