@@ -4,6 +4,8 @@ same workloads and engine settings, in one session. One command:
     # GPU host, Qwen3.6-27B text dims (random weights), BRIEF's W-chat and W-short:
     python scripts/bench.py --qwen36-27b --workloads w-chat,w-short \
         --cases plain,extract,extract-shm,upstream
+    # GPU host, dense Qwen3-32B dims (vLLM 0.26 runs it on its V2 model runner):
+    python scripts/bench.py --qwen3-32b --workloads w-chat,w-short --cases plain,extract
     # CPU, tiny random Qwen3-Next (the CI machine's scale):
     python scripts/bench.py --workloads small --cases plain,extract
 
@@ -168,8 +170,7 @@ def _start_engine(args: list[str], max_len: int):
     from vllm_hidden.engine import compat
     from vllm_hidden.engine.extractor import engine_args
 
-    compat.pin_v1_runner()  # the runner extract uses
-    compat.spawn_on_cuda()
+    compat.spawn_on_cuda()  # the model runner is vLLM's choice, as for extract
     t0 = time.perf_counter()
     engine = LLMEngine.from_engine_args(engine_args(args[0], args[1:], max_len))
     return engine, time.perf_counter() - t0
@@ -180,7 +181,8 @@ def run_plain(args: list[str], max_len: int, workloads: dict[str, list[list[int]
 
     engine, init = _start_engine(args, max_len)
     sp = compat.prefill_sampling_params({})  # the params extract uses, nothing marked for capture
-    res = {"engine_init_seconds": init, "workloads": {}}
+    res = {"engine_init_seconds": init, "model_runner": "v2" if engine.vllm_config.use_v2_model_runner else "v1",
+           "workloads": {}}
     save(res)
     try:
         for name, prompts in workloads.items():
@@ -209,6 +211,7 @@ def run_extract(args: list[str], max_len: int, workloads: dict[str, list[list[in
         res["engine_init_seconds"] = ex.engine_init_seconds
         res["layer_ids"] = ex.layer_ids
         res["layers_run"] = ex.layers_run
+        res["model_runner"] = ex.start_report.get("model_runner")
         save(res)
         for name, prompts in workloads.items():
             with RssPeak() as rss:
@@ -394,12 +397,21 @@ def model_parser(doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--model", help="model dir (default: a tiny random Qwen3-Next written to .bench/model)")
     ap.add_argument("--qwen36-27b", action="store_true",
                     help="Qwen3.6-27B text dims with random weights (load_format=dummy) at the reference settings")
+    ap.add_argument("--qwen3-32b", action="store_true",
+                    help="dense Qwen3-32B dims with random weights (load_format=dummy) at the reference settings "
+                         "(vLLM 0.26 runs it on its V2 model runner)")
     return ap
 
 
 def pick_model(a: argparse.Namespace, work: Path) -> tuple[str, list[str], str]:
     """(model dir, engine args, description) from --qwen36-27b / --model / the tiny default."""
     engine = list(a.engine_arg)
+    if getattr(a, "qwen3_32b", False):
+        from vllm_hidden.demo import write_qwen3_32b_config
+
+        model = str(write_qwen3_32b_config(work / "qwen3-32b"))
+        ref = [x for x in REFERENCE_27B if x not in ("--gdn-prefill-backend", "triton")]
+        return model, [*ref, "--load-format", "dummy", *engine], "Qwen3-32B dims (dense), random weights (load_format=dummy)"
     if a.qwen36_27b:
         from vllm_hidden.demo import write_qwen36_27b_config
 
@@ -466,7 +478,7 @@ def main() -> None:
         wl_info[name] = {**WORKLOADS[name], "seed": 0, "tokens": sum(map(len, ps)), "samples": len(ps)}
 
     path = Path(a.result) if a.result else ROOT / "benchmarks" / "results" / (
-        f"{'gpu' if a.qwen36_27b else 'cpu'}-bench-{time.strftime('%Y%m%d-%H%M%S')}.json")
+        f"{'gpu' if a.qwen36_27b or a.qwen3_32b else 'cpu'}-bench-{time.strftime('%Y%m%d-%H%M%S')}.json")
     import torch
     import vllm
 

@@ -199,6 +199,22 @@ def write_qwen36_27b_config(path: str | Path, num_layers: int = 64) -> Path:
     return path
 
 
+def write_qwen3_32b_config(path: str | Path, num_layers: int = 64) -> Path:
+    """Write only a config.json with Qwen3-32B's shapes (a dense model: vLLM 0.26 runs it on
+    its V2 model runner by default), for `--load-format dummy` and token-id prompts, as
+    `write_qwen36_27b_config`. Same widths and depth as Qwen3.6-27B (5120 x 64 layers)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=5120,
+               intermediate_size=25600, num_hidden_layers=num_layers, num_attention_heads=64, num_key_value_heads=8,
+               head_dim=128, hidden_act="silu", attention_bias=False, attention_dropout=0.0, rms_norm_eps=1e-6,
+               max_position_embeddings=40960, rope_theta=1_000_000, rope_scaling=None, tie_word_embeddings=False,
+               use_sliding_window=False, sliding_window=None, initializer_range=0.02, use_cache=True,
+               bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16")
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return path
+
+
 def make_qwen35_model(path: str | Path, num_layers: int = 4, vocab_size: int = 4096, seed: int = 0) -> Path:
     """Write a random `Qwen3_5ForConditionalGeneration` checkpoint with Qwen3.6-27B's widths but
     few layers and a small vocabulary (bf16 safetensors, tiny vision tower, tiny tokenizer;

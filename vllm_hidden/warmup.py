@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 import random
+import re
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -102,7 +103,8 @@ def serve_fingerprint(model: str, layer_ids: list[int], vllm_args: list[str],
     from vllm_hidden.engine import compat
     from vllm_hidden.engine.caches import fingerprint
 
-    return fingerprint(mode="serve", model=model, settings={"layer_ids": list(layer_ids)},
+    return fingerprint(mode="serve", model=model,
+                       settings={"layer_ids": list(layer_ids), "model_runner": compat.requested_runner()},
                        engine_args=strip_flags(vllm_args, SERVER_ONLY), device=compat.device_name(),
                        cache_dirs=cache_dirs, env_digest=compat.compile_env_digest())
 
@@ -227,6 +229,8 @@ def run_serve_warmup(model: str, layer_ids: list[int], vllm_args: list[str], *, 
         text = log_path.read_text(errors="replace")
     start = {"log": next((ln.split("vllm-hidden: ", 1)[1] for ln in text.splitlines() if "engine started" in ln), "")}
     start["warm"] = start["log"].startswith("engine started WARM")
+    runner = re.search(r"\(model runner (V\d)\)", start["log"])
+    start["model_runner"] = runner.group(1).lower() if runner else None
     report = WarmupReport(fingerprint=fp, noop=False, stamp=str(stamp), start=start, workload=workload,
                           seconds=round(time.perf_counter() - t0, 2))
     report.warmed_at = cache.write_warm_stamp(fp, ident, seconds=report.seconds, start=start, workload=workload)

@@ -1,6 +1,8 @@
-"""GPU host only (skipped without CUDA): the capture hook on vLLM's GPU runner with
+"""GPU host only (skipped without CUDA): the capture hook on vLLM's GPU runners with
 torch.compile + CUDA graphs (vLLM defaults) and with enforce_eager, checked against HF
-Transformers on the same weights. Run: `pytest -q -s tests/gpu` on the GPU host."""
+Transformers on the same weights. The runner is vLLM's own choice: on vLLM 0.26 the dense
+qwen3 runs on the V2 model runner, the hybrid qwen3_next on V1 (`EXPECTED_RUNNER`; the
+manifest records which ran). Run: `pytest -q -s tests/gpu` on the GPU host."""
 
 from __future__ import annotations
 
@@ -14,6 +16,18 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 BOUND = 1e-2
+# what vLLM picks by itself, by version: 0.26 runs dense non-MoE models on V2, hybrids on V1
+EXPECTED_RUNNER = {(0, 26): {"qwen3": "v2", "qwen3_next": "v1", "qwen3_5": "v1"}}
+
+
+def expected_runner(arch: str) -> str | None:
+    from vllm_hidden.engine.compat import version_tuple
+
+    return EXPECTED_RUNNER.get(version_tuple(), {}).get(arch)
+
+
+def manifest_runner(out) -> str:
+    return json.loads((out / "manifest.json").read_text())["engine"]["model_runner"]
 ENGINE = ["--gdn-prefill-backend", "triton", "--gpu-memory-utilization", "0.3", "--max-num-seqs", "64"]
 
 
@@ -40,14 +54,16 @@ def test_gpu_capture_matches_hf_graphs_and_eager(arch, tiny_models, tmp_path):
 
     model = tiny_models(arch)
     good = _prompts(tmp_path / "in.jsonl")
-    outs = {}
+    outs, runners = {}, {}
     for mode, extra in (("graphs", []), ("eager", ["--enforce-eager"])):
         outs[mode] = tmp_path / mode
         s = run_extract(ExtractConfig(model=str(model), input_path=str(tmp_path / "in.jsonl"), output_dir=str(outs[mode]),
                                       layers="0,3,7", max_model_len=1024, max_num_batched_tokens=256, dtype="bfloat16",
                                       progress=False, engine_args=ENGINE + extra))
         assert s.samples == len(good) and s.errors == 0
-        print(f"{arch} {mode}: {s.to_dict()}")
+        runners[mode] = manifest_runner(outs[mode])
+        assert runners[mode] in ("v1", "v2") and runners[mode] == (expected_runner(arch) or runners[mode]), runners
+        print(f"{arch} {mode} (model runner {runners[mode]}): {s.to_dict()}")
     hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).cuda().eval()
     last = {}
     hf.model.layers[-1].register_forward_hook(lambda m, i, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
@@ -69,4 +85,4 @@ def test_gpu_capture_matches_hf_graphs_and_eager(arch, tiny_models, tmp_path):
     print(f"{arch} worst rel L2 per layer [0, 3, 7]: {worst}")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], f"gpu-parity-{arch}.json"), "w") as f:
-            json.dump({"arch": arch, "worst_rel_l2": worst, "layers": [0, 3, 7]}, f)
+            json.dump({"arch": arch, "worst_rel_l2": worst, "layers": [0, 3, 7], "model_runner": runners}, f)

@@ -15,6 +15,8 @@ import time
 import pytest
 import torch
 
+from tests.gpu.test_gpu_capture import expected_runner, manifest_runner
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 BOUND = 1e-2
@@ -54,7 +56,7 @@ def test_gpu_qwen35_capture_matches_hf_graphs_and_eager(tmp_path):
     model = make_qwen35_model(tmp_path / "qwen3_5-4", num_layers=len(LAYERS), vocab_size=VOCAB)
     build_s = time.perf_counter() - t0
     good = _prompts(tmp_path / "in.jsonl")
-    outs, summaries = {}, {}
+    outs, summaries, runners = {}, {}, {}
     for mode, extra in (("graphs", []), ("eager", ["--enforce-eager"])):
         outs[mode] = tmp_path / mode
         s = run_extract(ExtractConfig(model=str(model), input_path=str(tmp_path / "in.jsonl"),
@@ -64,7 +66,9 @@ def test_gpu_qwen35_capture_matches_hf_graphs_and_eager(tmp_path):
                                       final_state="post-norm" if mode == "graphs" else "none"))
         assert s.samples == len(good) and s.errors == 0
         summaries[mode] = s.to_dict()
-        print(f"qwen3_5 {mode}: {summaries[mode]}")
+        runners[mode] = manifest_runner(outs[mode])
+        assert runners[mode] == (expected_runner("qwen3_5") or runners[mode]), runners
+        print(f"qwen3_5 {mode} (model runner {runners[mode]}): {summaries[mode]}")
 
     # vLLM's engines are shut down; the float32 reference (~6 GB of weights) has the GPU to itself
     t1 = time.perf_counter()
@@ -124,4 +128,4 @@ def test_gpu_qwen35_capture_matches_hf_graphs_and_eager(tmp_path):
             json.dump({"arch": "qwen3_5", "worst_rel_l2": worst, "layers": LAYERS, "eager_vs_graphs": worst_modes,
                        "min_neighbour_rel_l2": min_neighbour, "final_state_worst_rel_l2": worst_final,
                        "final_state_min_vs_last_layer": min_final_vs_last, "build_seconds": round(build_s, 1),
-                       "hf_reference_seconds": round(hf_s, 1), "extract": summaries}, f)
+                       "hf_reference_seconds": round(hf_s, 1), "extract": summaries, "model_runner": runners}, f)

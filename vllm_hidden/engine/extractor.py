@@ -173,7 +173,6 @@ class Extractor:
         from vllm_hidden.engine import compat
 
         compat.check_version()
-        compat.pin_v1_runner()
         compat.spawn_on_cuda()
         self.generate_tokens = cfg.generate.max_tokens + 1 if cfg.generate is not None else 0
         if plan.info.max_positions is not None and \
@@ -190,7 +189,8 @@ class Extractor:
         self.fingerprint, self.fingerprint_ident = fingerprint(
             mode="extract", model=cfg.model, engine_args=cfg.engine_args, device=compat.device_name(),
             cache_dirs=self.cache_dirs, env_digest=compat.compile_env_digest(),
-            settings={"layer_ids": list(self.layer_ids), "ring_slots": cfg.ring_slots, "max_model_len": self.max_prompt_len,
+            settings={"layer_ids": list(self.layer_ids), "model_runner": compat.requested_runner(),
+                      "ring_slots": cfg.ring_slots, "max_model_len": self.max_prompt_len,
                       "dtype": cfg.dtype, "max_num_batched_tokens": cfg.max_num_batched_tokens,
                       "max_num_seqs": cfg.max_num_seqs, "tp": self.args.tensor_parallel_size,
                       **({"layers_run": self.layers_run} if self.layers_run < plan.info.num_layers else {}),
@@ -297,7 +297,8 @@ class Extractor:
         return {"dtype": str(mc.dtype).replace("torch.", ""), "max_model_len": self.max_prompt_len,
                 "max_num_batched_tokens": sc.max_num_batched_tokens, "max_num_seqs": sc.max_num_seqs,
                 "enforce_eager": mc.enforce_eager, "tensor_parallel_size": vc.parallel_config.tensor_parallel_size,
-                "layers_run": int(mc.hf_text_config.num_hidden_layers)}
+                "layers_run": int(mc.hf_text_config.num_hidden_layers),
+                "model_runner": (self.start_report or {}).get("model_runner")}
 
     def extract(self, feed, shard_cfg: ShardConfig, on_progress=None,
                 max_inflight_tokens: int | None = None) -> EngineResult:

@@ -1,16 +1,17 @@
 """`vllm.general_plugins` entry point. vLLM calls `register()` in every process it starts.
 
-It wraps one runner method, `_setup_eagle3_aux_hidden_state_outputs` (called from
-`load_model` on GPU and CPU, before torch.compile and CUDA-graph capture). The wrapper is a
-pass-through unless the engine's `additional_config` carries a `vllm_hidden` capture config,
-so installing the package does not change plain vLLM. It wraps the default model loader's
+It installs capture on whichever model runner vLLM made (`compat` says where and why): the
+V1 runner's `_setup_eagle3_aux_hidden_state_outputs` (called from its `load_model` on GPU and
+CPU, before torch.compile and CUDA-graph capture) and, for the V2 runner, the worker's
+`load_model` (after the model is built, before its first forward). Both are pass-throughs
+unless the engine's `additional_config` carries a `vllm_hidden` capture config, so
+installing the package does not change plain vLLM. It wraps the default model loader's
 weight iterator, a pass-through unless the model's config was truncated by us
 (`engine.truncate`: the checkpoint's weights of the cut layers are dropped there). With
-capture on, it also wraps the
-worker's `compile_or_warm_up_model` (the end of an engine's start-up) to report whether the
-start was warm (`caches.StartProbe`). And it puts the server's channel key and the name of
-its fetch-form directory in the environment (strings; nothing is opened or made) for the
-processes vLLM starts.
+capture on, it also wraps the worker's `compile_or_warm_up_model` (the end of an engine's
+start-up) to report whether the start was warm (`caches.StartProbe`). And it puts the
+server's channel key and the name of its fetch-form directory in the environment (strings;
+nothing is opened or made) for the processes vLLM starts.
 """
 
 from __future__ import annotations
@@ -31,13 +32,11 @@ def register() -> None:
     ensure_key()
     ensure_dir_env()
 
-    runner_cls = compat.model_runner_class()
+    runner_cls = compat.v1_runner_class()
     original = runner_cls._setup_eagle3_aux_hidden_state_outputs
 
     def _setup_aux_with_capture(self) -> None:
-        from vllm_hidden.config import CaptureConfig
-
-        cfg = CaptureConfig.from_additional_config(self.vllm_config.additional_config)
+        cfg = _capture_config(self)
         if cfg is None:
             return original(self)
         from vllm_hidden.engine.runner import install_capture
@@ -49,8 +48,35 @@ def register() -> None:
     loader = compat.default_loader_class()
     loader.get_all_weights = _drop_cut_layers(loader.get_all_weights)
     for cls in compat.worker_classes():
+        if "load_model" in vars(cls):
+            cls.load_model = _install_on_v2(cls.load_model)
         if "compile_or_warm_up_model" in vars(cls):
             cls.compile_or_warm_up_model = _report_start(cls.compile_or_warm_up_model)
+
+
+def _capture_config(runner):
+    from vllm_hidden.config import CaptureConfig
+
+    return CaptureConfig.from_additional_config(runner.vllm_config.additional_config)
+
+
+def _install_on_v2(original):
+    def load_model(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        from vllm_hidden.engine import compat
+
+        runner = getattr(self, "model_runner", None)
+        if runner is not None and compat.runner_kind(runner) == "v2" and \
+                getattr(runner, "vllm_hidden_capture", None) is None:
+            cfg = _capture_config(runner)
+            if cfg is not None:
+                from vllm_hidden.engine.runner import install_capture
+
+                install_capture(runner, cfg)
+        return out
+
+    load_model.__wrapped__ = original  # type: ignore[attr-defined]
+    return load_model
 
 
 def _report_start(original):

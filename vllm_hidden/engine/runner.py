@@ -1,10 +1,11 @@
-"""The capture hook inside vLLM's (V1) model runner.
+"""The capture hook inside vLLM's model runner (V1 or V2: whichever vLLM made; `compat`).
 
 At load: switch on the model's aux hidden-state outputs for the selected layers (before
 torch.compile / CUDA-graph capture) and, on the writer rank, allocate the device buffer
 [max_num_batched_tokens, K, H] and the host ring. Per step, after the forward: one gather
 into the device buffer, one async D2H copy, and a small host record of which rows belong
-to which request; assembly and writing run on a separate thread.
+to which request (`map_rows`, over the runner's row order); assembly and writing run on a
+separate thread.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ GEN_KEY = "vllm_hidden_rows"  # --generate: rows to reserve (prompt + max tokens
 
 
 class Capture:
-    def __init__(self, runner: Any, cfg: CaptureConfig) -> None:
+    def __init__(self, runner: Any, cfg: CaptureConfig, kind: str = "v1") -> None:
         self.runner = runner
+        self.kind = kind  # which of vLLM's model runners: "v1" or "v2"
         self.cfg = cfg
         mc = runner.model_config
         self.hidden_size = mc.get_hidden_size()
@@ -79,7 +81,7 @@ class Capture:
         """End of the engine's start-up (after vLLM's warm-up): say whether it was warm."""
         if self.start_probe is None:
             return
-        self.start_report = self.start_probe.finish(compilation_seconds)
+        self.start_report = {**self.start_probe.finish(compilation_seconds), "model_runner": self.kind}
         self.start_probe = None
         if self.writer_rank:  # through vLLM's logger: the worker's own output (extract and serve)
             logging.getLogger("vllm.vllm_hidden").info("vllm-hidden: %s", describe(self.start_report))
@@ -213,22 +215,8 @@ class Capture:
         if not tracked and not new and not ended:
             return
         n = scheduler_output.total_num_scheduled_tokens
-        counts = scheduler_output.num_scheduled_tokens
-        segments: list[Segment] = []
-        row = 0
-        lo = hi = 0
-        for rid in self.runner.input_batch.req_ids:  # row order of the step's tokens
-            c = counts.get(rid, 0)
-            if c:
-                want = tracked.get(rid)
-                if want is not None and start[rid] < want:
-                    if not segments:
-                        lo = row
-                    segments.append(Segment(rid, row, c, start[rid]))
-                    hi = row + c
-            row += c
-        if row != n:
-            raise CaptureError(f"step rows {row} != scheduled tokens {n}; cannot map rows to requests")
+        segments, lo, hi = map_rows(compat.step_rows(self.runner, self.kind, scheduler_output.num_scheduled_tokens)
+                                    if n else (), tracked, start, n)
         if not segments:
             if new or ended:  # e.g. an open-ended capture finished: its sample is complete
                 thread.put(StepRecord(None, 0, [], new, frozenset(ended)))
@@ -253,6 +241,29 @@ class Capture:
         st.last_rows.append(hi - lo)
         st.acquire_wait_s += t1 - t0
         st.submit_s += time.perf_counter() - t1
+
+
+def map_rows(rows, tracked: dict[str, int], start: dict[str, int], n: int) -> tuple[list[Segment], int, int]:
+    """A step's captured rows: `rows` gives each scheduled request's (id, first row, count)
+    in row order, `tracked` the rows wanted per captured request (positions below it),
+    `start` each request's first position this step. Returns the segments (row, count and
+    position of each captured request's rows) and the span [lo, hi) holding them. The rows
+    must tile [0, n) exactly, or the mapping is wrong and capture stops."""
+    segments: list[Segment] = []
+    lo = hi = end = 0
+    for rid, row, c in rows:
+        if row != end:
+            raise CaptureError(f"request {rid!r} starts at row {row}, expected {end}; cannot map rows to requests")
+        end = row + c
+        want = tracked.get(rid)
+        if want is not None and start[rid] < want:
+            if not segments:
+                lo = row
+            segments.append(Segment(rid, row, c, start[rid]))
+            hi = end
+    if end != n:
+        raise CaptureError(f"step rows {end} != scheduled tokens {n}; cannot map rows to requests")
+    return segments, lo, hi
 
 
 def failure(e: BaseException) -> dict[str, Any]:
@@ -293,19 +304,22 @@ def install_capture(runner: Any, cfg: CaptureConfig) -> Capture:
     bad = [i for i in cfg.layer_ids if i >= num_layers]
     if bad:
         raise ValueError(f"layer id {bad[0]} out of range; the model has {num_layers} layers")
+    kind = compat.runner_kind(runner)
+    compat.check_runner(runner, kind)
     runner.use_aux_hidden_state_outputs = True
     model.set_aux_hidden_state_layers(cfg.aux_ids)
-    cap = Capture(runner, cfg)
+    cap = Capture(runner, cfg, kind)
     runner.vllm_hidden_capture = cap
 
     original = runner.execute_model
 
     def execute_model(scheduler_output, *args, **kwargs):
         out = original(scheduler_output, *args, **kwargs)
-        cap.on_step(scheduler_output)
+        if not kwargs.get("dummy_run"):  # V2's profile, DP-padding and capture runs: no requests
+            cap.on_step(scheduler_output)
         return out
 
     runner.execute_model = execute_model
-    log.info("vllm-hidden: capturing layer ids %s (aux %s)%s", list(cfg.layer_ids), [i + 1 for i in cfg.layer_ids],
-             "" if cap.writer_rank else " [not the writer rank]")
+    log.info("vllm-hidden: capturing layer ids %s (aux %s) on vLLM's %s model runner%s", list(cfg.layer_ids),
+             [i + 1 for i in cfg.layer_ids], kind.upper(), "" if cap.writer_rank else " [not the writer rank]")
     return cap

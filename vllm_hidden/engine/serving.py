@@ -154,7 +154,6 @@ def run_vllm_serve(argv: list[str]) -> None:
     from vllm_hidden.engine import compat
 
     compat.check_version()
-    compat.pin_v1_runner()
     compat.spawn_on_cuda()
     cli_env_setup()
     parser = FlexibleArgumentParser(prog="vllm-hidden serve")
