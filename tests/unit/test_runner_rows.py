@@ -167,7 +167,8 @@ def test_v2_hook_installs_after_load_and_assembles_samples_across_sorted_chunked
     model = type("Model", (_Aux, SupportsEagle3), {})()
     r = _V2Runner()
     cfg = CaptureConfig(layer_ids=LAYERS)
-    r.vllm_config = SimpleNamespace(additional_config=cfg.to_additional_config())
+    r.vllm_config = SimpleNamespace(additional_config=cfg.to_additional_config(), parallel_config=SimpleNamespace(
+        pipeline_parallel_size=1, prefill_context_parallel_size=1))
     r.use_aux_hidden_state_outputs = False
     r.pcp_manager = None
     r.get_model = lambda: model
@@ -181,42 +182,70 @@ def test_v2_hook_installs_after_load_and_assembles_samples_across_sorted_chunked
     r.execute_model(None, dummy_run=True)  # V2's profile / padding runs: no requests, no capture
     assert calls == [{"dummy_run": True}]
 
-    samples = {}
-    sink = MemorySink(cap.transfer.shape[1:], cap.transfer.values_dtype,
-                      lambda s: samples.__setitem__(s.sample_id, s))
+    committed = []
+    sink = MemorySink(cap.transfer.shape[1:], cap.transfer.values_dtype, committed.append)
     cap.thread = AssemblerThread(Assembler(cap.transfer, sink))
     cap.sink_kind = "shards"
-    reqs = {"A": 1, "B": 2, "C": 3, "D": 4}
+    reqs = {"A": 1, "B": 2, "C": 3, "D": 4, "E": 5}
     # step 1: A whole (40), B not captured (10), C chunked (14 of 30)
     _step(r, reqs, [_new("A", 40, "a"), _new("B", 10, None), _new("C", 30, "c")], {}, {"A": 40, "B": 10, "C": 14})
-    # step 2: A and B decode (sorted first; A's row is past its prompt), D new, C's rest
-    _step(r, reqs, [_new("D", 5, "d")], {"A": 40, "B": 10, "C": 14}, {"C": 16, "A": 1, "D": 5, "B": 1})
-    r.execute_model_state = None  # step 3: nothing scheduled, every request finished
-    cap.on_step(SimpleNamespace(scheduled_new_reqs=[], finished_req_ids={"A", "B", "C", "D"},
+    # step 2: A and B decode (sorted first; A's row is past its prompt), D new, C's rest, E half done
+    _step(r, reqs, [_new("D", 5, "d"), _new("E", 20, "e")], {"A": 40, "B": 10, "C": 14},
+          {"C": 16, "A": 1, "D": 5, "B": 1, "E": 8})
+    # E preempted, then resumed: V2 sends it as a new request again, from position 0
+    _step(r, reqs, [_new("E", 20, "e")], {}, {"E": 20})
+    r.execute_model_state = None  # last step: nothing scheduled, every request finished
+    cap.on_step(SimpleNamespace(scheduled_new_reqs=[], finished_req_ids={"A", "B", "C", "D", "E"},
                                 scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
                                 total_num_scheduled_tokens=0, num_scheduled_tokens={}))
     cap.thread.close()
-    assert sorted(samples) == ["a", "c", "d"]
-    for sid, rid, n in (("a", "A", 40), ("c", "C", 30), ("d", "D", 5)):
+    assert cap.thread.assembler.dropped == [] and cap.thread.assembler.in_flight == 0
+    assert sorted(s.sample_id for s in committed) == ["a", "c", "d", "e"]  # each once
+    samples = {s.sample_id: s for s in committed}
+    for sid, rid, n in (("a", "A", 40), ("c", "C", 30), ("d", "D", 5), ("e", "E", 20)):
         got = samples[sid].hidden_states
         want = torch.tensor([[[_value(reqs[rid], p, layer)] * H for layer in LAYERS] for p in range(n)])
         assert got.shape == (n, len(LAYERS), H) and torch.equal(got, want), sid
         assert samples[sid].token_ids.tolist() == list(range(1, n + 1))
 
 
-def test_v2_prefill_context_parallelism_is_refused():
+def _with_parallel(**sizes):
     r = _V2Runner()
-    r.pcp_manager = object()
-    with pytest.raises(RuntimeError, match="prefill context parallelism"):
-        compat.check_runner(r, "v2")
-    compat.check_runner(SimpleNamespace(pcp_manager=object()), "v1")  # V1 has no such manager to read
+    r.pcp_manager = None  # V2 builds it with the KV cache, after capture is installed: read the config
+    r.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(
+        **{"pipeline_parallel_size": 1, "prefill_context_parallel_size": 1, **sizes}))
+    return r
 
 
-def test_requested_runner(monkeypatch):
-    for value, want in ((None, "auto"), ("", "auto"), ("1", "v2"), ("0", "v1"), ("true", "v2"), ("False", "v1")):
+def test_unmappable_parallelism_is_refused_from_the_config():
+    with pytest.raises(RuntimeError, match="--prefill-context-parallel-size 2"):
+        compat.check_runner(_with_parallel(prefill_context_parallel_size=2), "v2")
+    for kind in ("v1", "v2"):
+        with pytest.raises(RuntimeError, match="--pipeline-parallel-size 2"):
+            compat.check_runner(_with_parallel(pipeline_parallel_size=2), kind)
+        compat.check_runner(_with_parallel(), kind)
+
+
+def test_requested_runner_reads_the_variable_as_vllm_does(monkeypatch):
+    for value, want in ((None, "auto"), ("1", "v2"), ("2", "v2"), ("0", "v1")):
         if value is None:
             monkeypatch.delenv(compat.RUNNER_ENV, raising=False)
         else:
             monkeypatch.setenv(compat.RUNNER_ENV, value)
         assert compat.requested_runner() == want, value
+    for bad in ("", "true"):  # vLLM's int() fails on these too
+        monkeypatch.setenv(compat.RUNNER_ENV, bad)
+        with pytest.raises(ValueError, match=repr(bad)):
+            compat.requested_runner()
 
+
+
+def test_the_worker_hook_passes_plain_engines_through_and_refuses_a_runner_it_cannot_hook():
+    load = plugin._install_on_v2(lambda self, *a, **kw: "loaded")
+    plain = SimpleNamespace(model_runner=_V2Runner())
+    plain.model_runner.vllm_config = SimpleNamespace(additional_config={})
+    assert load(plain) == "loaded" and not hasattr(plain.model_runner, "vllm_hidden_capture")
+    other = SimpleNamespace(model_runner=SimpleNamespace(vllm_config=SimpleNamespace(
+        additional_config=CaptureConfig(layer_ids=(0,)).to_additional_config())))
+    with pytest.raises(RuntimeError, match="could not be installed on types.SimpleNamespace"):
+        load(other)

@@ -3,8 +3,8 @@ model runners we run on.
 
 - Runner: vLLM picks the V1 runner (`v1/worker/gpu_model_runner.GPUModelRunner`, which the
   CPU runner subclasses) or the V2 one (`v1/worker/gpu/model_runner.GPUModelRunner`): 0.26
-  on GPU picks V2 for dense non-MoE, non-hybrid models, 0.32+ on GPU for every model it
-  supports, CPU (no Triton backend) V1; `VLLM_USE_V2_MODEL_RUNNER` overrides. We never
+  on GPU picks V2 for dense non-hybrid models (and a few MoE architectures), 0.32+ on GPU
+  for every model it supports, CPU (no Triton backend) V1; `VLLM_USE_V2_MODEL_RUNNER` overrides. We never
   choose: capture installs on whichever runner vLLM made (`runner_kind`). V1 at
   `_setup_eagle3_aux_hidden_state_outputs`, inside its `load_model`; V2 has no such hook
   (it sets aux layers inline, for speculative configs only), so right after its
@@ -58,11 +58,15 @@ _V2_MODULE = "vllm.v1.worker.gpu.model_runner"
 
 def requested_runner() -> str:
     """The runner the environment asks vLLM for ("v1", "v2"), or "auto" (vLLM's own choice,
-    a function of its version, the model and the engine arguments)."""
+    a function of its version, the model and the engine arguments). Read as vLLM reads it:
+    an integer, non-zero for V2."""
     v = os.environ.get(RUNNER_ENV)
-    if v is None or v.strip() == "":
+    if v is None:
         return "auto"
-    return "v2" if v.strip().lower() in ("1", "true", "yes", "on") else "v1"
+    try:
+        return "v2" if int(v) else "v1"
+    except ValueError:
+        raise ValueError(f"{RUNNER_ENV}={v!r}: vLLM reads it as an integer (0: V1 runner, 1: V2)") from None
 
 
 def runner_kind(runner) -> str:
@@ -71,10 +75,18 @@ def runner_kind(runner) -> str:
 
 
 def check_runner(runner, kind: str) -> None:
-    """What capture cannot map on a runner: V2's prefill context parallelism splits a
-    step's rows across ranks (and V2 runs it only for MLA models)."""
-    if kind == "v2" and getattr(runner, "pcp_manager", None) is not None:
-        raise RuntimeError("vllm-hidden: prefill context parallelism (--prefill-context-parallel-size > 1) "
+    """What capture cannot do on a runner, refused at load (from the config: V2 builds its
+    PCP manager only later, with the KV cache). Pipeline parallelism: the last stage holds only
+    its own layers' aux states (V2 on 0.32 relays the others only for speculative configs,
+    0.26's V2 refuses aux states with PP). Prefill context parallelism (V2, MLA models only)
+    splits a step's rows across ranks."""
+    pc = runner.vllm_config.parallel_config
+    if getattr(pc, "pipeline_parallel_size", 1) > 1:
+        raise RuntimeError(f"vllm-hidden: --pipeline-parallel-size {pc.pipeline_parallel_size}: capture runs with "
+                           "tensor and data parallelism only (the last pipeline stage does not see earlier "
+                           "stages' layers)")
+    if kind == "v2" and getattr(pc, "prefill_context_parallel_size", 1) > 1:
+        raise RuntimeError(f"vllm-hidden: --prefill-context-parallel-size {pc.prefill_context_parallel_size} "
                            "splits a step's rows across ranks; capture does not support it")
 
 

@@ -66,13 +66,17 @@ def _install_on_v2(original):
         from vllm_hidden.engine import compat
 
         runner = getattr(self, "model_runner", None)
-        if runner is not None and compat.runner_kind(runner) == "v2" and \
-                getattr(runner, "vllm_hidden_capture", None) is None:
-            cfg = _capture_config(runner)
-            if cfg is not None:
-                from vllm_hidden.engine.runner import install_capture
+        if runner is None or getattr(runner, "vllm_hidden_capture", None) is not None:
+            return out  # V1: installed inside its load_model
+        cfg = _capture_config(runner)
+        if cfg is None:
+            return out
+        if compat.runner_kind(runner) != "v2":  # a runner neither hook knows: never run without capture
+            raise RuntimeError(f"vllm-hidden: capture could not be installed on {type(runner).__module__}."
+                               f"{type(runner).__qualname__}")
+        from vllm_hidden.engine.runner import install_capture
 
-                install_capture(runner, cfg)
+        install_capture(runner, cfg)
         return out
 
     load_model.__wrapped__ = original  # type: ignore[attr-defined]

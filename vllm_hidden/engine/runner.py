@@ -192,6 +192,8 @@ class Capture:
         start: dict[str, int] = {}
         for r in scheduler_output.scheduled_new_reqs:
             start[r.req_id] = r.num_computed_tokens
+            if r.req_id in tracked:  # V2 sends a request resumed after preemption as new: its rows restart
+                continue
             extra = r.sampling_params.extra_args if r.sampling_params is not None else None
             if extra:
                 req = self._new_request(extra, r.prompt_token_ids)
@@ -315,7 +317,7 @@ def install_capture(runner: Any, cfg: CaptureConfig) -> Capture:
 
     def execute_model(scheduler_output, *args, **kwargs):
         out = original(scheduler_output, *args, **kwargs)
-        if not kwargs.get("dummy_run"):  # V2's profile, DP-padding and capture runs: no requests
+        if not kwargs.get("dummy_run"):  # V2's profile, warm-up-size and DP-padding runs: no requests
             cap.on_step(scheduler_output)
         return out
 
