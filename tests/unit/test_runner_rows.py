@@ -175,7 +175,7 @@ def test_v2_hook_installs_after_load_and_assembles_samples_across_sorted_chunked
     calls = []
     r.execute_model = lambda so, *a, **kw: calls.append(kw)
     worker = SimpleNamespace(model_runner=r)
-    plugin._install_on_v2(lambda self, *a, **kw: None)(worker)
+    plugin._capture_after_load(lambda self, *a, **kw: None)(worker)
     cap = r.vllm_hidden_capture
     assert isinstance(cap, Capture) and cap.kind == "v2"
     assert r.use_aux_hidden_state_outputs and model.aux == (1, 3)  # aux ids: layer + 1, sorted
@@ -218,10 +218,10 @@ def _with_parallel(**sizes):
 
 
 def test_unmappable_parallelism_is_refused_from_the_config():
-    with pytest.raises(RuntimeError, match="--prefill-context-parallel-size 2"):
+    with pytest.raises(ValueError, match="--prefill-context-parallel-size 2"):
         compat.check_runner(_with_parallel(prefill_context_parallel_size=2), "v2")
     for kind in ("v1", "v2"):
-        with pytest.raises(RuntimeError, match="--pipeline-parallel-size 2"):
+        with pytest.raises(ValueError, match="--pipeline-parallel-size 2"):
             compat.check_runner(_with_parallel(pipeline_parallel_size=2), kind)
         compat.check_runner(_with_parallel(), kind)
 
@@ -241,7 +241,7 @@ def test_requested_runner_reads_the_variable_as_vllm_does(monkeypatch):
 
 
 def test_the_worker_hook_passes_plain_engines_through_and_refuses_a_runner_it_cannot_hook():
-    load = plugin._install_on_v2(lambda self, *a, **kw: "loaded")
+    load = plugin._capture_after_load(lambda self, *a, **kw: "loaded")
     plain = SimpleNamespace(model_runner=_V2Runner())
     plain.model_runner.vllm_config = SimpleNamespace(additional_config={})
     assert load(plain) == "loaded" and not hasattr(plain.model_runner, "vllm_hidden_capture")

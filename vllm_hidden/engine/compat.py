@@ -74,20 +74,24 @@ def runner_kind(runner) -> str:
     return "v2" if any(c.__module__ == _V2_MODULE for c in type(runner).__mro__) else "v1"
 
 
-def check_runner(runner, kind: str) -> None:
-    """What capture cannot do on a runner, refused at load (from the config: V2 builds its
-    PCP manager only later, with the KV cache). Pipeline parallelism: the last stage holds only
+def check_parallel(pipeline: int, prefill_context: int = 1, kind: str | None = None) -> None:
+    """The parallel layouts capture cannot map. Pipeline parallelism: the last stage holds only
     its own layers' aux states (V2 on 0.32 relays the others only for speculative configs,
     0.26's V2 refuses aux states with PP). Prefill context parallelism (V2, MLA models only)
-    splits a step's rows across ranks."""
+    splits a step's rows across ranks; `kind` None: the runner is not known yet."""
+    if pipeline > 1:
+        raise ValueError(f"vllm-hidden: --pipeline-parallel-size {pipeline}: capture runs with tensor and data "
+                         "parallelism only (the last pipeline stage does not see earlier stages' layers)")
+    if kind == "v2" and prefill_context > 1:
+        raise ValueError(f"vllm-hidden: --prefill-context-parallel-size {prefill_context} splits a step's rows "
+                         "across ranks; capture does not support it")
+
+
+def check_runner(runner, kind: str) -> None:
+    """`check_parallel` at load, from the engine's config (V2 builds its PCP manager only
+    later, with the KV cache)."""
     pc = runner.vllm_config.parallel_config
-    if getattr(pc, "pipeline_parallel_size", 1) > 1:
-        raise RuntimeError(f"vllm-hidden: --pipeline-parallel-size {pc.pipeline_parallel_size}: capture runs with "
-                           "tensor and data parallelism only (the last pipeline stage does not see earlier "
-                           "stages' layers)")
-    if kind == "v2" and getattr(pc, "prefill_context_parallel_size", 1) > 1:
-        raise RuntimeError(f"vllm-hidden: --prefill-context-parallel-size {pc.prefill_context_parallel_size} "
-                           "splits a step's rows across ranks; capture does not support it")
+    check_parallel(getattr(pc, "pipeline_parallel_size", 1), getattr(pc, "prefill_context_parallel_size", 1), kind)
 
 
 def step_rows(runner, kind: str, num_scheduled_tokens: dict[str, int]):

@@ -185,6 +185,7 @@ class Extractor:
             or plan.info.num_layers
         if cfg.generate is not None and cfg.generate.seed is not None:
             compat.check_seeded_generation(self.args)
+        compat.check_parallel(self.args.pipeline_parallel_size)  # before an engine start fails on it less clearly
         compat.bind_cpu_threads(self.args.tensor_parallel_size)
         self.fingerprint, self.fingerprint_ident = fingerprint(
             mode="extract", model=cfg.model, engine_args=cfg.engine_args, device=compat.device_name(),

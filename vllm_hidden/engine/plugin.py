@@ -49,7 +49,7 @@ def register() -> None:
     loader.get_all_weights = _drop_cut_layers(loader.get_all_weights)
     for cls in compat.worker_classes():
         if "load_model" in vars(cls):
-            cls.load_model = _install_on_v2(cls.load_model)
+            cls.load_model = _capture_after_load(cls.load_model)
         if "compile_or_warm_up_model" in vars(cls):
             cls.compile_or_warm_up_model = _report_start(cls.compile_or_warm_up_model)
 
@@ -60,7 +60,7 @@ def _capture_config(runner):
     return CaptureConfig.from_additional_config(runner.vllm_config.additional_config)
 
 
-def _install_on_v2(original):
+def _capture_after_load(original):
     def load_model(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
         from vllm_hidden.engine import compat

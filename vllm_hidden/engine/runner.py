@@ -37,7 +37,7 @@ GEN_KEY = "vllm_hidden_rows"  # --generate: rows to reserve (prompt + max tokens
 
 
 class Capture:
-    def __init__(self, runner: Any, cfg: CaptureConfig, kind: str = "v1") -> None:
+    def __init__(self, runner: Any, cfg: CaptureConfig, kind: str) -> None:
         self.runner = runner
         self.kind = kind  # which of vLLM's model runners: "v1" or "v2"
         self.cfg = cfg

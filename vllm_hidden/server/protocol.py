@@ -22,6 +22,8 @@ from typing import Any
 import pybase64
 import torch
 
+from vllm_hidden.storage.shards import bad_values
+
 FIELD = "hidden_states"
 TOKENS_MODES = ("prompt", "all")
 TRANSFERS = ("inline", "fetch")
@@ -178,8 +180,6 @@ def finiteness(hs: torch.Tensor, layer_ids: tuple[int, ...], suspect: bool = Tru
     values, of tokens holding one, the first such token (index into `token_ids`) and its
     layers. `suspect=False` (the worker's row statistics say every row is finite) skips the
     pass over the values."""
-    from vllm_hidden.storage.shards import bad_values
-
     bad = bad_values(hs) if suspect else None
     if bad is None:
         return {"count": 0, "tokens": 0, "first_token": None, "layer_ids": []}
