@@ -1,25 +1,186 @@
-"""PyTorch Dataset over an extract output: a local directory (memory-mapped, lazy) or
-s3://bucket/prefix (each sample read with ranged GETs; shard headers cached per process)."""
+"""PyTorch Dataset over an extract output: a local directory or s3://bucket/prefix, read one
+sample at a time (its rows of each tensor, nothing else), each sample verified against the
+checksum recorded when it was written. See `stream.py` for shard-aware shuffling across ranks
+and DataLoader workers, and token-budget batches."""
 
 from __future__ import annotations
 
 import bisect
 import json
+import logging
 import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from vllm_hidden.capture.quant import dequantize
+from vllm_hidden.storage.files import ROW_TENSORS, SAMPLE_CHECKSUMS, sample_digest
 from vllm_hidden.storage.manifest import MANIFEST, Manifest
+
+log = logging.getLogger("vllm_hidden")
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64, "U8": torch.uint8,
            "F8_E4M3": torch.float8_e4m3fn}
-# what a shard may hold besides hidden_states and token_ids, returned under the same key
-_OPTIONAL = ("final_hidden_states", "loss_mask", "hidden_states_scale", "final_hidden_states_scale")
 _SCALED = (("hidden_states", "hidden_states_scale"), ("final_hidden_states", "final_hidden_states_scale"))
+# per-token rows large enough to read per sample everywhere; the others (ids, mask, fp8 scales,
+# a few bytes per token) are read per sample from local files, and once per shard from S3,
+# where a request costs more than their bytes
+_LARGE = ("hidden_states", "final_hidden_states")
+_OPEN_SHARDS = 64  # shards a process keeps open (parsed header, file); the least recently used go first
+
+# (name, stored dtype, shape) -> the tensor a sample's rows of that tensor are read into
+Alloc = Callable[[str, torch.dtype, tuple[int, ...]], torch.Tensor]
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """A contiguous tensor's bytes, writable, without a copy."""
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+
+
+def _alloc_here(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """In a DataLoader worker, in shared memory: what the worker returns then crosses to the
+    training process without the copy its pickling would otherwise make."""
+    if torch.utils.data.get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype)
+    n = 1
+    for d in shape:
+        n *= d
+    storage = torch.UntypedStorage._new_shared(max(1, n * dtype.itemsize))
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+
+
+def new_tensor(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    return _alloc_here(shape, torch.bool if name == "loss_mask" else dtype)
+
+
+class _Shard:
+    """One shard as a process reads it: its header (index, per-sample checksums, tensor
+    layout), and where its bytes come from (a file descriptor, or ranged GETs)."""
+
+    def __init__(self, ds: "HiddenStatesDataset", k: int) -> None:
+        info = ds.manifest.shards[k]
+        self.file = info.file
+        self.s3 = ds._s3
+        self.where = f"{self.s3.uri}/{info.file}" if self.s3 is not None else str(ds.root / info.file)
+        self.fd = -1
+        try:
+            if self.s3 is not None:
+                size = self.s3.size(info.file)
+            else:
+                self.fd = os.open(ds.root / info.file, os.O_RDONLY)
+                size = os.fstat(self.fd).st_size
+        except FileNotFoundError:
+            raise FileNotFoundError(f"shard {self.where!r} is listed in the manifest but missing") from None
+        try:
+            if size != info.bytes:
+                raise ValueError(f"shard {self.where!r} has {size} bytes, the manifest says {info.bytes}: truncated or "
+                                 "replaced; `vllm-hidden inspect` checks them all")
+            self._parse(info)
+            if self.digests is None and ds.verify and self.s3 is None:  # an older output: the whole file, once
+                from vllm_hidden.storage.files import file_checksum
+
+                if file_checksum(ds.root / info.file) != info.blake3:
+                    raise ValueError(f"shard {self.where!r} does not match its BLAKE3 checksum in the manifest: "
+                                     "corrupted on disk; `vllm-hidden inspect` checks them all")
+        except BaseException:
+            self.close()
+            raise
+
+    def _parse(self, info: Any) -> None:
+        try:
+            n = int.from_bytes(self._read(0, 8), "little")
+            if not 2 <= n <= min(info.bytes - 8, 100 << 20):
+                raise ValueError(f"a header length of {n} bytes")
+            header = json.loads(self._read(8, n))
+            meta = header["__metadata__"]
+            self.index: list[list[Any]] = json.loads(meta["samples"])
+            self.digests: list[str] | None = json.loads(meta[SAMPLE_CHECKSUMS]) if SAMPLE_CHECKSUMS in meta else None
+            # name -> (stored dtype, shape of one row, bytes per row, file offset of row 0), in ROW_TENSORS order
+            self.tensors: dict[str, tuple[torch.dtype, list[int], int, int]] = {}
+            for name in ROW_TENSORS:
+                if name in header:
+                    t = header[name]
+                    dtype, tail = _DTYPES[t["dtype"]], [int(d) for d in t["shape"][1:]]
+                    row = dtype.itemsize
+                    for d in tail:
+                        row *= d
+                    self.tensors[name] = (dtype, tail, row, 8 + n + int(t["data_offsets"][0]))
+        except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError) as e:
+            raise ValueError(f"shard {self.where!r} has a damaged header ({e!r}); `vllm-hidden inspect` "
+                             "checks every shard") from None
+        if "hidden_states" not in self.tensors or "token_ids" not in self.tensors:
+            raise ValueError(f"shard {self.where!r} has no hidden_states or token_ids tensor")
+        if len(self.index) != info.num_samples or (self.digests is not None and len(self.digests) != len(self.index)):
+            raise ValueError(f"shard {self.where!r}: index has {len(self.index)} samples and "
+                             f"{len(self.digests or [])} checksums, the manifest says {info.num_samples} samples")
+        self.small: dict[str, torch.Tensor] = {}
+        if self.s3 is not None:  # the few-bytes-per-token tensors of the whole shard, in one GET
+            names = [m for m in self.tensors if m not in _LARGE]
+            rows = max((e[1] + e[2] for e in self.index), default=0)  # the rows the index reaches
+            lo = min(self.tensors[m][3] for m in names)
+            hi = max(self.tensors[m][3] + self.tensors[m][2] * rows for m in names)
+            raw = torch.empty(hi - lo, dtype=torch.uint8)
+            self._read_into(lo, as_bytes(raw))
+            for m in names:
+                dtype, tail, row, off = self.tensors[m]
+                self.small[m] = raw[off - lo : off - lo + row * rows].view(dtype).reshape(rows, *tail)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [e[2] for e in self.index]
+
+    def _read(self, offset: int, n: int) -> bytes:
+        buf = bytearray(n)
+        self._read_into(offset, memoryview(buf))
+        return bytes(buf)
+
+    def _read_into(self, offset: int, buf: memoryview) -> None:
+        if self.s3 is not None:
+            self.s3.read_into(self.file, offset, buf)
+            return
+        done = 0
+        while done < len(buf):
+            got = os.preadv(self.fd, [buf[done:]], offset + done)
+            if got == 0:
+                raise ValueError(f"shard {self.where!r} ended at byte {offset + done}, inside what its header lists")
+            done += got
+
+    def read(self, j: int, alloc: Alloc, verify: bool) -> tuple[list[Any], dict[str, torch.Tensor]]:
+        """Sample j's index entry and its rows of each tensor, read into `alloc`'s tensors and,
+        with `verify`, checked against its recorded checksum (each byte returned, once)."""
+        entry = self.index[j]
+        row, count = entry[1], entry[2]
+        out: dict[str, torch.Tensor] = {}
+        for name, (dtype, tail, row_bytes, offset) in self.tensors.items():
+            t = alloc(name, dtype, (count, *tail))
+            if t.dtype.itemsize != dtype.itemsize or not t.is_contiguous() or t.shape[0] != count:
+                raise ValueError(f"{name}: a {t.dtype} tensor of shape {tuple(t.shape)} cannot hold {count} rows of "
+                                 f"{dtype}")
+            if name in self.small:
+                as_bytes(t)[:] = as_bytes(self.small[name][row : row + count])
+            else:
+                self._read_into(offset + row * row_bytes, as_bytes(t))
+            out[name] = t
+        if verify and self.digests is not None:
+            if sample_digest(entry, (as_bytes(t) for t in out.values())) != self.digests[j]:
+                raise ValueError(f"shard {self.where!r}, sample {entry[0]!r} (its entry {j}): its bytes do not match "
+                                 "the checksum recorded when it was written: corrupted; `vllm-hidden inspect` checks "
+                                 "every shard")
+        if "loss_mask" in out and (self.digests is None or not verify):  # unverified bytes: make them valid bools
+            m = out["loss_mask"].view(torch.uint8)
+            m.copy_(m != 0)
+        return entry, out
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    __del__ = close  # an evicted shard may still be read by a read-ahead thread: closed when the last one is done
 
 
 class HiddenStatesDataset(torch.utils.data.Dataset):
@@ -31,13 +192,16 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
     "hidden_states" float8 e4m3 [T, K, H] with "hidden_states_scale" float32 [T, K] (and
     "final_hidden_states" [T, H] with "final_hidden_states_scale" [T]). Row t of every tensor belongs
     to token t (unshifted: a trainer predicting token t+1 from row t shifts). Shards are
-    opened lazily per process, so the dataset can be handed to DataLoader workers.
+    opened lazily per process, so the dataset can be handed to DataLoader workers; in a worker,
+    samples are read straight into shared memory.
 
-    A shard is checked when a process first opens it, and refused (ValueError naming it) if
-    it differs from the manifest: its size always; with `verify` (the default) on a local
-    output also its BLAKE3, which catches a flipped bit anywhere in the file (one pass over
-    the file, multi-threaded, ~GB/s, leaving it in the page cache). On S3 only the size is
-    checked here: `vllm-hidden inspect` hashes every object."""
+    Reading sample i reads its rows and nothing else (plus, once per process and shard, the
+    shard's header). With `verify` (the default) those bytes are checked against the checksum
+    recorded for that sample when it was written, so verification costs one pass over what is
+    read, however many processes read; a mismatch is a ValueError naming the shard and sample.
+    A shard's size is checked against the manifest when a process opens it. An output written
+    before per-sample checksums is checked as it was then: each process hashes a local shard's
+    whole file when it first opens it; on S3 only sizes (`vllm-hidden inspect` hashes everything)."""
 
     def __init__(self, path: str | os.PathLike[str], s3_endpoint_url: str | None = None, *,
                  verify: bool = True, dequantize: bool = True) -> None:
@@ -58,97 +222,94 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
         else:
             self.root = Path(path)
             self.manifest = Manifest.read(self.root)
+        self.path = path
         self.layer_ids: list[int] = list(self.manifest.layer_ids)
-        self._starts: list[int] = []
+        self.starts: list[int] = []  # global index of each shard's first sample
         n = 0
         for s in self.manifest.shards:
-            self._starts.append(n)
+            self.starts.append(n)
             n += s.num_samples
         self._len = n
-        self._open: dict[int, tuple[Any, list[list[Any]], list[str]]] = {}
+        self._open: OrderedDict[int, _Shard] = OrderedDict()
+        self._lock = threading.Lock()  # read-ahead threads share the open shards
         self._pid = os.getpid()
+        if verify and self.manifest.sample_checksum is None and self.manifest.shards:
+            how = ("each process hashes a shard's whole file (BLAKE3) when it first opens it" if self._s3 is None else
+                   "only shard sizes are checked when reading; `vllm-hidden inspect` hashes every object")
+            log.warning("vllm-hidden: %s was written without per-sample checksums (an older vllm-hidden): %s", path, how)
 
     def __len__(self) -> int:
         return self._len
 
-    def _shard(self, k: int) -> tuple[Any, list[list[Any]], list[str]]:
-        if self._pid != os.getpid():  # forked into a DataLoader worker: reopen there
-            self._open.clear()
-            self._pid = os.getpid()
-            if self._s3 is not None:
-                self._s3._client = None  # boto3 clients are not fork-safe
-        if k not in self._open:
-            info = self.manifest.shards[k]
-            self._check(info)
-            if self._s3 is not None:
-                f, data_start = self._s3.safetensors_header(info.file)
-                f["__data_start__"] = data_start
-                index = json.loads(f["__metadata__"]["samples"])
-                names = set(f)
-            else:
-                f = safe_open(str(self.root / info.file), framework="pt")
-                index = json.loads(f.metadata()["samples"])
-                names = set(f.keys())
-            if len(index) != info.num_samples:
-                raise ValueError(f"shard {info.file!r}: index has {len(index)} samples, manifest says {info.num_samples}")
-            self._open[k] = (f, index, [n for n in _OPTIONAL if n in names])
-        return self._open[k]
+    @property
+    def num_shards(self) -> int:
+        return len(self.manifest.shards)
 
-    def _check(self, info: Any) -> None:
-        where = f"{self._s3.uri}/{info.file}" if self._s3 is not None else str(self.root / info.file)
-        try:
-            size = self._s3.size(info.file) if self._s3 is not None else (self.root / info.file).stat().st_size
-        except FileNotFoundError:
-            raise FileNotFoundError(f"shard {where!r} is listed in the manifest but missing") from None
-        if size != info.bytes:
-            raise ValueError(f"shard {where!r} has {size} bytes, the manifest says {info.bytes}: truncated or "
-                             "replaced; `vllm-hidden inspect` checks them all")
-        if self.verify and self._s3 is None:
-            from vllm_hidden.storage.files import file_checksum
-
-            if file_checksum(self.root / info.file) != info.blake3:
-                raise ValueError(f"shard {where!r} does not match its BLAKE3 checksum in the manifest: corrupted on "
-                                 "disk; `vllm-hidden inspect` checks them all")
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
+    def locate(self, i: int) -> tuple[int, int]:
+        """(shard, entry in that shard) of sample i."""
         if not -self._len <= i < self._len:
             raise IndexError(f"index {i} out of range for {self._len} samples")
         i %= self._len
-        k = bisect.bisect_right(self._starts, i) - 1
-        f, index, optional = self._shard(k)
-        entry = index[i - self._starts[k]]
-        sid, row, count = entry[:3]
-        out: dict[str, Any] = {"id": sid}
-        if len(entry) > 3:  # --generate: rows [0, num_prompt_tokens) are the prompt, the rest the response
-            out["num_prompt_tokens"] = entry[3]
-        for name in ("token_ids", "hidden_states", *optional):
+        k = bisect.bisect_right(self.starts, i) - 1
+        return k, i - self.starts[k]
+
+    def shard(self, k: int) -> _Shard:
+        if self._pid != os.getpid():  # forked into a DataLoader worker: reopen there
+            for s in self._open.values():
+                s.fd = -1  # the parent's descriptors (inherited copies are closed with the process)
+            self._open = OrderedDict()
+            self._lock = threading.Lock()
+            self._pid = os.getpid()
             if self._s3 is not None:
-                out[name] = self._s3_rows(self.manifest.shards[k].file, f, name, row, count)
+                self._s3._client = None  # boto3 clients are not fork-safe
+        with self._lock:
+            s = self._open.get(k)
+            if s is None:
+                s = self._open[k] = _Shard(self, k)
+                if len(self._open) > _OPEN_SHARDS:
+                    self._open.popitem(last=False)
             else:
-                out[name] = f.get_slice(name)[row : row + count]
-        if "loss_mask" in out:
-            out["loss_mask"] = out["loss_mask"].bool()
+                self._open.move_to_end(k)
+            return s
+
+    def shard_lengths(self, k: int) -> list[int]:
+        """Token counts of shard k's samples, in order (from its header)."""
+        return self.shard(k).lengths
+
+    def read(self, i: int, alloc: Alloc = new_tensor) -> dict[str, Any]:
+        """Sample i with its tensors as stored (`alloc` makes the tensors its rows go into)."""
+        k, j = self.locate(i)
+        entry, out = self.shard(k).read(j, alloc, self.verify)
+        sample: dict[str, Any] = {"id": entry[0]}
+        if len(entry) > 3:  # --generate: rows [0, num_prompt_tokens) are the prompt, the rest the response
+            sample["num_prompt_tokens"] = entry[3]
+        sample.update(out)
+        return sample
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        out = self.read(i)
         if self.dequantize:
             for name, scale in _SCALED:
                 if scale in out:
                     out[name] = dequantize(out[name], out.pop(scale))
         return out
 
-    def _s3_rows(self, name: str, header: dict[str, Any], tensor: str, row: int, count: int) -> torch.Tensor:
-        t = header[tensor]
-        dtype, tail = _DTYPES[t["dtype"]], t["shape"][1:]
-        row_bytes = dtype.itemsize
-        for d in tail:
-            row_bytes *= d
-        start = header["__data_start__"] + t["data_offsets"][0] + row * row_bytes
-        raw = self._s3.read_range(name, start, start + count * row_bytes)
-        return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(count, *tail)
+    def stream(self, **kw: Any) -> "Any":
+        """A `ShardedStream` over this dataset (see there for the arguments)."""
+        from vllm_hidden.data.stream import ShardedStream
+
+        return ShardedStream(self, **kw)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_open"] = {}
+        state["_open"] = OrderedDict()
+        state["_lock"] = None
         if state.get("_s3") is not None:  # a boto3 client does not cross processes: a fresh one there
             from vllm_hidden.storage.s3 import S3Location
 
             state["_s3"] = S3Location(self._s3.uri, self._s3.endpoint_url)
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()

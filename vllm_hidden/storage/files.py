@@ -7,14 +7,35 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import json
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import blake3
 
 FORMAT = "vllm-hidden/1"
+
+# Per-sample checksums, so a reader verifies exactly the bytes it returns (once, however many
+# processes read): a shard's metadata holds, under SAMPLE_CHECKSUMS, one digest per index entry,
+# in index order: BLAKE3 (16 bytes, hex) of the entry as compact JSON, then of the sample's rows
+# of each ROW_TENSORS tensor the shard has, in this order (which is also their order in the file).
+# Covering the entry covers the header fields a read relies on: a damaged id, offset or count
+# reads as a mismatch. The manifest names the rule (SAMPLE_CHECKSUM); older outputs have none.
+SAMPLE_CHECKSUMS = "sample_blake3"
+SAMPLE_CHECKSUM = "blake3-128(entry, rows)"
+ROW_TENSORS = ("hidden_states", "final_hidden_states", "hidden_states_scale", "final_hidden_states_scale",
+               "token_ids", "loss_mask")
+
+
+def sample_digest(entry: list[Any], parts: Iterable[Any]) -> str:
+    """The SAMPLE_CHECKSUMS digest of an index entry and its rows' bytes (buffers, in ROW_TENSORS order)."""
+    h = blake3.blake3(json.dumps(entry, separators=(",", ":")).encode())
+    for p in parts:
+        h.update(p)
+    return h.hexdigest(length=16)
 
 
 @dataclass(frozen=True, kw_only=True)

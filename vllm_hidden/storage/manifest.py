@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_hidden.storage.files import FORMAT, ShardInfo
+from vllm_hidden.storage.files import FORMAT, SAMPLE_CHECKSUM, ShardInfo
 
 MANIFEST = "manifest.json"
 ERRORS = "errors.jsonl"
@@ -42,6 +42,9 @@ class Manifest:
     # None: the states are stored in `dtype`; else how they are quantized (--storage-dtype fp8:
     # float8 e4m3 values, one float32 scale per token and layer, in *_scale tensors)
     storage: dict[str, Any] | None = None
+    # how each shard's per-sample checksums are made (files.SAMPLE_CHECKSUM); None: an older
+    # output without them (the reader then checks whole shards, as it did then)
+    sample_checksum: str | None = SAMPLE_CHECKSUM
     format: str = FORMAT
 
     @property
@@ -87,6 +90,7 @@ class Manifest:
                                  f"vllm-hidden, keys {sorted(s)}); re-run the extract with this version")
             shards.append(ShardInfo(**{k: s[k] for k in ShardInfo.__dataclass_fields__}))
         kw["shards"] = shards
+        kw.setdefault("sample_checksum", None)  # written before there were any
         return cls(**kw)
 
     @classmethod

@@ -127,6 +127,21 @@ class S3Location:
         r = self.client.get_object(Bucket=self.bucket, Key=self.key(name), Range=f"bytes={start}-{end - 1}")
         return r["Body"].read()
 
+    def read_into(self, name: str, start: int, buf: memoryview) -> None:
+        """Bytes [start, start + len(buf)) of an object into `buf`, in one ranged GET. boto3
+        retries the request; a body cut off mid-read (or a passing outage) is tried again
+        within `retry_for_s`, as uploads are."""
+        end = start + len(buf)
+
+        def get() -> None:
+            r = self.client.get_object(Bucket=self.bucket, Key=self.key(name), Range=f"bytes={start}-{end - 1}")
+            data = r["Body"].read()
+            if len(data) != len(buf):
+                raise OSError(f"{self.uri}/{name}: bytes {start}..{end} came back as {len(data)} bytes")
+            buf[:] = data
+
+        ride_out(get, f"read of {name}", self.uri, self.retry_for_s)
+
     def size(self, name: str) -> int:
         """An object's size in bytes (FileNotFoundError if there is none)."""
         from botocore.exceptions import ClientError

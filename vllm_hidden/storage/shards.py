@@ -42,7 +42,8 @@ import torch
 
 from vllm_hidden.capture import quant
 from vllm_hidden.config import ShardConfig
-from vllm_hidden.storage.files import FORMAT, ShardInfo, fsync_dir, shard_file, write_behind
+from vllm_hidden.storage.files import (FORMAT, SAMPLE_CHECKSUMS, ShardInfo, fsync_dir, sample_digest, shard_file,
+                                       write_behind)
 
 log = logging.getLogger("vllm_hidden")
 
@@ -70,9 +71,10 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 def _entry_bytes(sample_id: Any, row: int, count: int, num_prompt: int | None = None) -> int:
-    # the index is a JSON string inside the JSON header: quotes and backslashes get escaped
+    # the index is a JSON string inside the JSON header: quotes and backslashes get escaped;
+    # + its checksum in the SAMPLE_CHECKSUMS list (32 hex digits, escaped quotes, a comma)
     entry = [sample_id, row, count] if num_prompt is None else [sample_id, row, count, num_prompt]
-    return len(json.dumps(json.dumps(entry))) + 1
+    return len(json.dumps(json.dumps(entry))) + 1 + 37
 
 
 class SampleSlot:
@@ -81,7 +83,7 @@ class SampleSlot:
     `final_stat` [T] (float32: the amax, or with fp8 values the scale; see capture.quant)."""
 
     __slots__ = ("arena", "sample_id", "token_ids", "row", "buf", "final", "stat", "final_stat", "state", "line",
-                 "loss_spans", "num_prompt", "record", "src", "src_stat", "placed")
+                 "loss_spans", "num_prompt", "record", "src", "src_stat", "placed", "digest")
     # NOT_FINITE: committed, then refused by its writer thread (NaN/Inf); left out like DROPPED
     RESERVED, COMMITTED, DROPPED, NOT_FINITE = 0, 1, 2, 3
 
@@ -105,6 +107,18 @@ class SampleSlot:
         self.placed = False  # rows came through `place`, with their statistics
         self.line = line
         self.loss_spans = loss_spans
+        self.digest: str | None = None  # its SAMPLE_CHECKSUMS entry, made by the writer thread that writes it
+
+    def entry(self, generate: bool) -> list[Any]:
+        """Its shard index entry: [id, row offset, tokens(, prompt tokens)]."""
+        return [self.sample_id, self.row, int(self.token_ids.shape[0]), *([self.num_prompt] if generate else [])]
+
+    def mask(self) -> torch.Tensor:
+        """Its loss mask rows, uint8 [T], from its spans."""
+        m = torch.zeros(self.token_ids.shape[0], dtype=torch.uint8)
+        for lo, hi in self.loss_spans:
+            m[lo:hi] = 1
+        return m
 
     def place(self, pos: int, rows: torch.Tensor, stat: torch.Tensor) -> None:
         """Rows [pos, pos + n) as the ring holds them: [n, C, H] and [n, C], the last column
@@ -169,7 +183,7 @@ class _Arena:
     """One shard in the making: its rows in memory, its temporary file, its pending writes."""
 
     __slots__ = ("bufs", "buf", "final", "stat", "final_stat", "rows", "slots", "pending", "sealed", "pooled", "tmp",
-                 "fd", "index_bytes", "batch", "batch_bytes", "writes", "unsynced", "deferred")
+                 "fd", "index_bytes", "batch", "batch_bytes", "writes", "unsynced")
 
     def __init__(self, bufs: "_Buffers", pooled: bool, tmp: Path) -> None:
         self.bufs = bufs
@@ -186,7 +200,6 @@ class _Arena:
         self.batch_bytes = 0
         self.writes: list[Future] = []
         self.unsynced = 0
-        self.deferred = 0  # committed samples whose finiteness a writer thread decides (their stats come there)
 
     def add(self, sample_id: Any, token_ids: torch.Tensor, entry_bytes: int, line: int | None = None,
             loss_spans: list[list[int]] | None = None, num_prompt: int | None = None,
@@ -386,13 +399,11 @@ class ShardWriter:
         a = slot.arena
         a.pending -= 1
         if state == SampleSlot.COMMITTED and slot.placed and slot.src is None:
-            # the stats came with the rows: decided now, so a shard's index is known when it is sealed
+            # the stats came with the rows: decided now
             why = slot_not_finite(slot, self.layer_ids)
             if why is not None:
                 self._refuse(slot, why)
                 state = SampleSlot.NOT_FINITE
-        elif state == SampleSlot.COMMITTED:
-            a.deferred += 1
         if state == SampleSlot.COMMITTED:
             a.batch.append(slot)
             a.batch_bytes += slot.buf.numel() * slot.buf.element_size()
@@ -432,6 +443,7 @@ class ShardWriter:
                     if why is not None:
                         self._refuse(s, why)
                         continue
+                s.digest = self._digest(s)
                 mv = _raw(s.buf)
                 offset = self.header_room + s.row * self.row_bytes
                 _pwrite_all(a.fd, mv, offset)
@@ -448,6 +460,12 @@ class ShardWriter:
             with self._cv:
                 self._write_s += time.perf_counter() - t0
                 self._unwritten -= size
+
+    def _digest(self, s: SampleSlot) -> str:
+        """Its per-sample checksum (files.SAMPLE_CHECKSUMS): the bytes _layout puts in the file, in file order."""
+        parts = [s.buf, s.final, *((s.stat, s.final_stat) if self.fp8 else ()), s.token_ids.contiguous(),
+                 s.mask() if self.cfg.loss_mask else None]
+        return sample_digest(s.entry(self.cfg.generate), (_raw(t) for t in parts if t is not None))
 
     def _refuse(self, s: SampleSlot, why: str) -> None:
         """Never written: its rows stay zeros (file and memory), the index skips it."""
@@ -478,8 +496,7 @@ class ShardWriter:
         for s in done:
             tokens[s.row : s.row + s.token_ids.shape[0]] = s.token_ids
             if mask is not None:
-                for lo, hi in s.loss_spans:
-                    mask[s.row + lo : s.row + hi] = 1
+                mask[s.row : s.row + s.token_ids.shape[0]] = s.mask()
         gens = None
         if self.cfg.generate:
             gens = torch.frombuffer(bytearray(b"".join(s.record for s in done)), dtype=torch.uint8)
@@ -488,9 +505,9 @@ class ShardWriter:
         tail = [("final_hidden_states", a.final[:rows] if a.final is not None else None),
                 *(scales if self.fp8 else []), ("token_ids", tokens), ("loss_mask", mask), ("generations", gens)]
         tail = [(name, t) for name, t in tail if t is not None]
-        listed = [[s.sample_id, s.row, int(s.token_ids.shape[0]), *([s.num_prompt] if gens is not None else [])]
-                  for s in done]
-        meta = {"format": FORMAT, "layer_ids": json.dumps(self.layer_ids), "samples": json.dumps(listed)}
+        listed = [s.entry(gens is not None) for s in done]
+        meta = {"format": FORMAT, "layer_ids": json.dumps(self.layer_ids), "samples": json.dumps(listed),
+                SAMPLE_CHECKSUMS: json.dumps([s.digest for s in done])}
         entries = {"hidden_states": {"dtype": _ST_DTYPES[self.dtype], "shape": [rows, *self.row_shape],
                                      "data_offsets": [0, hs_bytes]}}
         end = hs_bytes
@@ -505,10 +522,9 @@ class ShardWriter:
         return head, tail, entries, end
 
     def _finish_file(self, a: _Arena, index: int) -> None:
-        """Runs after the arena's row writes were queued (so they run or are done). The file's
-        BLAKE3 is computed from memory: as soon as its index is known (every sample's
-        finiteness decided, which is at commit unless a writer thread makes its statistics),
-        so beside the last row writes and the fsync rather than after them."""
+        """Runs after the arena's row writes were queued (so they run or are done). The header
+        waits for them (they make the samples' checksums); the file's BLAKE3 is then computed
+        from memory, beside the fsync rather than after it."""
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
         h = blake3.blake3(max_threads=blake3.blake3.AUTO)
@@ -530,12 +546,6 @@ class ShardWriter:
             return th
 
         try:
-            layout = None
-            if a.deferred == 0 and index >= 0:  # nothing left for the writers to decide
-                done = [s for s in a.slots if s.state == SampleSlot.COMMITTED]
-                if done:
-                    layout = self._layout(a, done)
-                    hashing = start_hash(layout[0], layout[1])
             try:
                 wait(a.writes)  # all of them, even if one failed: none may still touch fd or buffer below
             finally:
@@ -548,14 +558,11 @@ class ShardWriter:
                 a.fd = -1
                 a.tmp.unlink()
                 return
-            if layout is None:
-                layout = self._layout(a, done)
-            head, tail, entries, end = layout
+            head, tail, entries, end = self._layout(a, done)
+            hashing = start_hash(head, tail)
             for name, t in tail:
                 _pwrite_all(a.fd, _raw(t), self.header_room + entries[name]["data_offsets"][0])
             _pwrite_all(a.fd, memoryview(head), 0)
-            if hashing is None:
-                hashing = start_hash(head, tail)
             t1 = time.perf_counter()
             os.fsync(a.fd)
             phases["fsync_s"] = time.perf_counter() - t1
@@ -582,7 +589,7 @@ class ShardWriter:
                 if self._error is None:
                     self._error = e
         finally:
-            wait(a.writes)  # on every path (the early layout may raise first): none may still use fd or buffer
+            wait(a.writes)  # on every path: none may still use fd or buffer
             if hashing is not None:
                 hashing.join()  # it reads the arena, which goes back to the pool below
             if a.fd >= 0:
