@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from vllm_hidden.capture.quant import dequantize
+from vllm_hidden.data.batches import alloc_tensor
 from vllm_hidden.storage.files import ROW_TENSORS, SAMPLE_CHECKSUMS, sample_digest
 from vllm_hidden.storage.manifest import MANIFEST, Manifest
 
@@ -41,20 +42,8 @@ def as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).reshape(-1).numpy())
 
 
-def _alloc_here(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """In a DataLoader worker, in shared memory: what the worker returns then crosses to the
-    training process without the copy its pickling would otherwise make."""
-    if torch.utils.data.get_worker_info() is None:
-        return torch.empty(shape, dtype=dtype)
-    n = 1
-    for d in shape:
-        n *= d
-    storage = torch.UntypedStorage._new_shared(max(1, n * dtype.itemsize))
-    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
-
-
 def new_tensor(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    return _alloc_here(shape, torch.bool if name == "loss_mask" else dtype)
+    return alloc_tensor(shape, torch.bool if name == "loss_mask" else dtype)
 
 
 class _Shard:
@@ -293,12 +282,6 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
                 if scale in out:
                     out[name] = dequantize(out[name], out.pop(scale))
         return out
-
-    def stream(self, **kw: Any) -> "Any":
-        """A `ShardedStream` over this dataset (see there for the arguments)."""
-        from vllm_hidden.data.stream import ShardedStream
-
-        return ShardedStream(self, **kw)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
