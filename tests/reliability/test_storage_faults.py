@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+from tests.damage import flip_bit
 from tests.integration.helpers import (journal_lines, last_json, random_prompts, run_cli, start_cli, verify_checksums,
                                        write_prompts)
 from tests.s3_server import FaultyProxy
@@ -211,21 +212,13 @@ def _small_output(root, n_shards=3):
     return shards
 
 
-def _flip(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x10]))
-
-
 def test_truncated_and_bit_flipped_shards_are_found_and_refused_by_name(tmp_path, reliability_report):
     out = tmp_path / "out"
     shards = _small_output(out, 4)
     files = [out / s.file for s in shards]
     os.truncate(files[0], files[0].stat().st_size - 100)  # truncated
-    _flip(files[1], files[1].stat().st_size - 200)  # a bit in the rows (the reader would return it)
-    _flip(files[2], 20)  # a bit in the header
+    flip_bit(files[1], files[1].stat().st_size - 200)  # a bit in the rows (the reader would return it)
+    flip_bit(files[2], 20)  # a bit in the header
     res = run_cli("inspect", str(out))
     assert res.returncode != 0
     report = res.stdout + res.stderr

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import struct
 
 import pytest
 import torch
 
+from tests.damage import flip_bit
 from tests.s3_server import FaultyProxy
 from vllm_hidden.config import ShardConfig
 from vllm_hidden.data import HiddenStatesDataset, ShardedStream, collate_tokens, token_batches
@@ -69,14 +71,6 @@ def _where(root, sid, tensor):
                 row_bytes = (t["data_offsets"][1] - t["data_offsets"][0]) // t["shape"][0]
                 return p, start + t["data_offsets"][0] + entry[1] * row_bytes
     raise KeyError(sid)
-
-
-def _flip(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x10]))
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +133,7 @@ def test_a_flipped_byte_is_found_when_and_only_when_its_sample_is_read(tmp_path,
     hit = {"s3": "hidden_states", "s9": "final_hidden_states", "s14": "token_ids", "s20": "loss_mask"}
     for sid, tensor in hit.items():
         p, off = _where(tmp_path, sid, tensor)
-        _flip(p, off)
+        flip_bit(p, off)
     # verification reads what is returned and nothing else: a shard is never hashed whole
     monkeypatch.setattr(files, "file_checksum", lambda *a: pytest.fail("a whole shard was hashed"))
     ds = HiddenStatesDataset(tmp_path)
@@ -173,7 +167,7 @@ def _strip_checksums(root):
 
 
 def test_older_outputs_read_with_a_one_line_note_and_whole_shard_checks(tmp_path, caplog):
-    data = _write(tmp_path, n=20)
+    data = _write(tmp_path, n=60, rows_per_shard=700)  # shards of ~70 KB: hashed on blake3's thread pool
     assert json.loads((tmp_path / MANIFEST).read_text())["sample_checksum"] == files.SAMPLE_CHECKSUM
     _strip_checksums(tmp_path)
     with caplog.at_level(logging.WARNING, logger="vllm_hidden"):
@@ -183,8 +177,15 @@ def test_older_outputs_read_with_a_one_line_note_and_whole_shard_checks(tmp_path
             _same(s, data[s["id"]])
     notes = [r.getMessage() for r in caplog.records]
     assert len(notes) == 1 and "without per-sample checksums" in notes[0] and "whole file" in notes[0], notes
+    # whole-file hashing in forked DataLoader workers, after this process started blake3's thread
+    # pool (which does not survive fork: hashing with it there hangs, and the loader times out)
+    big = tmp_path / "big.bin"
+    big.write_bytes(os.urandom(16 << 20))
+    files.file_checksum(big)
+    loader = torch.utils.data.DataLoader(HiddenStatesDataset(tmp_path), batch_size=None, num_workers=2, timeout=60)
+    assert sorted(s["id"] for s in loader) == sorted(data)
     p, off = _where(tmp_path, "s5", "hidden_states")
-    _flip(p, off)
+    flip_bit(p, off)
     fresh = HiddenStatesDataset(tmp_path)
     with pytest.raises(ValueError, match=rf"{p.name}' does not match its BLAKE3"):
         fresh[fresh.starts[int(p.stem.split("-")[1])]]  # the shard's first sample: the whole file is checked

@@ -96,8 +96,21 @@ def write_behind(fd: int, offset: int, nbytes: int) -> None:
             # fsync reports real write errors
 
 
+_POOL_PID: int | None = None  # the process whose hashing started blake3's thread pool
+
+
+def hasher() -> "blake3.blake3":
+    """A BLAKE3 hasher on all cores. Its thread pool does not survive fork: a forked child (a
+    DataLoader worker) that hashes with the pool its parent started hangs, so a child hashes
+    on one thread."""
+    global _POOL_PID
+    if _POOL_PID is None:
+        _POOL_PID = os.getpid()
+    return blake3.blake3(max_threads=blake3.blake3.AUTO if _POOL_PID == os.getpid() else 1)
+
+
 def file_checksum(path: str | os.PathLike[str]) -> str:
     """BLAKE3 (hex) of a file, as recorded in the manifest (`b3sum` prints the same)."""
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    h = hasher()
     h.update_mmap(str(path))
     return h.hexdigest()

@@ -37,13 +37,12 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-import blake3
 import torch
 
 from vllm_hidden.capture import quant
 from vllm_hidden.config import ShardConfig
-from vllm_hidden.storage.files import (FORMAT, SAMPLE_CHECKSUMS, ShardInfo, fsync_dir, sample_digest, shard_file,
-                                       write_behind)
+from vllm_hidden.storage.files import (FORMAT, SAMPLE_CHECKSUMS, ShardInfo, fsync_dir, hasher, sample_digest,
+                                       shard_file, write_behind)
 
 log = logging.getLogger("vllm_hidden")
 
@@ -527,7 +526,7 @@ class ShardWriter:
         from memory, beside the fsync rather than after it."""
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
-        h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        h = hasher()
         failed: list[BaseException] = []
         hashing: threading.Thread | None = None
 

@@ -13,7 +13,7 @@ from typing import Any
 from vllm_hidden.storage.journal import JOURNAL, RUN
 from vllm_hidden.storage.manifest import MANIFEST, Manifest
 from vllm_hidden.storage.output import durable_shards, uploaded_shards
-from vllm_hidden.storage.files import ShardInfo, file_checksum
+from vllm_hidden.storage.files import ShardInfo, file_checksum, hasher
 
 
 @dataclass
@@ -71,13 +71,11 @@ def _check_shard(root: Path, s: ShardInfo, layers: int | None) -> list[str]:
 
 
 def _check_s3_shard(loc, s: ShardInfo, layers: int | None) -> list[str]:
-    import blake3
-
     try:
         obj = loc.client.get_object(Bucket=loc.bucket, Key=loc.key(s.file))
     except Exception as e:  # noqa: BLE001 - reported, not raised
         return [f"{s.file}: cannot read it ({e})"]
-    h, size = blake3.blake3(max_threads=blake3.blake3.AUTO), 0
+    h, size = hasher(), 0
     for chunk in obj["Body"].iter_chunks(8 << 20):
         h.update(chunk)
         size += len(chunk)
