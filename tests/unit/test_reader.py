@@ -17,6 +17,7 @@ from tests.damage import flip_bit
 from tests.s3_server import FaultyProxy
 from vllm_hidden.config import ShardConfig
 from vllm_hidden.data import HiddenStatesDataset, ShardedStream, collate_tokens, token_batches
+from vllm_hidden.data.batches import BufferPool
 from vllm_hidden.storage import files
 from vllm_hidden.storage.manifest import MANIFEST, Manifest
 from vllm_hidden.storage.shards import ShardWriter
@@ -223,6 +224,13 @@ def test_token_budget_batches_never_exceed_it_and_keep_every_token(output, tmp_p
                                                      "loss_mask")}, data[sid])
                 seen += batch["ids"]
             assert sorted(seen) == sorted(data) and tokens == sum(lengths)
+    # the stream reuses a batch's memory only once the consumer let go of it: kept batches stay intact
+    kept = list(ShardedStream(ds, seed=3, token_budget=50, read_ahead=2))
+    assert len({b["hidden_states"].data_ptr() for b in kept}) == len(kept)
+    for batch in kept:
+        for sid, o, n in zip(batch["ids"], batch["cu_seqlens"].tolist(), batch["lengths"].tolist()):
+            _same({k: batch[k][o : o + n] for k in ("token_ids", "hidden_states", "final_hidden_states", "loss_mask")},
+                  data[sid])
     samples = [ds[i] for i in range(5)]
     for layout in ("packed", "padded"):
         b = collate_tokens(samples, layout)
@@ -231,6 +239,18 @@ def test_token_budget_batches_never_exceed_it_and_keep_every_token(output, tmp_p
     with pytest.raises(ValueError, match=rf"sample 's\d+' has {most} tokens, more than the token budget {most - 1}") as e:
         list(ShardedStream(ds, token_budget=most - 1))
     assert len(data[str(e.value).split("'")[1]]["token_ids"]) == most  # the sample named is that long
+
+
+def test_a_pooled_buffer_is_reused_only_once_nothing_refers_to_it():
+    pool = BufferPool(keep=2)
+    a = pool.take(1000)[10:20].view(torch.int16)  # a view the consumer keeps
+    b = pool.take(800)
+    assert b.data_ptr() != a.data_ptr() - 10
+    ptr = b.data_ptr()
+    del b
+    assert pool.take(900).data_ptr() == ptr  # let go: reused (and large enough)
+    del a
+    assert len({pool.take(100).data_ptr() for _ in range(3)}) == 1  # each dropped at once: the same buffer
 
 
 def test_fp8_batches_are_dequantized_like_single_samples(tmp_path):

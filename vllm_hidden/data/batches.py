@@ -75,29 +75,76 @@ def token_batches(lengths: Sequence[int], budget: int, layout: str = "packed") -
     return out + ([last] if last else [])
 
 
+_ALIGN = 64  # bytes: where each tensor carved from one buffer starts
+
+
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
 def alloc_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """In a DataLoader worker, in shared memory: what the worker returns then crosses to the
     training process without the copy its pickling would otherwise make."""
     if torch.utils.data.get_worker_info() is None:
         return torch.empty(shape, dtype=dtype)
-    n = 1
-    for d in shape:
-        n *= d
-    storage = torch.UntypedStorage._new_shared(max(1, n * dtype.itemsize))
+    storage = torch.UntypedStorage._new_shared(max(1, _nbytes(shape, dtype)))
     return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
+class BufferPool:
+    """Host buffers reused from one yielded item to the next, in the process that consumes
+    them: new memory costs a page fault per 4 KiB (about half the speed of a read into memory
+    already mapped). A buffer is reused only once nothing outside the pool refers to its
+    memory (the consumer dropped every tensor viewing it), so reuse never overwrites what a
+    consumer still holds; a consumer that keeps items just makes the pool allocate."""
 
-def _new(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:
-    return alloc_tensor(shape, dtype) if shared else torch.empty(shape, dtype=dtype)
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.bufs: list[torch.Tensor] = []
+        self.largest = 0
+
+    @staticmethod
+    def _free(buf: torch.Tensor) -> bool:
+        # the pool's tensor and the temporary storage object: nobody else
+        return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) <= 2
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        for buf in self.bufs:
+            if buf.numel() >= nbytes and self._free(buf):
+                return buf[:nbytes]
+        self.largest = max(self.largest, nbytes)
+        buf = torch.empty(self.largest, dtype=torch.uint8)  # the largest yet: later items fit
+        self.bufs.append(buf)
+        if len(self.bufs) > self.keep:  # forget one (its memory lives on while a consumer holds it)
+            idle = [k for k, b in enumerate(self.bufs) if self._free(b)]
+            del self.bufs[min(idle, key=lambda k: self.bufs[k].numel()) if idle else 0]
+        return buf[:nbytes]
+
+
+def alloc_tensors(specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                  pool: BufferPool | None = None) -> dict[str, torch.Tensor]:
+    """One yielded item's tensors: in a DataLoader worker each in shared memory; else carved
+    from one buffer of `pool` (or newly allocated without one)."""
+    if pool is None or torch.utils.data.get_worker_info() is not None or not hasattr(torch._C, "_storage_Use_Count"):
+        return {name: alloc_tensor(shape, dtype) for name, (shape, dtype) in specs.items()}
+    offsets, end = {}, 0
+    for name, (shape, dtype) in specs.items():
+        offsets[name] = end
+        end += -(-_nbytes(shape, dtype) // _ALIGN) * _ALIGN
+    flat = pool.take(end)
+    return {name: flat[offsets[name] : offsets[name] + _nbytes(shape, dtype)].view(dtype).view(shape)
+            for name, (shape, dtype) in specs.items()}
 
 
 class BatchBuilder:
-    """One batch's tensors, allocated once (in shared memory inside a DataLoader worker);
-    sample b's rows of tensor `name` go to `view(b, name)`."""
+    """One batch's tensors, allocated once (see `alloc_tensors`); sample b's rows of tensor
+    `name` go to `view(b, name)`."""
 
     def __init__(self, lengths: Sequence[int], specs: dict[str, tuple[torch.dtype, Sequence[int]]],
-                 layout: str = "packed", shared: bool = True) -> None:
+                 layout: str = "packed", pool: BufferPool | None = None) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         self.lengths = [int(n) for n in lengths]
@@ -106,8 +153,8 @@ class BatchBuilder:
         for n in self.lengths:
             self.offsets.append(self.offsets[-1] + n)
         rows = (len(self.lengths), max(self.lengths)) if self.padded else (self.offsets[-1],)
-        self.tensors = {name: _new((*rows, *tail), torch.bool if name == "loss_mask" else dtype, shared)
-                        for name, (dtype, tail) in specs.items()}
+        self.tensors = alloc_tensors({name: ((*rows, *tail), torch.bool if name == "loss_mask" else dtype)
+                                      for name, (dtype, tail) in specs.items()}, pool)
 
     def view(self, b: int, name: str) -> torch.Tensor:
         t, n = self.tensors[name], self.lengths[b]

@@ -276,7 +276,11 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
         return sample
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        out = self.read(i)
+        return self.item(i)
+
+    def item(self, i: int, alloc: Alloc | None = None) -> dict[str, Any]:
+        """`ds[i]`, its stored tensors read into `alloc`'s (then dequantized, if so asked)."""
+        out = self.read(i, alloc or new_tensor)
         if self.dequantize:
             for name, scale in _SCALED:
                 if scale in out:

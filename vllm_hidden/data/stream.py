@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_hidden.data.batches import LAYOUTS, BatchBuilder, BudgetPacker, check_layout
+from vllm_hidden.data.batches import LAYOUTS, BatchBuilder, BufferPool, BudgetPacker, alloc_tensors, check_layout
 from vllm_hidden.data.dataset import _SCALED, HiddenStatesDataset
 
 _MAX_WINDOW = 32  # shards mixed at once; a process keeps 64 open
@@ -141,9 +141,11 @@ class ShardedStream(torch.utils.data.IterableDataset):
         epoch = self.epoch + self._iterated
         self._iterated += 1
         units = self._units(epoch, part, parts)
+        # in the consuming process (no DataLoader workers) items reuse buffers the consumer let go
+        buffers = BufferPool(self.read_ahead + 2) if torch.utils.data.get_worker_info() is None else None
         if self.read_ahead == 0:
             for u in units:
-                unit = _Unit(self, u)
+                unit = _Unit(self, u, buffers)
                 for b in range(len(u)):
                     unit.read(b)
                 yield unit.result()
@@ -152,7 +154,7 @@ class ShardedStream(torch.utils.data.IterableDataset):
         pending: deque[tuple[_Unit, list[Future]]] = deque()
         try:
             for u in units:
-                unit = _Unit(self, u)
+                unit = _Unit(self, u, buffers)
                 pending.append((unit, [pool.submit(unit.read, b) for b in range(len(u))]))
                 # the oldest unit is handed over once `read_ahead` samples after it are queued
                 while len(pending) > 1 and sum(len(f) for _, f in pending) - len(pending[0][1]) >= self.read_ahead:
@@ -176,22 +178,32 @@ def _done(item: tuple["_Unit", list[Future]]) -> dict[str, Any]:
 class _Unit:
     """One thing to yield: a sample, or a batch being filled (its tensors allocated up front)."""
 
-    def __init__(self, stream: ShardedStream, indices: list[int]) -> None:
+    def __init__(self, stream: ShardedStream, indices: list[int], pool: BufferPool | None) -> None:
         self.ds = stream.ds
         self.indices = indices
+        self.pool = pool
         self.samples: list[dict[str, Any] | None] = [None] * len(indices)
         self.builder: BatchBuilder | None = None
-        if stream.token_budget is not None:
+        self.tensors: dict[str, torch.Tensor] | None = None
+        if stream.token_budget is None and pool is not None:  # one sample, carved from one pooled buffer
+            k, j = self.ds.locate(indices[0])
+            shard = self.ds.shard(k)
+            count = shard.lengths[j]
+            self.tensors = alloc_tensors({n: ((count, *t[1]), torch.bool if n == "loss_mask" else t[0])
+                                          for n, t in shard.tensors.items()}, pool)
+        elif stream.token_budget is not None:
             located = [self.ds.locate(i) for i in indices]
             shards = [self.ds.shard(k) for k, _ in located]
             self.scaled = {v: s for v, s in _SCALED if s in shards[0].tensors} if self.ds.dequantize else {}
             specs = {n: (torch.bfloat16 if n in self.scaled else t[0], t[1]) for n, t in shards[0].tensors.items()
                      if n not in self.scaled.values()}
-            self.builder = BatchBuilder([s.lengths[j] for s, (_, j) in zip(shards, located)], specs, stream.layout)
+            self.builder = BatchBuilder([s.lengths[j] for s, (_, j) in zip(shards, located)], specs, stream.layout,
+                                        pool)
 
     def read(self, b: int) -> None:
         if self.builder is None:
-            self.samples[b] = self.ds[self.indices[b]]
+            tensors = self.tensors
+            self.samples[b] = self.ds.item(self.indices[b], None if tensors is None else lambda n, d, s: tensors[n])
             return
         builder, scaled = self.builder, self.scaled
 
