@@ -18,6 +18,7 @@ from tests.s3_server import FaultyProxy
 from vllm_hidden.config import ShardConfig
 from vllm_hidden.data import HiddenStatesDataset, ShardedStream, collate_tokens, token_batches
 from vllm_hidden.data.batches import BufferPool
+from vllm_hidden.data import dataset
 from vllm_hidden.storage import files
 from vllm_hidden.storage.manifest import MANIFEST, Manifest
 from vllm_hidden.storage.shards import ShardWriter
@@ -151,6 +152,17 @@ def test_a_flipped_byte_is_found_when_and_only_when_its_sample_is_read(tmp_path,
         list(ShardedStream(ds, read_ahead=3))
 
 
+real_checksum = files.file_checksum
+
+
+def test_one_row_shards_index_their_samples(tmp_path):
+    data = _write(tmp_path, n=6, rows_per_shard=1)  # the least header room there is: each sample alone
+    ds = HiddenStatesDataset(tmp_path)
+    assert ds.num_shards == 6
+    for i in range(len(ds)):
+        _same(ds[i], data[ds[i]["id"]])
+
+
 def _strip_checksums(root):
     """Make `root` what an older writer wrote: no per-sample checksums, in shards or manifest."""
     for p in root.glob("shard-*.safetensors"):
@@ -167,7 +179,7 @@ def _strip_checksums(root):
     (root / MANIFEST).write_text(json.dumps(m))
 
 
-def test_older_outputs_read_with_a_one_line_note_and_whole_shard_checks(tmp_path, caplog):
+def test_older_outputs_read_with_a_one_line_note_and_whole_shard_checks(tmp_path, caplog, monkeypatch):
     data = _write(tmp_path, n=60, rows_per_shard=700)  # shards of ~70 KB: hashed on blake3's thread pool
     assert json.loads((tmp_path / MANIFEST).read_text())["sample_checksum"] == files.SAMPLE_CHECKSUM
     _strip_checksums(tmp_path)
@@ -185,6 +197,15 @@ def test_older_outputs_read_with_a_one_line_note_and_whole_shard_checks(tmp_path
     files.file_checksum(big)
     loader = torch.utils.data.DataLoader(HiddenStatesDataset(tmp_path), batch_size=None, num_workers=2, timeout=60)
     assert sorted(s["id"] for s in loader) == sorted(data)
+    # a process hashes each shard once, even if it closes and reopens it
+    monkeypatch.setattr(dataset, "_OPEN_SHARDS", 1)
+    hashed = []
+    monkeypatch.setattr(files, "file_checksum", lambda path: hashed.append(path) or real_checksum(path))
+    ds = HiddenStatesDataset(tmp_path)
+    for i in torch.randperm(len(ds)).tolist() * 2:
+        ds[i]
+    assert sorted(hashed) == sorted(tmp_path.glob("shard-*.safetensors"))
+    monkeypatch.undo()
     p, off = _where(tmp_path, "s5", "hidden_states")
     flip_bit(p, off)
     fresh = HiddenStatesDataset(tmp_path)
@@ -300,3 +321,13 @@ def test_s3_reads_one_ranged_get_per_sample_with_read_ahead_and_retries(s3, tmp_
     loader = torch.utils.data.DataLoader(ShardedStream(HiddenStatesDataset(uri, s3_endpoint_url=url), token_budget=64),
                                          batch_size=None, num_workers=2)
     assert sorted(i for b in loader for i in b["ids"]) == sorted(data)
+
+    # fp8 with the final state: float32 scales before the int64 ids, at offsets a shard's row
+    # count may leave unaligned for them
+    fp8 = _write(tmp_path / "stage8", n=20, fp8=True, upload={"upload_uri": uri + "8", "s3_endpoint_url": url})
+    S3Location(uri + "8", url).put_file(tmp_path / "stage8" / MANIFEST, MANIFEST)
+    assert any(s.num_tokens % 2 for s in Manifest.read(tmp_path / "stage8").shards)
+    ds = HiddenStatesDataset(uri + "8", s3_endpoint_url=url)
+    for s in ShardedStream(ds):
+        assert torch.equal(s["token_ids"], fp8[s["id"]]["token_ids"]) and s["hidden_states"].dtype == torch.bfloat16
+        assert torch.equal(s["loss_mask"], fp8[s["id"]]["loss_mask"])

@@ -99,7 +99,9 @@ class BufferPool:
     them: new memory costs a page fault per 4 KiB (about half the speed of a read into memory
     already mapped). A buffer is reused only once nothing outside the pool refers to its
     memory (the consumer dropped every tensor viewing it), so reuse never overwrites what a
-    consumer still holds; a consumer that keeps items just makes the pool allocate."""
+    consumer still holds; a consumer that keeps items just makes the pool allocate. (A tensor,
+    view, numpy array or memoryview of an item keeps its buffer; its bare storage object,
+    `t.untyped_storage()`, alone does not: keep a tensor.)"""
 
     def __init__(self, keep: int) -> None:
         self.keep = keep

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +32,7 @@ _SCALED = (("hidden_states", "hidden_states_scale"), ("final_hidden_states", "fi
 # a few bytes per token) are read per sample from local files, and once per shard from S3,
 # where a request costs more than their bytes
 _LARGE = ("hidden_states", "final_hidden_states")
-_OPEN_SHARDS = 64  # shards a process keeps open (parsed header, file); the least recently used go first
+_OPEN_SHARDS = 256  # shards a process keeps open (parsed header, file); the least recently used go first
 
 # (name, stored dtype, shape) -> the tensor a sample's rows of that tensor are read into
 Alloc = Callable[[str, torch.dtype, tuple[int, ...]], torch.Tensor]
@@ -69,12 +70,14 @@ class _Shard:
                 raise ValueError(f"shard {self.where!r} has {size} bytes, the manifest says {info.bytes}: truncated or "
                                  "replaced; `vllm-hidden inspect` checks them all")
             self._parse(info)
-            if self.digests is None and ds.verify and self.s3 is None:  # an older output: the whole file, once
+            if self.digests is None and ds.verify and self.s3 is None and k not in ds._checked:
+                # an older output: the whole file, once per process
                 from vllm_hidden.storage.files import file_checksum
 
                 if file_checksum(ds.root / info.file) != info.blake3:
                     raise ValueError(f"shard {self.where!r} does not match its BLAKE3 checksum in the manifest: "
                                      "corrupted on disk; `vllm-hidden inspect` checks them all")
+                ds._checked.add(k)
         except BaseException:
             self.close()
             raise
@@ -114,13 +117,10 @@ class _Shard:
             hi = max(self.tensors[m][3] + self.tensors[m][2] * rows for m in names)
             raw = torch.empty(hi - lo, dtype=torch.uint8)
             self._read_into(lo, as_bytes(raw))
-            for m in names:
+            for m in names:  # each its own copy: a view of `raw` may start where its dtype cannot
                 dtype, tail, row, off = self.tensors[m]
-                self.small[m] = raw[off - lo : off - lo + row * rows].view(dtype).reshape(rows, *tail)
-
-    @property
-    def lengths(self) -> list[int]:
-        return [e[2] for e in self.index]
+                self.small[m] = raw[off - lo : off - lo + row * rows].clone().view(dtype).reshape(rows, *tail)
+        self.lengths: list[int] = [e[2] for e in self.index]  # token counts, in index order
 
     def _read(self, offset: int, n: int) -> bytes:
         buf = bytearray(n)
@@ -220,8 +220,9 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
             n += s.num_samples
         self._len = n
         self._open: OrderedDict[int, _Shard] = OrderedDict()
+        self._checked: set[int] = set()  # shards of an older output this process hashed whole
         self._lock = threading.Lock()  # read-ahead threads share the open shards
-        self._pid = os.getpid()
+        _DATASETS.add(self)
         if verify and self.manifest.sample_checksum is None and self.manifest.shards:
             how = ("each process hashes a shard's whole file (BLAKE3) when it first opens it" if self._s3 is None else
                    "only shard sizes are checked when reading; `vllm-hidden inspect` hashes every object")
@@ -242,23 +243,29 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
         k = bisect.bisect_right(self.starts, i) - 1
         return k, i - self.starts[k]
 
+    def _forked(self) -> None:
+        """In a forked child (a DataLoader worker), before any of its threads runs: its own
+        files, lock and S3 client; the parent's stay the parent's."""
+        for s in self._open.values():
+            s.fd = -1  # inherited copies, closed with the process
+        self._open = OrderedDict()
+        self._checked = set()
+        self._lock = threading.Lock()
+        if self._s3 is not None:
+            self._s3._client = None  # boto3 clients are not fork-safe
+
     def shard(self, k: int) -> _Shard:
-        if self._pid != os.getpid():  # forked into a DataLoader worker: reopen there
-            for s in self._open.values():
-                s.fd = -1  # the parent's descriptors (inherited copies are closed with the process)
-            self._open = OrderedDict()
-            self._lock = threading.Lock()
-            self._pid = os.getpid()
-            if self._s3 is not None:
-                self._s3._client = None  # boto3 clients are not fork-safe
         with self._lock:
             s = self._open.get(k)
-            if s is None:
-                s = self._open[k] = _Shard(self, k)
-                if len(self._open) > _OPEN_SHARDS:
-                    self._open.popitem(last=False)
-            else:
+            if s is not None:
                 self._open.move_to_end(k)
+                return s
+        s = _Shard(self, k)  # outside the lock: opening may read (S3) or hash (older outputs)
+        with self._lock:
+            s = self._open.setdefault(k, s)  # another thread may have opened it meanwhile
+            self._open.move_to_end(k)
+            if len(self._open) > _OPEN_SHARDS:
+                self._open.popitem(last=False)
             return s
 
     def shard_lengths(self, k: int) -> list[int]:
@@ -290,6 +297,7 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_open"] = OrderedDict()
+        state["_checked"] = set()  # checked by this process, not by the one it is sent to
         state["_lock"] = None
         if state.get("_s3") is not None:  # a boto3 client does not cross processes: a fresh one there
             from vllm_hidden.storage.s3 import S3Location
@@ -300,3 +308,8 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        _DATASETS.add(self)
+
+
+_DATASETS: "weakref.WeakSet[HiddenStatesDataset]" = weakref.WeakSet()  # this process's, reset in a forked child
+os.register_at_fork(after_in_child=lambda: [ds._forked() for ds in list(_DATASETS)])

@@ -240,7 +240,7 @@ class ShardWriter:
         if self.fp8:  # + their scales
             extra += 4 * (len(self.layer_ids) + cfg.final_state)
         self.rows_per_shard = max(1, cfg.max_shard_bytes // (self.row_bytes + extra))
-        room = _HEADER_FIXED + 32 * min(self.rows_per_shard, 1 << 15)
+        room = _HEADER_FIXED + (32 + 37) * min(self.rows_per_shard, 1 << 15)  # ~32 B of index, 37 of checksum
         self.header_room = min(room + (-room % 8), 1 << 20)
         # one arena being filled + one per writer thread; more only when every other arena
         # waits for a sample still in prefill (chunked prompts), never while one is finishing
