@@ -85,6 +85,11 @@ def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return n
 
 
+def returned_dtype(name: str, stored: torch.dtype) -> torch.dtype:
+    """The dtype a tensor is returned in: as stored, but the loss mask (uint8 0/1) as bool."""
+    return torch.bool if name == "loss_mask" else stored
+
+
 def alloc_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """In a DataLoader worker, in shared memory: what the worker returns then crosses to the
     training process without the copy its pickling would otherwise make."""
@@ -155,7 +160,7 @@ class BatchBuilder:
         for n in self.lengths:
             self.offsets.append(self.offsets[-1] + n)
         rows = (len(self.lengths), max(self.lengths)) if self.padded else (self.offsets[-1],)
-        self.tensors = alloc_tensors({name: ((*rows, *tail), torch.bool if name == "loss_mask" else dtype)
+        self.tensors = alloc_tensors({name: ((*rows, *tail), returned_dtype(name, dtype))
                                       for name, (dtype, tail) in specs.items()}, pool)
 
     def view(self, b: int, name: str) -> torch.Tensor:

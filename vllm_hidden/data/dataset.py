@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from vllm_hidden.capture.quant import dequantize
-from vllm_hidden.data.batches import alloc_tensor
+from vllm_hidden.data.batches import alloc_tensor, returned_dtype
 from vllm_hidden.storage.files import ROW_TENSORS, SAMPLE_CHECKSUMS, sample_digest
 from vllm_hidden.storage.manifest import MANIFEST, Manifest
 
@@ -44,7 +44,7 @@ def as_bytes(t: torch.Tensor) -> memoryview:
 
 
 def new_tensor(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    return alloc_tensor(shape, torch.bool if name == "loss_mask" else dtype)
+    return alloc_tensor(shape, returned_dtype(name, dtype))
 
 
 class _Shard:

@@ -29,7 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_hidden.data.batches import LAYOUTS, BatchBuilder, BufferPool, BudgetPacker, alloc_tensors, check_layout
+from vllm_hidden.capture.quant import dequantize
+from vllm_hidden.data.batches import (LAYOUTS, BatchBuilder, BufferPool, BudgetPacker, alloc_tensors, check_layout,
+                                      returned_dtype)
 from vllm_hidden.data.dataset import _SCALED, HiddenStatesDataset
 
 _MAX_WINDOW = 32  # shards mixed at once; a process keeps 64 open
@@ -199,7 +201,6 @@ class _Unit:
     def __init__(self, stream: ShardedStream, indices: list[int], pool: BufferPool | None) -> None:
         self.ds = stream.ds
         self.indices = indices
-        self.pool = pool
         self.samples: list[dict[str, Any] | None] = [None] * len(indices)
         self.builder: BatchBuilder | None = None
         self.tensors: dict[str, torch.Tensor] | None = None
@@ -207,7 +208,7 @@ class _Unit:
             k, j = self.ds.locate(indices[0])
             shard = self.ds.shard(k)
             count = shard.lengths[j]
-            self.tensors = alloc_tensors({n: ((count, *t[1]), torch.bool if n == "loss_mask" else t[0])
+            self.tensors = alloc_tensors({n: ((count, *t[1]), returned_dtype(n, t[0]))
                                           for n, t in shard.tensors.items()}, pool)
         elif stream.token_budget is not None:
             located = [self.ds.locate(i) for i in indices]
@@ -232,7 +233,7 @@ class _Unit:
 
         sample = self.ds.read(self.indices[b], alloc)
         for name, scale in scaled.items():
-            builder.view(b, name).copy_(sample[name].to(torch.float32) * sample[scale].unsqueeze(-1))
+            builder.view(b, name).copy_(dequantize(sample[name], sample[scale]))
         self.samples[b] = {"id": sample["id"], "num_prompt_tokens": sample.get("num_prompt_tokens")}
 
     def result(self) -> dict[str, Any]:
