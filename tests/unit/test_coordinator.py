@@ -26,7 +26,7 @@ import vllm_hidden.extract.plan as plan
 import vllm_hidden.engine.caches as caches
 from vllm_hidden.config import ExtractConfig, ModelInfo, Plan
 from vllm_hidden.inputs import BadLine, Prompt
-from vllm_hidden.storage.files import FORMAT
+from vllm_hidden.format.shard import FORMAT
 
 PLAN = Plan(info=ModelInfo(num_layers=4, hidden_size=8, vocab_size=100, max_positions=64),
                 layer_ids=[1, 2], max_prompt_len=64,

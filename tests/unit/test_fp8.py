@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from vllm_hidden.capture.quant import FP8, dequantize, quantize
+from vllm_hidden.format.quant import FP8, dequantize, quantize
 from vllm_hidden.capture.ring import StepTransfer
 from vllm_hidden.config import ShardConfig
 from vllm_hidden.data import HiddenStatesDataset

@@ -19,6 +19,7 @@ from vllm_hidden.config import ShardConfig
 from vllm_hidden.data import HiddenStatesDataset, ShardedStream, collate_tokens, token_batches
 from vllm_hidden.data.batches import BufferPool
 from vllm_hidden.data import dataset
+from vllm_hidden.format import shard
 from vllm_hidden.storage import files
 from vllm_hidden.storage.manifest import MANIFEST, Manifest
 from vllm_hidden.storage.shards import ShardWriter
@@ -167,7 +168,7 @@ def _strip_checksums(root):
     """Make `root` what an older writer wrote: no per-sample checksums, in shards or manifest."""
     for p in root.glob("shard-*.safetensors"):
         header, start = _header(p)
-        del header["__metadata__"][files.SAMPLE_CHECKSUMS]
+        del header["__metadata__"][shard.SAMPLE_CHECKSUMS]
         text = json.dumps(header, separators=(",", ":")).encode()
         with open(p, "r+b") as f:  # same header length (space padding), so the data stays where it is
             f.seek(8)
@@ -181,7 +182,7 @@ def _strip_checksums(root):
 
 def test_older_outputs_read_with_a_one_line_note_and_whole_shard_checks(tmp_path, caplog, monkeypatch):
     data = _write(tmp_path, n=60, rows_per_shard=700)  # shards of ~70 KB: hashed on blake3's thread pool
-    assert json.loads((tmp_path / MANIFEST).read_text())["sample_checksum"] == files.SAMPLE_CHECKSUM
+    assert json.loads((tmp_path / MANIFEST).read_text())["sample_checksum"] == shard.SAMPLE_CHECKSUM
     _strip_checksums(tmp_path)
     with caplog.at_level(logging.WARNING, logger="vllm_hidden"):
         ds = HiddenStatesDataset(tmp_path)

@@ -255,8 +255,7 @@ def test_generated_samples_over_s3_keep_their_records_and_prompt_lengths(s3, tmp
     assert sorted(got) == sorted(lines.values()) and len(got) == len(data)
     order = []
     for s in shards:  # shard order, then each shard's index order
-        header, _ = loc.safetensors_header(s.file)
-        order += [e[0] for e in json.loads(header["__metadata__"]["samples"])]
+        order += [e[0] for e in loc.shard_header(s).index]
     assert [json.loads(x)["id"] for x in got] == order
     Manifest(model="m", layer_ids=[3, 5], layer_semantics="s", num_model_layers=8, hidden_size=H,
              dtype="bfloat16", shards=shards).write(tmp_path)

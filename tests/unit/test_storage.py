@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from vllm_hidden.capture import quant
+from vllm_hidden.format import quant
 from vllm_hidden.config import ShardConfig
 from vllm_hidden.data import HiddenStatesDataset
 from vllm_hidden.storage.manifest import Manifest

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from vllm_hidden.format.header import dtype_name, dtype_of
+
 log = logging.getLogger("vllm_hidden")
 
 KEY_ENV = "VHIDDEN_CHANNEL_KEY"
@@ -99,9 +101,6 @@ def routed_id(address: str, token: str) -> str:
     return f"{address}#{token}"
 
 
-_DTYPES = {str(d).replace("torch.", ""): d for d in (torch.bfloat16, torch.float16, torch.float32)}
-
-
 class Publisher:
     """Worker side (the assembler thread only: a ZMQ socket is not thread-safe): each sample
     to the API server process its id names (`routed_id`). Never raises: a lost sample fails
@@ -137,7 +136,7 @@ class Publisher:
 
     def send_sample(self, sample: Any) -> None:
         hs = sample.hidden_states.contiguous()
-        header = {"shape": list(hs.shape), "dtype": str(hs.dtype).replace("torch.", ""),
+        header = {"shape": list(hs.shape), "dtype": dtype_name(hs.dtype),
                   "finite": sample.finite}
         self._send(sample.sample_id, header, hs.view(torch.uint8).numpy())  # zmq keeps a reference until sent
 
@@ -179,7 +178,7 @@ class Receiver:
                 if header.get("error") is not None:
                     self._deliver(str(header["id"]), None, str(header["error"]), True)
                     continue
-                dtype = _DTYPES[header["dtype"]]
+                dtype = dtype_of(header["dtype"])
                 with warnings.catch_warnings():  # a read-only buffer; nothing writes to it
                     warnings.simplefilter("ignore")
                     raw = torch.frombuffer(frames[1].buffer, dtype=torch.uint8) if len(frames[1].buffer) \

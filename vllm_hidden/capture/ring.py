@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from vllm_hidden.capture import quant
+from vllm_hidden.format import quant
 
 
 class _NullEvent:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from vllm_hidden.storage.files import ROW_TENSORS
+from vllm_hidden.format.shard import ROW_TENSORS
 
 LAYOUTS = ("packed", "padded")
 

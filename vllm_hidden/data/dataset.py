@@ -6,7 +6,6 @@ and DataLoader workers, and token-budget batches."""
 from __future__ import annotations
 
 import bisect
-import json
 import logging
 import os
 import threading
@@ -18,20 +17,17 @@ from typing import Any
 
 import torch
 
-from vllm_hidden.capture.quant import dequantize
 from vllm_hidden.data.batches import alloc_tensor, returned_dtype
-from vllm_hidden.storage.files import ROW_TENSORS, SAMPLE_CHECKSUMS, sample_digest
+from vllm_hidden.format.quant import dequantize
+from vllm_hidden.format.shard import FINAL, HIDDEN, SCALES, ShardHeader, sample_digest
 from vllm_hidden.storage.manifest import MANIFEST, Manifest
 
 log = logging.getLogger("vllm_hidden")
 
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64, "U8": torch.uint8,
-           "F8_E4M3": torch.float8_e4m3fn}
-_SCALED = (("hidden_states", "hidden_states_scale"), ("final_hidden_states", "final_hidden_states_scale"))
 # per-token rows large enough to read per sample everywhere; the others (ids, mask, fp8 scales,
 # a few bytes per token) are read per sample from local files, and once per shard from S3,
 # where a request costs more than their bytes
-_LARGE = ("hidden_states", "final_hidden_states")
+_LARGE = (HIDDEN, FINAL)
 _OPEN_SHARDS = 256  # shards a process keeps open (parsed header, file); the least recently used go first
 
 # (name, stored dtype, shape) -> the tensor a sample's rows of that tensor are read into
@@ -83,32 +79,15 @@ class _Shard:
             raise
 
     def _parse(self, info: Any) -> None:
-        try:
-            n = int.from_bytes(self._read(0, 8), "little")
-            if not 2 <= n <= min(info.bytes - 8, 100 << 20):
-                raise ValueError(f"a header length of {n} bytes")
-            header = json.loads(self._read(8, n))
-            meta = header["__metadata__"]
-            self.index: list[list[Any]] = json.loads(meta["samples"])
-            self.digests: list[str] | None = json.loads(meta[SAMPLE_CHECKSUMS]) if SAMPLE_CHECKSUMS in meta else None
-            # name -> (stored dtype, shape of one row, bytes per row, file offset of row 0), in ROW_TENSORS order
-            self.tensors: dict[str, tuple[torch.dtype, list[int], int, int]] = {}
-            for name in ROW_TENSORS:
-                if name in header:
-                    t = header[name]
-                    dtype, tail = _DTYPES[t["dtype"]], [int(d) for d in t["shape"][1:]]
-                    row = dtype.itemsize
-                    for d in tail:
-                        row *= d
-                    self.tensors[name] = (dtype, tail, row, 8 + n + int(t["data_offsets"][0]))
-        except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError) as e:
-            raise ValueError(f"shard {self.where!r} has a damaged header ({e!r}); `vllm-hidden inspect` "
-                             "checks every shard") from None
-        if "hidden_states" not in self.tensors or "token_ids" not in self.tensors:
-            raise ValueError(f"shard {self.where!r} has no hidden_states or token_ids tensor")
-        if len(self.index) != info.num_samples or (self.digests is not None and len(self.digests) != len(self.index)):
-            raise ValueError(f"shard {self.where!r}: index has {len(self.index)} samples and "
-                             f"{len(self.digests or [])} checksums, the manifest says {info.num_samples} samples")
+        h = ShardHeader.read(self._read, info.bytes, self.where)
+        self.index: list[list[Any]] = h.index
+        self.digests: list[str] | None = h.digests
+        # name -> (stored dtype, shape of one row, bytes per row, file offset of row 0), in ROW_TENSORS order
+        self.tensors: dict[str, tuple[torch.dtype, list[int], int, int]] = {
+            name: (t.dtype, list(t.shape[1:]), t.row_bytes, t.start) for name, t in h.rows.items()}
+        if len(self.index) != info.num_samples:
+            raise ValueError(f"shard {self.where!r}: index has {len(self.index)} samples, the manifest says "
+                             f"{info.num_samples} samples")
         self.small: dict[str, torch.Tensor] = {}
         if self.s3 is not None:  # the few-bytes-per-token tensors of the whole shard, in one GET
             names = [m for m in self.tensors if m not in _LARGE]
@@ -120,7 +99,7 @@ class _Shard:
             for m in names:  # each its own copy: a view of `raw` may start where its dtype cannot
                 dtype, tail, row, off = self.tensors[m]
                 self.small[m] = raw[off - lo : off - lo + row * rows].clone().view(dtype).reshape(rows, *tail)
-        self.lengths: list[int] = [e[2] for e in self.index]  # token counts, in index order
+        self.lengths: list[int] = h.lengths  # token counts, in index order
 
     def _read(self, offset: int, n: int) -> bytes:
         buf = bytearray(n)
@@ -289,7 +268,7 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
         """`ds[i]`, its stored tensors read into `alloc`'s (then dequantized, if so asked)."""
         out = self.read(i, alloc or new_tensor)
         if self.dequantize:
-            for name, scale in _SCALED:
+            for name, scale in SCALES.items():
                 if scale in out:
                     out[name] = dequantize(out[name], out.pop(scale))
         return out

@@ -29,10 +29,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_hidden.capture.quant import dequantize
+from vllm_hidden.format.quant import dequantize
+from vllm_hidden.format.shard import SCALES
 from vllm_hidden.data.batches import (LAYOUTS, BatchBuilder, BufferPool, BudgetPacker, alloc_tensors, check_layout,
                                       returned_dtype)
-from vllm_hidden.data.dataset import _SCALED, HiddenStatesDataset
+from vllm_hidden.data.dataset import HiddenStatesDataset
 
 _MAX_WINDOW = 32  # shards mixed at once; a process keeps 64 open
 _READ_AHEAD = 4  # the default read-ahead threads: in the consuming process, and on S3
@@ -213,7 +214,7 @@ class _Unit:
         elif stream.token_budget is not None:
             located = [self.ds.locate(i) for i in indices]
             shards = [self.ds.shard(k) for k, _ in located]
-            self.scaled = {v: s for v, s in _SCALED if s in shards[0].tensors} if self.ds.dequantize else {}
+            self.scaled = {v: s for v, s in SCALES.items() if s in shards[0].tensors} if self.ds.dequantize else {}
             specs = {n: (torch.bfloat16 if n in self.scaled else t[0], t[1]) for n, t in shards[0].tensors.items()
                      if n not in self.scaled.values()}
             self.builder = BatchBuilder([s.lengths[j] for s, (_, j) in zip(shards, located)], specs, stream.layout,

@@ -14,7 +14,7 @@ from typing import Any
 from vllm_hidden.config import CaptureConfig, ExtractConfig, Plan, ShardConfig
 from vllm_hidden.engine.caches import CacheDirs, fingerprint, resolve_tp
 from vllm_hidden.inputs import BadLine
-from vllm_hidden.storage.files import ShardInfo
+from vllm_hidden.format.shard import ShardInfo
 
 log = logging.getLogger("vllm_hidden")
 WORKER_EXTENSION = "vllm_hidden.engine.worker_ext.HiddenStatesWorkerExtension"

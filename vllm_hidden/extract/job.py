@@ -15,7 +15,7 @@ from vllm_hidden.extract.feed import ReaderFeed
 from vllm_hidden.extract.plan import check_paths, plan_extract, prompt_reader
 from vllm_hidden.inputs import count_records
 from vllm_hidden.layers import SEMANTICS
-from vllm_hidden.storage.files import ShardInfo
+from vllm_hidden.format.shard import FP8_STORAGE, ShardInfo
 from vllm_hidden.storage.output import Output
 
 
@@ -80,12 +80,6 @@ class ProgressBar:
             self.p.stop()
 
 
-
-# how an fp8 output's shards hold the states (the manifest's `storage`)
-FP8_STORAGE = {"dtype": "float8_e4m3fn", "scale": "float32 per (token, layer): amax / 448; value = fp8 * scale",
-               "tensors": {"hidden_states": "hidden_states_scale", "final_hidden_states": "final_hidden_states_scale"}}
-
-
 def manifest_fields(cfg: ExtractConfig, plan: Plan, engine: dict[str, Any], reader: Any) -> dict[str, Any]:
     """The manifest's description of the run (everything but shards and errors)."""
     from vllm_hidden.engine import compat
@@ -98,7 +92,6 @@ def manifest_fields(cfg: ExtractConfig, plan: Plan, engine: dict[str, Any], read
                 engine=engine, input=reader.describe(), final_state=cfg.final_state,
                 generate=cfg.generate.to_dict() if cfg.generate is not None else None,
                 storage=FP8_STORAGE if cfg.storage_dtype == "fp8" else None)
-
 
 
 def extract_file(ex: Extractor, input_path: str, output_dir: str, progress: bool | None = None,

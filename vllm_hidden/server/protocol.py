@@ -22,7 +22,8 @@ from typing import Any
 import pybase64
 import torch
 
-from vllm_hidden.storage.shards import bad_values
+from vllm_hidden.format import header as st
+from vllm_hidden.format.quant import bad_values
 
 FIELD = "hidden_states"
 TOKENS_MODES = ("prompt", "all")
@@ -107,8 +108,6 @@ def returned_token_ids(spec: HiddenStatesSpec, prompt: list[int], generated: lis
     return list(prompt) + list(generated[:-1]) if spec.all_tokens else list(prompt)
 
 
-_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64"}
-_FROM_ST = {v: k for k, v in _ST_DTYPES.items()}
 _B64_CHUNK = 3 << 20  # a multiple of 3: chunks encode independently
 
 
@@ -132,46 +131,6 @@ def _b64_pieces(pieces: list) -> list:
         carry = bytes(mv[i + n :])
     if carry:
         out.append(pybase64.b64encode(carry))
-    return out
-
-
-def safetensors_pieces(tensors: dict[str, torch.Tensor]) -> list:
-    """A safetensors file as [header, raw bytes of each tensor] without copying the tensors.
-    The header is padded with spaces (allowed by the format) to a multiple of 24 bytes
-    with its length prefix: data stays 8-aligned, and base64 pieces split on whole groups."""
-    meta, offset, raws = {}, 0, []
-    for name, t in tensors.items():
-        t = t.contiguous()
-        n = t.numel() * t.element_size()
-        meta[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        raws.append(t.view(torch.uint8).reshape(-1).numpy() if n else b"")
-        offset += n
-    header = json.dumps(meta, separators=(",", ":")).encode()
-    header += b" " * (-(8 + len(header)) % 24)
-    return [len(header).to_bytes(8, "little") + header, *raws]
-
-
-def load_safetensors(buf: bytearray | bytes) -> dict[str, torch.Tensor]:
-    """A safetensors file in memory -> tensors viewing `buf` (no copy when it is writable)."""
-    import warnings
-
-    if len(buf) < 8:
-        raise ValueError(f"not a safetensors file: {len(buf)} bytes")
-    n = int.from_bytes(buf[:8], "little")
-    if not 2 <= n <= len(buf) - 8:
-        raise ValueError(f"not a safetensors file: header of {n} bytes in {len(buf)}")
-    meta = json.loads(bytes(buf[8 : 8 + n]))
-    base, out = 8 + n, {}
-    for name, m in meta.items():
-        if name == "__metadata__":
-            continue
-        lo, hi = m["data_offsets"]
-        dtype = _FROM_ST[m["dtype"]]
-        with warnings.catch_warnings():  # bytes are read-only; nothing writes to them
-            warnings.simplefilter("ignore")
-            raw = torch.frombuffer(buf, dtype=torch.uint8, offset=base + lo, count=hi - lo) if hi > lo \
-                else torch.empty(0, dtype=torch.uint8)
-        out[name] = raw.view(dtype).reshape(m["shape"])
     return out
 
 
@@ -209,7 +168,8 @@ def prepare(spec: HiddenStatesSpec, rows: torch.Tensor, token_ids: list[int], su
     meta = {"layer_ids": list(spec.layer_ids), "num_tokens": t, "tokens": spec.tokens,
             "dtype": str(rows.dtype).replace("torch.", ""), "shape": [t, len(spec.columns), rows.shape[2]],
             "not_finite": finiteness(hs, spec.layer_ids, suspect)}
-    pieces = safetensors_pieces({"hidden_states": hs, "token_ids": torch.tensor(token_ids, dtype=torch.int64)})
+    # padded to 24 bytes with its length prefix: data stays 8-aligned, and base64 pieces split on whole groups
+    pieces = st.pieces({"hidden_states": hs, "token_ids": torch.tensor(token_ids, dtype=torch.int64)}, multiple=24)
     return Prepared(pieces=pieces, meta=meta)
 
 
@@ -248,7 +208,7 @@ def decode(obj: dict[str, Any]) -> dict[str, torch.Tensor]:
     if obj.get("format") != "safetensors" or obj.get("encoding") != "base64":
         raise ValueError(f"not a vllm-hidden hidden_states object: format={obj.get('format')!r} "
                          f"encoding={obj.get('encoding')!r}")
-    return load_safetensors(pybase64.b64decode_as_bytearray(obj["data"]))
+    return st.load(pybase64.b64decode_as_bytearray(obj["data"]))
 
 
 def fetch(client_or_url: Any, obj: dict[str, Any], *, api_key: str | None = None,
@@ -292,4 +252,4 @@ def fetch(client_or_url: Any, obj: dict[str, Any], *, api_key: str | None = None
         raise RuntimeError(f"GET {url}: HTTP {e.code}: {detail}") from None
     if obj.get("bytes") is not None and n != obj["bytes"]:
         raise RuntimeError(f"GET {url}: {n} bytes, the response said {obj['bytes']}")
-    return load_safetensors(buf)
+    return st.load(buf)

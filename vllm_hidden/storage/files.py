@@ -1,63 +1,21 @@
-"""What every part of storage agrees on about a shard file: the format tag, its name, its
-journal/manifest record (`ShardInfo`), its checksum, and how a new file or rename is made
-durable. The writer (shards.py), the journal, the S3 uploader, the manifest, `inspect` and
-the reader all build on this; it depends on none of them."""
+"""What storage does with files: make them durable (fsync of a file's directory, write-behind
+of written ranges), hash them (BLAKE3 of whole files: the manifest's shard checksums), and
+read a shard's header wherever it is. What a shard file holds is `vllm_hidden.format`."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import json
 import os
-import re
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import blake3
 
-FORMAT = "vllm-hidden/1"
+from vllm_hidden.format.shard import ShardHeader, ShardInfo
 
-# Per-sample checksums, so a reader verifies exactly the bytes it returns (once, however many
-# processes read): a shard's metadata holds, under SAMPLE_CHECKSUMS, one digest per index entry,
-# in index order: BLAKE3 (16 bytes, hex) of the entry as compact JSON, then of the sample's rows
-# of each ROW_TENSORS tensor the shard has, in this order (which is also their order in the file).
-# Covering the entry covers the header fields a read relies on: a damaged id, offset or count
-# reads as a mismatch. The manifest names the rule (SAMPLE_CHECKSUM); older outputs have none.
-SAMPLE_CHECKSUMS = "sample_blake3"
-SAMPLE_CHECKSUM = "blake3-128(entry, rows)"
-ROW_TENSORS = ("hidden_states", "final_hidden_states", "hidden_states_scale", "final_hidden_states_scale",
-               "token_ids", "loss_mask")
-
-
-def sample_digest(entry: list[Any], parts: Iterable[Any]) -> str:
-    """The SAMPLE_CHECKSUMS digest of an index entry and its rows' bytes (buffers, in ROW_TENSORS order)."""
-    h = blake3.blake3(json.dumps(entry, separators=(",", ":")).encode())
-    for p in parts:
-        h.update(p)
-    return h.hexdigest(length=16)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ShardInfo:
-    file: str
-    bytes: int
-    blake3: str
-    num_samples: int
-    num_tokens: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def shard_file(index: int, prefix: str = "shard") -> str:
-    return f"{prefix}-{index:05d}.safetensors"
-
-
-def shard_number(name: str, prefix: str = "shard") -> int | None:
-    """The index in a shard's file name, or None if `name` is not one."""
-    m = re.fullmatch(rf"{re.escape(prefix)}-(\d+)\.safetensors", name)
-    return int(m.group(1)) if m else None
+if TYPE_CHECKING:
+    from vllm_hidden.storage.s3 import S3Location
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -114,3 +72,14 @@ def file_checksum(path: str | os.PathLike[str]) -> str:
     h = hasher()
     h.update_mmap(str(path))
     return h.hexdigest()
+
+
+def shard_header(where: "Path | S3Location", info: ShardInfo) -> ShardHeader:
+    """A shard's parsed header, from a local output directory or an S3 location (two ranged
+    GETs); a ValueError names the shard."""
+    if isinstance(where, Path):
+        path = where / info.file
+        with open(path, "rb") as f:
+            return ShardHeader.read(lambda offset, n: os.pread(f.fileno(), n, offset), os.fstat(f.fileno()).st_size,
+                                    str(path))
+    return where.shard_header(info)

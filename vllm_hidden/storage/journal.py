@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_hidden.storage.files import ShardInfo, fsync_dir, shard_number
+from vllm_hidden.format.shard import ShardInfo, shard_number
+from vllm_hidden.storage.files import fsync_dir, shard_header
 
 JOURNAL = "shards.jsonl"
 RUN = "run.json"
@@ -100,8 +101,6 @@ def prepare_resume(out_dir: str | os.PathLike[str], prefix: str = "shard") -> Re
     """Read what earlier attempts made durable, check it is all there, and remove what they
     left half-done (temporary files, shards never journaled, the manifest and error records,
     which the resumed run writes again)."""
-    from safetensors import safe_open
-
     out = Path(out_dir)
     shards = read_journal(out)
     _drop_torn_tail(out / JOURNAL)
@@ -112,12 +111,11 @@ def prepare_resume(out_dir: str | os.PathLike[str], prefix: str = "shard") -> Re
         if not p.is_file() or p.stat().st_size != s.bytes:
             have = p.stat().st_size if p.is_file() else "missing"
             raise ValueError(f"{p}: recorded as done with {s.bytes} bytes, found {have}; the output is damaged")
-        with safe_open(str(p), framework="pt") as f:
-            for entry in json.loads(f.metadata()["samples"]):
-                sid = entry[0]
-                if sid in state.done_ids:
-                    raise ValueError(f"sample id {sid!r} is in two shards of {str(out)!r}; the output is damaged")
-                state.done_ids.add(sid)
+        for entry in shard_header(out, s).index:
+            sid = entry[0]
+            if sid in state.done_ids:
+                raise ValueError(f"sample id {sid!r} is in two shards of {str(out)!r}; the output is damaged")
+            state.done_ids.add(sid)
         names.add(s.file)
     for p in sorted(out.iterdir()):
         if shard_number(p.name, prefix) is not None and p.name not in names:

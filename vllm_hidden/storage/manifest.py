@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_hidden.storage.files import FORMAT, SAMPLE_CHECKSUM, ShardInfo
+from vllm_hidden.format.shard import FORMAT, SAMPLE_CHECKSUM, ShardInfo
 
 MANIFEST = "manifest.json"
 ERRORS = "errors.jsonl"

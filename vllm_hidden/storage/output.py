@@ -28,7 +28,9 @@ from vllm_hidden.config import DEFAULT_S3_RETRY_S, ShardConfig
 from vllm_hidden.storage.journal import RUN, ResumeState, prepare_resume, read_journal, write_json_atomic
 from vllm_hidden.storage.manifest import ERRORS, GENERATIONS, MANIFEST, Manifest
 from vllm_hidden.storage.s3 import S3Location, is_s3, read_done_ids
-from vllm_hidden.storage.files import ShardInfo, shard_number
+from vllm_hidden.format.shard import GENERATIONS as GENERATIONS_TENSOR
+from vllm_hidden.format.shard import ShardInfo, shard_number
+from vllm_hidden.storage.files import shard_header
 
 log = logging.getLogger("vllm_hidden")
 
@@ -211,14 +213,11 @@ class Output:
 
 def shard_generations(where: "Path | S3Location", s: ShardInfo) -> bytes:
     """The generations.jsonl lines a shard holds (its `generations` tensor)."""
+    t = shard_header(where, s).tensors[GENERATIONS_TENSOR]
     if isinstance(where, Path):
-        from safetensors import safe_open
-
-        with safe_open(str(where / s.file), framework="pt") as f:
-            return f.get_tensor("generations").numpy().tobytes()
-    header, start = where.safetensors_header(s.file)
-    lo, hi = header["generations"]["data_offsets"]
-    return where.read_range(s.file, start + lo, start + hi)
+        with open(where / s.file, "rb") as f:
+            return os.pread(f.fileno(), t.nbytes, t.start)
+    return where.read_range(s.file, t.start, t.end)
 
 
 def write_generations(path: Path, shards: list[ShardInfo], where: "Path | S3Location") -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_hidden.config import DEFAULT_S3_RETRY_S
-from vllm_hidden.storage.files import ShardInfo, shard_number
+from vllm_hidden.format.shard import ShardHeader, ShardInfo, shard_number
 
 log = logging.getLogger("vllm_hidden")
 
@@ -153,10 +153,10 @@ class S3Location:
                 raise FileNotFoundError(f"{self.uri}/{name}") from None
             raise
 
-    def safetensors_header(self, name: str) -> tuple[dict[str, Any], int]:
-        """(header dict, offset of the data section) read with two ranged GETs."""
-        n = int.from_bytes(self.read_range(name, 0, 8), "little")
-        return json.loads(self.read_range(name, 8, 8 + n)), 8 + n
+    def shard_header(self, info: ShardInfo) -> ShardHeader:
+        """A shard object's parsed header, in two ranged GETs."""
+        return ShardHeader.read(lambda offset, n: self.read_range(info.file, offset, offset + n), info.bytes,
+                                f"{self.uri}/{info.file}")
 
     def abort_stale_uploads(self) -> int:
         """Multipart uploads a killed run left open under the prefix (invisible, but billed)."""
@@ -301,8 +301,7 @@ def read_done_ids(loc: S3Location, shards: list[ShardInfo]) -> set[Any]:
     """Sample ids in the uploaded shards (their safetensors headers, ranged GETs)."""
     done: set[Any] = set()
     for s in shards:
-        header, _ = loc.safetensors_header(s.file)
-        for entry in json.loads(header["__metadata__"]["samples"]):
+        for entry in loc.shard_header(s).index:
             if entry[0] in done:
                 raise ValueError(f"sample id {entry[0]!r} is in two shards under {loc.uri}; the output is damaged")
             done.add(entry[0])

@@ -1,36 +1,22 @@
 """Shard writer: many samples per safetensors file, rolled at a size limit, streamed to disk
 while the run goes on, by a pool of threads.
 
-Samples are assembled in place: each one gets rows in a preallocated host arena (one per
-shard being filled or finished, reused), laid out as the shard's `hidden_states` tensor.
-The assembler copies rows there straight from the pinned ring. Each arena has its shard's
-temporary file open: completed samples are written to their final offsets (`pwrite`, no
-concatenation, no serialize-to-bytes) as they complete, behind room reserved for the
-safetensors header, and synced every so often. When the arena is full and its last sample
-complete, only the header (index, shapes) and token ids are left to write, then fsync, a
-BLAKE3 of the file (computed from memory, multi-threaded) and the rename to its final name.
-So the end of a run waits for the last few samples, not for a whole shard.
+Samples are assembled in place, in arenas (`arena.py`: one per shard being filled or
+finished, reused); completed samples are written to their final offsets as they complete,
+and synced every so often. When an arena is full and its last sample complete, only the
+header (index, shapes) and token ids are left to write, then the commit (`commit.py`: fsync,
+BLAKE3 from memory, rename), then the journal records it. So the end of a run waits for the
+last few samples, not for a whole shard. What a shard holds is `format.shard`.
 
 The pool of arenas bounds host memory: when every arena is full or being finished,
 `reserve` blocks, the assembler stops taking steps, and the engine waits on the capture
 ring (backpressure instead of growth).
-
-A shard holds `hidden_states` [R, K, H], then (with --final-state) `final_hidden_states`
-[R, H], `token_ids` [R] int64, (with a loss mask) `loss_mask` [R] uint8, (with --generate)
-`generations` [B] uint8: its samples' generations.jsonl lines, in index order, so that a
-sample's generation record is durable exactly when its rows are; and in its metadata the
-per-sample index [id, row offset, token count] (with --generate, [..., prompt tokens]). Rows the index does not list (a request
-aborted mid-prefill) are zeros. Only `hidden_states` is streamed out as samples complete;
-the smaller tensors after it, whose offsets depend on the shard's final row count, are
-written from memory when the shard is finished.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import struct
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -39,176 +25,18 @@ from typing import Any
 
 import torch
 
-from vllm_hidden.capture import quant
 from vllm_hidden.config import ShardConfig
-from vllm_hidden.storage.files import (FORMAT, SAMPLE_CHECKSUMS, ShardInfo, fsync_dir, hasher, sample_digest,
-                                       shard_file, write_behind)
+from vllm_hidden.format import quant
+from vllm_hidden.format.header import DTYPE_NAMES
+from vllm_hidden.format.shard import HEADER_FIXED, ShardInfo, entry_header_bytes, header_room, index_entry, shard_file
+from vllm_hidden.storage.arena import Arena, Buffers, SampleSlot, layout, new_buffers, pwrite_all, raw, sample_checksum
+from vllm_hidden.storage.commit import commit_shard
+from vllm_hidden.storage.files import write_behind
 
 log = logging.getLogger("vllm_hidden")
 
-_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64",
-              torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3"}
 _WRITE_BATCH = 32 << 20  # completed rows handed to a writer thread in batches of this size
 _SYNC_EVERY = 256 << 20  # fdatasync as data accumulates, so the final fsync has little left
-_HEADER_FIXED = 4096  # header bytes besides the sample index (tensor entries, format, layer ids)
-
-
-# an arena's tensors: values [R, K, H], final state [R, H] | None, their statistics [R, K] and [R] | None
-_Buffers = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor, "torch.Tensor | None"]
-
-
-def _raw(t: torch.Tensor) -> memoryview:
-    if not t.is_contiguous():
-        raise ValueError(f"shard parts must be contiguous, got strides {t.stride()}")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while len(data):
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n
-
-
-def _entry_bytes(sample_id: Any, row: int, count: int, num_prompt: int | None = None) -> int:
-    # the index is a JSON string inside the JSON header: quotes and backslashes get escaped;
-    # + its checksum in the SAMPLE_CHECKSUMS list (32 hex digits, escaped quotes, a comma)
-    entry = [sample_id, row, count] if num_prompt is None else [sample_id, row, count, num_prompt]
-    return len(json.dumps(json.dumps(entry))) + 1 + 37
-
-
-class SampleSlot:
-    """Rows reserved for one sample; the assembler fills them (`place`), then commits: `buf`
-    [T, K, H], `final` [T, H] (--final-state), and their per-row statistics `stat` [T, K] and
-    `final_stat` [T] (float32: the amax, or with fp8 values the scale; see capture.quant)."""
-
-    __slots__ = ("arena", "sample_id", "token_ids", "row", "buf", "final", "stat", "final_stat", "state", "line",
-                 "loss_spans", "num_prompt", "record", "src", "src_stat", "placed", "digest")
-    # NOT_FINITE: committed, then refused by its writer thread (NaN/Inf); left out like DROPPED
-    RESERVED, COMMITTED, DROPPED, NOT_FINITE = 0, 1, 2, 3
-
-    def __init__(self, arena: "_Arena", sample_id: Any, token_ids: torch.Tensor, row: int,
-                 line: int | None = None, loss_spans: list[list[int]] | None = None,
-                 num_prompt: int | None = None, record: bytes | None = None) -> None:
-        self.arena = arena
-        self.num_prompt = num_prompt
-        self.record = record
-        self.src: torch.Tensor | None = None  # rows [T, C, H] its writer thread places (add_rows)
-        self.src_stat: torch.Tensor | None = None
-        self.sample_id = sample_id
-        self.token_ids = token_ids
-        self.row = row
-        n = token_ids.shape[0]
-        self.buf = arena.buf[row : row + n]
-        self.final = arena.final[row : row + n] if arena.final is not None else None
-        self.stat = arena.stat[row : row + n]
-        self.final_stat = arena.final_stat[row : row + n] if arena.final_stat is not None else None
-        self.state = SampleSlot.RESERVED
-        self.placed = False  # rows came through `place`, with their statistics
-        self.line = line
-        self.loss_spans = loss_spans
-        self.digest: str | None = None  # its SAMPLE_CHECKSUMS entry, made by the writer thread that writes it
-
-    def entry(self, generate: bool) -> list[Any]:
-        """Its shard index entry: [id, row offset, tokens(, prompt tokens)]."""
-        return [self.sample_id, self.row, int(self.token_ids.shape[0]), *([self.num_prompt] if generate else [])]
-
-    def mask(self) -> torch.Tensor:
-        """Its loss mask rows, uint8 [T], from its spans."""
-        m = torch.zeros(self.token_ids.shape[0], dtype=torch.uint8)
-        for lo, hi in self.loss_spans:
-            m[lo:hi] = 1
-        return m
-
-    def place(self, pos: int, rows: torch.Tensor, stat: torch.Tensor) -> None:
-        """Rows [pos, pos + n) as the ring holds them: [n, C, H] and [n, C], the last column
-        the final state's when this output stores it (kept apart)."""
-        n = rows.shape[0]
-        self.placed = True
-        if self.final is None:
-            self.buf[pos : pos + n].copy_(rows)
-            self.stat[pos : pos + n].copy_(stat)
-        else:
-            self.buf[pos : pos + n].copy_(rows[:, :-1])
-            self.final[pos : pos + n].copy_(rows[:, -1])
-            self.stat[pos : pos + n].copy_(stat[:, :-1])
-            self.final_stat[pos : pos + n].copy_(stat[:, -1])
-
-    def zero(self) -> None:
-        for t in (self.buf, self.final, self.stat, self.final_stat):
-            if t is not None:
-                t.zero_()
-
-
-def slot_not_finite(slot: SampleSlot, layer_ids: list[int]) -> str | None:
-    """From the rows' statistics ([T, K] floats, computed beside the gather): the states
-    themselves are read only for a sample that has a non-finite row, to say where."""
-    if bool(torch.isfinite(slot.stat).all()) and (slot.final_stat is None or bool(torch.isfinite(slot.final_stat).all())):
-        return None
-    if slot.buf.dtype == quant.FP8:  # the values are the quantized ones: the scales say where
-        stat = slot.stat if slot.final_stat is None else torch.cat([slot.stat, slot.final_stat[:, None]], dim=1)
-        return not_finite(stat[:, :, None], [*layer_ids, *(["final"] if slot.final_stat is not None else [])],
-                          what="(token, layer) rows")
-    why = not_finite(slot.buf, layer_ids)
-    if why is None and slot.final is not None:
-        why = not_finite(slot.final[:, None], ["final"])
-    return why
-
-
-def bad_values(buf: torch.Tensor) -> torch.Tensor | None:
-    """The mask of `buf`'s NaN/Inf values, or None if every value is finite. One
-    allocation-free reduction first (min/max propagate NaN and reach +-Inf), ~10 GB/s per
-    core on bf16; the mask is only made for a bad sample."""
-    if buf.numel() == 0:
-        return None
-    lo, hi = torch.aminmax(buf)
-    if torch.isfinite(lo) and torch.isfinite(hi):
-        return None
-    return ~torch.isfinite(buf)
-
-
-def not_finite(buf: torch.Tensor, layer_ids: list[Any], what: str = "values") -> str | None:
-    """None if every value of `buf` [T, K, H] is finite, else what is wrong and where."""
-    bad = bad_values(buf)
-    if bad is None:
-        return None
-    nan = int(torch.isnan(buf).sum())
-    layers = [layer_ids[k] for k in bad.any(dim=(0, 2)).nonzero().flatten().tolist()]
-    rows = bad.any(dim=(1, 2)).nonzero().flatten()
-    return (f"hidden states are not finite: {nan} NaN and {int(bad.sum()) - nan} Inf {what} in layer ids "
-            f"{layers}, {rows.numel()} of {buf.shape[0]} tokens (first at token {int(rows[0])}); not written")
-
-
-class _Arena:
-    """One shard in the making: its rows in memory, its temporary file, its pending writes."""
-
-    __slots__ = ("bufs", "buf", "final", "stat", "final_stat", "rows", "slots", "pending", "sealed", "pooled", "tmp",
-                 "fd", "index_bytes", "batch", "batch_bytes", "writes", "unsynced")
-
-    def __init__(self, bufs: "_Buffers", pooled: bool, tmp: Path) -> None:
-        self.bufs = bufs
-        self.buf, self.final, self.stat, self.final_stat = bufs
-        self.rows = 0
-        self.slots: list[SampleSlot] = []
-        self.pending = 0  # reserved, not yet committed or dropped
-        self.sealed = False
-        self.pooled = pooled
-        self.tmp = tmp
-        self.fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.index_bytes = 0
-        self.batch: list[SampleSlot] = []  # committed, not yet handed to a writer
-        self.batch_bytes = 0
-        self.writes: list[Future] = []
-        self.unsynced = 0
-
-    def add(self, sample_id: Any, token_ids: torch.Tensor, entry_bytes: int, line: int | None = None,
-            loss_spans: list[list[int]] | None = None, num_prompt: int | None = None,
-            record: bytes | None = None) -> SampleSlot:
-        slot = SampleSlot(self, sample_id, token_ids, self.rows, line, loss_spans, num_prompt, record)
-        self.rows += token_ids.shape[0]
-        self.slots.append(slot)
-        self.pending += 1
-        self.index_bytes += entry_bytes
-        return slot
 
 
 class ShardWriter:
@@ -219,7 +47,7 @@ class ShardWriter:
     def __init__(self, cfg: ShardConfig, layer_ids: list[int], hidden_size: int, dtype: torch.dtype) -> None:
         if hidden_size < 1:
             raise ValueError(f"hidden_size must be positive, got {hidden_size!r}")
-        if dtype not in _ST_DTYPES:
+        if dtype not in DTYPE_NAMES:
             raise ValueError(f"unsupported hidden-state dtype {dtype}")
         if (dtype == quant.FP8) != cfg.fp8:
             raise ValueError(f"values of dtype {dtype} for an output with fp8={cfg.fp8}")
@@ -240,19 +68,18 @@ class ShardWriter:
         if self.fp8:  # + their scales
             extra += 4 * (len(self.layer_ids) + cfg.final_state)
         self.rows_per_shard = max(1, cfg.max_shard_bytes // (self.row_bytes + extra))
-        room = _HEADER_FIXED + (32 + 37) * min(self.rows_per_shard, 1 << 15)  # ~32 B of index, 37 of checksum
-        self.header_room = min(room + (-room % 8), 1 << 20)
+        self.header_room = header_room(self.rows_per_shard)
         # one arena being filled + one per writer thread; more only when every other arena
         # waits for a sample still in prefill (chunked prompts), never while one is finishing
         self.max_arenas = cfg.writer_threads + 1
         self._pool = ThreadPoolExecutor(cfg.writer_threads, thread_name_prefix="vllm-hidden-writer")
         self._cv = threading.Condition()
-        self._free: list[_Buffers] = []
+        self._free: list[Buffers] = []
         self._allocated = 0
         self._finishing = 0
         self._futures: list[Future] = []
-        self._current: _Arena | None = None
-        self._open: list[_Arena] = []  # not yet handed over to be finished
+        self._current: Arena | None = None
+        self._open: list[Arena] = []  # not yet handed over to be finished
         self._seq = 0
         self._next_shard = cfg.first_index
         from vllm_hidden.storage.journal import Journal
@@ -276,15 +103,10 @@ class ShardWriter:
         self._tail: dict[str, float] = {}  # the slowest phases of the shards finished by close(): the end of a run
 
     # -- arenas ------------------------------------------------------------------------
-    def _new_buffer(self, rows: int) -> "_Buffers":
-        # untouched until rows are filled: a small run costs only what it writes; arenas
-        # are reused, so the first-touch page faults are paid once per arena
-        final = torch.empty((rows, self.row_shape[1]), dtype=self.dtype) if self.final_row_bytes else None
-        final_stat = torch.empty(rows, dtype=torch.float32) if self.final_row_bytes else None
-        return (torch.empty((rows, *self.row_shape), dtype=self.dtype), final,
-                torch.empty((rows, self.row_shape[0]), dtype=torch.float32), final_stat)
+    def _new_buffer(self, rows: int) -> Buffers:
+        return new_buffers(rows, self.row_shape, self.dtype, bool(self.final_row_bytes))
 
-    def _take_buffer(self) -> "_Buffers":
+    def _take_buffer(self) -> Buffers:
         t0 = time.perf_counter()
         with self._cv:
             while True:
@@ -302,9 +124,9 @@ class ShardWriter:
             self._reserve_wait_s += time.perf_counter() - t0
         return self._new_buffer(self.rows_per_shard)
 
-    def _new_arena(self, bufs: "_Buffers", pooled: bool) -> _Arena:
+    def _new_arena(self, bufs: Buffers, pooled: bool) -> Arena:
         self._seq += 1
-        a = _Arena(bufs, pooled, self.dir / f".{self.cfg.prefix}-{os.getpid()}-{self._seq}.tmp")
+        a = Arena(bufs, pooled, self.dir / f".{self.cfg.prefix}-{os.getpid()}-{self._seq}.tmp")
         self._open.append(a)
         return a
 
@@ -329,15 +151,15 @@ class ShardWriter:
             raise ValueError(f"sample {sample_id!r}: prompt length {num_prompt!r} of {n} tokens "
                              f"(this output {'stores one' if self.cfg.generate else 'is prefill only'})")
         a = self._current
-        entry = _entry_bytes(sample_id, a.rows if a is not None else 0, n, num_prompt)
-        if _HEADER_FIXED + entry > self.header_room:
+        entry = entry_header_bytes(index_entry(sample_id, a.rows if a is not None else 0, n, num_prompt))
+        if HEADER_FIXED + entry > self.header_room:
             raise ValueError(f"sample id {str(sample_id)[:80]!r}... is too long to index ({entry} bytes)")
         if n > self.rows_per_shard:  # larger than a shard: a shard of its own
             big = self._new_arena(self._new_buffer(n), pooled=False)
             slot = big.add(sample_id, tok, entry, line, loss_spans, num_prompt, record)
             big.sealed = True
             return slot
-        if a is None or a.rows + n > self.rows_per_shard or _HEADER_FIXED + a.index_bytes + entry > self.header_room:
+        if a is None or a.rows + n > self.rows_per_shard or HEADER_FIXED + a.index_bytes + entry > self.header_room:
             self._current = None
             if a is not None:
                 self._seal(a)
@@ -399,7 +221,7 @@ class ShardWriter:
         a.pending -= 1
         if state == SampleSlot.COMMITTED and slot.placed and slot.src is None:
             # the stats came with the rows: decided now
-            why = slot_not_finite(slot, self.layer_ids)
+            why = slot.not_finite(self.layer_ids)
             if why is not None:
                 self._refuse(slot, why)
                 state = SampleSlot.NOT_FINITE
@@ -412,20 +234,20 @@ class ShardWriter:
             self._finish(a)
         self._raise_error()
 
-    def _seal(self, a: _Arena) -> None:
+    def _seal(self, a: Arena) -> None:
         a.sealed = True
         if a.pending == 0:
             self._finish(a)
 
     # -- files -------------------------------------------------------------------------
-    def _flush_batch(self, a: _Arena) -> None:
+    def _flush_batch(self, a: Arena) -> None:
         if a.batch:
             batch, size, a.batch, a.batch_bytes = a.batch, a.batch_bytes, [], 0
             with self._cv:
                 self._unwritten += size
             a.writes.append(self._pool.submit(self._write_rows, a, batch, size))
 
-    def _write_rows(self, a: _Arena, batch: list[SampleSlot], size: int) -> None:
+    def _write_rows(self, a: Arena, batch: list[SampleSlot], size: int) -> None:
         t0 = time.perf_counter()
         try:
             nbytes = 0
@@ -438,14 +260,14 @@ class ShardWriter:
                         quant.row_amax(s.buf, s.stat)
                         if s.final is not None:
                             quant.row_amax(s.final[:, None], s.final_stat[:, None])
-                    why = slot_not_finite(s, self.layer_ids)
+                    why = s.not_finite(self.layer_ids)
                     if why is not None:
                         self._refuse(s, why)
                         continue
-                s.digest = self._digest(s)
-                mv = _raw(s.buf)
+                s.digest = sample_checksum(s, fp8=self.fp8, loss_mask=self.cfg.loss_mask, generate=self.cfg.generate)
+                mv = raw(s.buf)
                 offset = self.header_room + s.row * self.row_bytes
-                _pwrite_all(a.fd, mv, offset)
+                pwrite_all(a.fd, mv, offset)
                 write_behind(a.fd, offset, len(mv))
                 nbytes += len(mv)
             with self._cv:
@@ -460,12 +282,6 @@ class ShardWriter:
                 self._write_s += time.perf_counter() - t0
                 self._unwritten -= size
 
-    def _digest(self, s: SampleSlot) -> str:
-        """Its per-sample checksum (files.SAMPLE_CHECKSUMS): the bytes _layout puts in the file, in file order."""
-        parts = [s.buf, s.final, *((s.stat, s.final_stat) if self.fp8 else ()), s.token_ids.contiguous(),
-                 s.mask() if self.cfg.loss_mask else None]
-        return sample_digest(s.entry(self.cfg.generate), (_raw(t) for t in parts if t is not None))
-
     def _refuse(self, s: SampleSlot, why: str) -> None:
         """Never written: its rows stay zeros (file and memory), the index skips it."""
         s.zero()
@@ -474,7 +290,7 @@ class ShardWriter:
             self._not_finite.append([s.sample_id, s.line, why])
         log.warning("vllm-hidden: sample %r: %s", s.sample_id, why)
 
-    def _finish(self, a: _Arena) -> None:
+    def _finish(self, a: Arena) -> None:
         self._open.remove(a)
         self._flush_batch(a)
         index = -1
@@ -485,65 +301,11 @@ class ShardWriter:
             self._finishing += 1
         self._futures.append(self._pool.submit(self._finish_file, a, index))
 
-    def _layout(self, a: _Arena, done: list[SampleSlot]) -> tuple[bytes, list[tuple[str, torch.Tensor]], dict, int]:
-        """The file around the streamed-out rows: the padded header, the tensors after
-        `hidden_states` in file order, their entries, and the tensor data's size."""
-        rows = a.rows
-        hs_bytes = rows * self.row_bytes
-        tokens = torch.zeros(rows, dtype=torch.int64)
-        mask = torch.zeros(rows, dtype=torch.uint8) if self.cfg.loss_mask else None
-        for s in done:
-            tokens[s.row : s.row + s.token_ids.shape[0]] = s.token_ids
-            if mask is not None:
-                mask[s.row : s.row + s.token_ids.shape[0]] = s.mask()
-        gens = None
-        if self.cfg.generate:
-            gens = torch.frombuffer(bytearray(b"".join(s.record for s in done)), dtype=torch.uint8)
-        scales = [("hidden_states_scale", a.stat[:rows]),
-                  ("final_hidden_states_scale", a.final_stat[:rows] if a.final_stat is not None else None)]
-        tail = [("final_hidden_states", a.final[:rows] if a.final is not None else None),
-                *(scales if self.fp8 else []), ("token_ids", tokens), ("loss_mask", mask), ("generations", gens)]
-        tail = [(name, t) for name, t in tail if t is not None]
-        listed = [s.entry(gens is not None) for s in done]
-        meta = {"format": FORMAT, "layer_ids": json.dumps(self.layer_ids), "samples": json.dumps(listed),
-                SAMPLE_CHECKSUMS: json.dumps([s.digest for s in done])}
-        entries = {"hidden_states": {"dtype": _ST_DTYPES[self.dtype], "shape": [rows, *self.row_shape],
-                                     "data_offsets": [0, hs_bytes]}}
-        end = hs_bytes
-        for name, t in tail:
-            nbytes = t.numel() * t.element_size()
-            entries[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [end, end + nbytes]}
-            end += nbytes
-        header = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode()
-        if len(header) > self.header_room - 8:
-            raise RuntimeError(f"shard header of {len(header)} bytes overflows its {self.header_room - 8} reserved")
-        head = struct.pack("<Q", self.header_room - 8) + header + b" " * (self.header_room - 8 - len(header))
-        return head, tail, entries, end
-
-    def _finish_file(self, a: _Arena, index: int) -> None:
+    def _finish_file(self, a: Arena, index: int) -> None:
         """Runs after the arena's row writes were queued (so they run or are done). The header
-        waits for them (they make the samples' checksums); the file's BLAKE3 is then computed
-        from memory, beside the fsync rather than after it."""
+        waits for them (they make the samples' checksums)."""
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
-        h = hasher()
-        failed: list[BaseException] = []
-        hashing: threading.Thread | None = None
-
-        def start_hash(head: bytes, tail: list[tuple[str, torch.Tensor]]) -> threading.Thread:
-            def digest() -> None:
-                t = time.perf_counter()
-                try:
-                    for part in (memoryview(head), _raw(a.buf[: a.rows]), *(_raw(x) for _, x in tail)):
-                        h.update(part)
-                except BaseException as e:  # noqa: BLE001 - re-raised below
-                    failed.append(e)
-                phases["hash_s"] = time.perf_counter() - t
-
-            th = threading.Thread(target=digest, name="vllm-hidden-hash")
-            th.start()
-            return th
-
         try:
             try:
                 wait(a.writes)  # all of them, even if one failed: none may still touch fd or buffer below
@@ -551,37 +313,19 @@ class ShardWriter:
                 phases["wait_writes_s"] = time.perf_counter() - t0
             for w in a.writes:
                 w.result()
-            done = [s for s in a.slots if s.state == SampleSlot.COMMITTED]
-            if index < 0 or not done:  # nothing to keep (every sample dropped or not finite)
-                os.close(a.fd)
-                a.fd = -1
-                a.tmp.unlink()
-                return
-            head, tail, entries, end = self._layout(a, done)
-            hashing = start_hash(head, tail)
-            for name, t in tail:
-                _pwrite_all(a.fd, _raw(t), self.header_room + entries[name]["data_offsets"][0])
-            _pwrite_all(a.fd, memoryview(head), 0)
-            t1 = time.perf_counter()
-            os.fsync(a.fd)
-            phases["fsync_s"] = time.perf_counter() - t1
-            hashing.join()
-            if failed:
-                raise failed[0]
-            t1 = time.perf_counter()
-            os.close(a.fd)
-            a.fd = -1
-            name = shard_file(index, self.cfg.prefix)
-            os.replace(a.tmp, self.dir / name)
-            fsync_dir(self.dir)  # the rename is durable...
-            info = ShardInfo(file=name, bytes=self.header_room + end, blake3=h.hexdigest(),
-                             num_samples=len(done), num_tokens=sum(int(s.token_ids.shape[0]) for s in done))
-            self._journal.record(info)  # ...before its samples count as done
-            phases["rename_s"] = time.perf_counter() - t1
-            with self._cv:
-                self._shards.append((index, info))
-            if self._uploader is not None:
-                self._uploader.submit(self.dir / name, info)  # waits while too many are uploading
+            done = a.committed()
+            if index >= 0 and done:  # else nothing to keep (every sample dropped or not finite)
+                head, tail, entries, end = layout(a, done, self.layer_ids, room=self.header_room, fp8=self.fp8,
+                                                  loss_mask=self.cfg.loss_mask, generate=self.cfg.generate)
+                info = commit_shard(a, done, head, tail, entries, end, self.dir, shard_file(index, self.cfg.prefix),
+                                    phases)
+                t1 = time.perf_counter()
+                self._journal.record(info)  # ...durable: its samples count as done
+                phases["rename_s"] += time.perf_counter() - t1
+                with self._cv:
+                    self._shards.append((index, info))
+                if self._uploader is not None:
+                    self._uploader.submit(self.dir / info.file, info)  # waits while too many are uploading
         except BaseException as e:  # noqa: BLE001 - surfaced to the assembler thread
             log.exception("vllm-hidden: writing a shard failed")
             with self._cv:
@@ -589,11 +333,7 @@ class ShardWriter:
                     self._error = e
         finally:
             wait(a.writes)  # on every path: none may still use fd or buffer
-            if hashing is not None:
-                hashing.join()  # it reads the arena, which goes back to the pool below
-            if a.fd >= 0:
-                os.close(a.fd)
-                a.fd = -1
+            a.close_file()
             a.tmp.unlink(missing_ok=True)  # renamed already if it succeeded
             with self._cv:
                 self._finishing -= 1

@@ -13,7 +13,8 @@ from typing import Any
 from vllm_hidden.storage.journal import JOURNAL, RUN
 from vllm_hidden.storage.manifest import MANIFEST, Manifest
 from vllm_hidden.storage.output import durable_shards, uploaded_shards
-from vllm_hidden.storage.files import ShardInfo, file_checksum, hasher
+from vllm_hidden.format.shard import ShardInfo
+from vllm_hidden.storage.files import file_checksum, hasher, shard_header
 
 
 @dataclass
@@ -49,8 +50,6 @@ def _from_run(run: dict[str, Any], shards: list[ShardInfo]) -> tuple[dict[str, A
 
 
 def _check_shard(root: Path, s: ShardInfo, layers: int | None) -> list[str]:
-    from safetensors import safe_open
-
     p = root / s.file
     if not p.is_file():
         return [f"{s.file}: missing"]
@@ -60,14 +59,7 @@ def _check_shard(root: Path, s: ShardInfo, layers: int | None) -> list[str]:
     out = []
     if file_checksum(p) != s.blake3:
         out.append(f"{s.file}: BLAKE3 does not match the recorded {s.blake3[:16]}... (corrupted)")
-    try:
-        with safe_open(str(p), framework="pt") as f:
-            index = json.loads(f.metadata()["samples"])
-            shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
-            hs, tok = shapes["hidden_states"], shapes["token_ids"]
-    except Exception as e:  # noqa: BLE001 - reported, not raised
-        return [*out, f"{s.file}: not a readable shard ({e})"]
-    return out + _index_problems(s, index, hs, tok, layers) + _optional_problems(s, shapes)
+    return out + _header_problems(root, s, layers)
 
 
 def _check_s3_shard(loc, s: ShardInfo, layers: int | None) -> list[str]:
@@ -82,33 +74,16 @@ def _check_s3_shard(loc, s: ShardInfo, layers: int | None) -> list[str]:
     if size != s.bytes:
         return [f"{s.file}: {size} bytes, recorded {s.bytes}"]
     out = [] if h.hexdigest() == s.blake3 else [f"{s.file}: BLAKE3 does not match the recorded {s.blake3[:16]}... (corrupted)"]
-    header, _ = loc.safetensors_header(s.file)
-    index = json.loads(header["__metadata__"]["samples"])
-    shapes = {k: v["shape"] for k, v in header.items() if isinstance(v, dict) and "shape" in v}
-    hs, tok = shapes["hidden_states"], shapes["token_ids"]
-    return out + _index_problems(s, index, hs, tok, layers) + _optional_problems(s, shapes)
+    return out + _header_problems(loc, s, layers)
 
 
-def _optional_problems(s: ShardInfo, shapes: dict[str, list[int]]) -> list[str]:
-    """final_hidden_states [R, H], loss_mask [R] and (fp8) the scales [R, K] / [R], where a
-    shard has them, cover its rows."""
-    hs = shapes["hidden_states"]
-    want = {"final_hidden_states": [hs[0], hs[2]], "loss_mask": [hs[0]], "hidden_states_scale": [hs[0], hs[1]],
-            "final_hidden_states_scale": [hs[0]]}
-    return [f"{s.file}: {name} has shape {shapes[name]}, expected {shape}"
-            for name, shape in want.items() if name in shapes and list(shapes[name]) != shape]
-
-
-def _index_problems(s: ShardInfo, index, hs, tok, layers: int | None) -> list[str]:
-    out = []
-    if len(index) != s.num_samples or sum(e[2] for e in index) != s.num_tokens:
-        out.append(f"{s.file}: index lists {len(index)} samples / {sum(e[2] for e in index)} tokens, "
-                   f"recorded {s.num_samples} / {s.num_tokens}")
-    if hs[0] != tok[0] or any(e[1] < 0 or e[1] + e[2] > hs[0] for e in index):
-        out.append(f"{s.file}: index rows fall outside hidden_states {list(hs)} / token_ids {list(tok)}")
-    if layers is not None and hs[1] != layers:
-        out.append(f"{s.file}: {hs[1]} layers, the manifest lists {layers}")
-    return out
+def _header_problems(where, s: ShardInfo, layers: int | None) -> list[str]:
+    """What its header says that disagrees with its record or with itself (format.shard)."""
+    try:
+        header = shard_header(where, s)
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        return [f"{s.file}: not a readable shard ({e})"]
+    return header.problems(s, layers)
 
 
 def _verify_s3(uri: str, endpoint_url: str | None, threads: int) -> Report:
