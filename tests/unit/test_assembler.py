@@ -1,7 +1,9 @@
 import pytest
 import torch
 
-from vllm_hidden.capture.assembler import Assembler, CaptureError, MemorySink, NewRequest, Segment, StepRecord
+from vllm_hidden.capture.assembler import Assembler
+from vllm_hidden.capture.memory import MemorySink
+from vllm_hidden.capture.records import CaptureError, NewRequest, Segment, StepRecord
 from vllm_hidden.capture.ring import StepTransfer
 
 K, H = 3, 4

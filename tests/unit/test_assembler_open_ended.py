@@ -4,7 +4,9 @@ rows, complete when the request finishes. Real StepTransfer on CPU, as in test_a
 import pytest
 import torch
 
-from vllm_hidden.capture.assembler import Assembler, CaptureError, MemorySink, NewRequest, Segment, StepRecord
+from vllm_hidden.capture.assembler import Assembler
+from vllm_hidden.capture.memory import MemorySink
+from vllm_hidden.capture.records import CaptureError, NewRequest, Segment, StepRecord
 from vllm_hidden.capture.ring import StepTransfer
 
 K, H = 3, 4

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.unit.test_assembler_open_ended import Harness, truth
-from vllm_hidden.capture.assembler import Assembler, NewRequest
+from vllm_hidden.capture.assembler import Assembler
+from vllm_hidden.capture.records import NewRequest
 from vllm_hidden.config import GenerateConfig
 from vllm_hidden.engine.generate import Ended, Responses, sample_seed
 from vllm_hidden.inputs import BadLine, Prompt
@@ -180,7 +181,7 @@ def test_a_request_finished_short_of_its_end_is_dropped_and_a_drop_end_frees_it(
 
 
 def _record(ends):
-    from vllm_hidden.capture.assembler import StepRecord
+    from vllm_hidden.capture.records import StepRecord
 
     return StepRecord(None, 0, [], ends=ends)
 

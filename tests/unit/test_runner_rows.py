@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_hidden.capture.assembler import Assembler, AssemblerThread, CaptureError, MemorySink, Segment
+from vllm_hidden.capture.assembler import Assembler, AssemblerThread
+from vllm_hidden.capture.memory import MemorySink
+from vllm_hidden.capture.records import CaptureError, Segment
 from vllm_hidden.config import CaptureConfig
 from vllm_hidden.engine import compat, plugin
 from vllm_hidden.engine.runner import REQUEST_KEY, Capture, map_rows

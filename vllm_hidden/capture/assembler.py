@@ -1,10 +1,10 @@
-"""Host-side assembly: map each step's rows to requests (scheduler token order) and
-accumulate every request across steps (chunked prefill) until its prompt is complete.
+"""Host-side assembly: each step's rows, already mapped to requests by the runner hook
+(`capture.records.StepRecord`), accumulated per request across steps (chunked prefill)
+until its prompt (or, with --generate, its response) is complete.
 
-Rows are copied once, from the pinned ring slot into the sample's final place, which a
-sink hands out: `reserve(sample_id, token_ids)` -> a slot whose `.buf` [T, K, H] is filled,
-then `commit(slot)` (or `drop(slot)` if the request was aborted). The shard writer is a
-sink (slots inside its shard arenas); `MemorySink` keeps each sample in its own tensor."""
+Rows are copied once, from the pinned ring slot into the sample's final place, which a sink
+hands out (`capture.records.Sink`). Runs on its own thread (`AssemblerThread`), off the
+engine's."""
 
 from __future__ import annotations
 
@@ -13,119 +13,14 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from vllm_hidden.capture.records import CaptureError, NewRequest, Segment, Sink, Slot, StepRecord
 from vllm_hidden.capture.ring import StepTransfer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Segment:
-    req_id: str
-    row: int  # first row of this request in the step buffer
-    count: int  # rows of this request in the step
-    pos: int  # position (token index in the prompt) of the first row
-
-
-@dataclass(frozen=True, slots=True)
-class NewRequest:
-    sample_id: Any
-    token_ids: list[int]
-    # Open-ended capture (server, prompt + generated tokens): room for `rows` rows, and the
-    # sample is complete when the request finishes, with the rows captured by then.
-    rows: int | None = None
-    line: int | None = None  # the input line (extract), for the sink's error reports
-    loss_spans: list[list[int]] | None = None  # [start, end) token spans with loss 1 (extract)
-    # extract --generate: room for `rows` (prompt + max tokens) in a buffer of its own; the
-    # sample goes to the sink when the driver says where its response ends (`StepRecord.ends`)
-    generate: bool = False
-
-    @property
-    def until_finished(self) -> bool:
-        return self.rows is not None and not self.generate
-
-
-@dataclass(slots=True)
-class StepRecord:
-    slot: int | None  # None: no rows this step, only request bookkeeping
-    num_tokens: int
-    segments: list[Segment]
-    new: dict[str, NewRequest] = field(default_factory=dict)
-    finished: frozenset[str] = frozenset()
-    # extract --generate: input line -> where its response ended, once the driver knows: "rows" to
-    # keep (prompt + response), "token_ids" (all of them), "loss_spans", "num_prompt", "record"
-    # (the engine's request ids are not the driver's: vLLM adds a suffix to each)
-    ends: dict[int, dict[str, Any]] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class Sample:
-    sample_id: Any
-    token_ids: torch.Tensor  # int64 [T]
-    hidden_states: torch.Tensor  # [T, K, H]
-    finite: bool = True  # the rows' statistics found no NaN/Inf (MemorySink sets it)
-
-
-class CaptureError(RuntimeError):
-    pass
-
-
-class Slot(Protocol):
-    buf: torch.Tensor  # [T, K, H], filled by the assembler
-
-    # rows [pos, pos + n) from the ring: values [n, C, H] and their per-column statistic [n, C]
-    # (C: the layers, then the final state's column if the ring has one)
-    def place(self, pos: int, rows: torch.Tensor, stat: torch.Tensor) -> None: ...
-
-
-class Sink(Protocol):
-    def reserve(self, sample_id: Any, token_ids: list[int], *, line: int | None = None,
-                loss_spans: list[list[int]] | None = None) -> Slot: ...
-    # --generate: a whole sample at once, rows [T, C, H] as the ring's columns hold them
-    def add_rows(self, sample_id: Any, token_ids: list[int], rows: torch.Tensor, stat: torch.Tensor, *,
-                 loss_spans: list[list[int]] | None, num_prompt: int, record: str, line: int | None) -> None: ...
-    def commit(self, slot: Any) -> None: ...
-    def drop(self, slot: Any) -> None: ...
-
-
-class _MemSlot:
-    __slots__ = ("sample_id", "token_ids", "buf", "finite")
-
-    def __init__(self, sample_id: Any, token_ids: list[int], buf: torch.Tensor) -> None:
-        self.sample_id, self.token_ids, self.buf = sample_id, token_ids, buf
-        self.finite = True
-
-    def place(self, pos: int, rows: torch.Tensor, stat: torch.Tensor) -> None:
-        self.buf[pos : pos + rows.shape[0]].copy_(rows)
-        if self.finite and not bool(torch.isfinite(stat).all()):  # [n, C] floats: cheap
-            self.finite = False
-
-
-class MemorySink:
-    """Each sample in its own host tensor, handed to `on_sample` when complete. With
-    `on_failure`, a request whose rows cannot be assembled is reported there and the others
-    go on (a server must not stop for one request); without it the failure is raised."""
-
-    def __init__(self, row_shape: tuple[int, int], dtype: torch.dtype, on_sample: Callable[[Sample], None],
-                 on_failure: Callable[[Any, str], None] | None = None) -> None:
-        self.row_shape, self.dtype, self.on_sample = tuple(row_shape), dtype, on_sample
-        self.on_failure = on_failure
-
-    def reserve(self, sample_id: Any, token_ids: list[int], rows: int | None = None, *,
-                line: int | None = None, loss_spans: list[list[int]] | None = None) -> _MemSlot:
-        n = len(token_ids) if rows is None else rows
-        return _MemSlot(sample_id, token_ids, torch.empty((n, *self.row_shape), dtype=self.dtype))
-
-    def commit(self, slot: _MemSlot) -> None:
-        self.on_sample(Sample(slot.sample_id, torch.tensor(slot.token_ids, dtype=torch.int64), slot.buf, slot.finite))
-
-    def drop(self, slot: _MemSlot) -> None:
-        pass
 
 
 class _Staged:
