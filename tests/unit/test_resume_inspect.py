@@ -97,3 +97,17 @@ def test_inspect_reports_an_interrupted_run(tmp_path):
     r = verify_output(tmp_path)
     assert not r.complete and r.summary["samples"] == 4
     assert len(r.problems) == 1 and r.problems[0].startswith("incomplete: no manifest.json")
+
+
+def test_resume_refuses_another_storage_dtype(tmp_path):
+    """An fp8 output resumed without --storage-dtype fp8 (or the reverse) would mix fp8 and
+    bf16 shards under one manifest."""
+    from vllm_hidden.storage.output import Output
+
+    base = {"format": "vllm-hidden/1", "model": "m", "layer_ids": [3, 5], "hidden_size": H}
+    for was, now in (({"storage_dtype": "fp8"}, {}), ({}, {"storage_dtype": "fp8"})):
+        root = tmp_path / f"out{len(was)}"
+        Output(str(root), {**base, **was}).begin(resume=False)
+        with pytest.raises(ValueError, match="was written with storage_dtype="):
+            Output(str(root), {**base, **now}).begin(resume=True)
+    Output(str(tmp_path / "out1"), {**base, "storage_dtype": "fp8"}).begin(resume=True)  # the same one resumes

@@ -124,14 +124,15 @@ class Output:
         return self.state
 
     # what an output written before these were recorded was extracted with
-    _IDENTITY_DEFAULTS = {"final_state": "none", "loss_mask": "none", "generate": None}
+    _IDENTITY_DEFAULTS = {"final_state": "none", "loss_mask": "none", "generate": None, "storage_dtype": "auto"}
 
     def _check_identity(self, prev: dict[str, Any]) -> None:
-        for k in ("format", "model", "layer_ids", "hidden_size", "final_state", "loss_mask", "generate"):
+        for k in ("format", "model", "layer_ids", "hidden_size", "final_state", "loss_mask", "generate",
+                  "storage_dtype"):
             was = prev.get(k, self._IDENTITY_DEFAULTS.get(k))
-            if was != self.identity.get(k, self._IDENTITY_DEFAULTS.get(k)):
-                raise ValueError(f"--resume: {self.where!r} was written with {k}={was!r}, "
-                                 f"this run has {k}={self.identity[k]!r}")
+            now = self.identity.get(k, self._IDENTITY_DEFAULTS.get(k))
+            if was != now:
+                raise ValueError(f"--resume: {self.where!r} was written with {k}={was!r}, this run has {k}={now!r}")
 
     def _begin_local(self, resume: bool) -> None:
         out = self.local
