@@ -5,12 +5,13 @@ Each flag is checked against the command it belongs to:
   command: `vllm-hidden SUB` (its typer options, read from the click command objects, plus
   vLLM's own engine or server options where SUB passes unknown options on to vLLM),
   `vllm serve`, `python scripts/X.py` (that script's argparse options), `pytest` /
-  `scripts/test.sh` (pytest's options), or a few other tools (OTHER_TOOLS below);
+  `scripts/test.sh` (pytest's and its plugins' options), or a few other tools (OTHER_TOOLS);
 - any other flag (prose, tables, comments) must be an option of some `vllm-hidden`
   subcommand or of vLLM's engine or server, or of a command named earlier in the same
   paragraph, or be listed in PROSE_ONLY.
-Parsers are read from the objects themselves (typer/click, argparse), never from help text.
-vLLM's parsers and the scripts are read in subprocesses, so nothing they import stays here.
+Parsers are read from the objects themselves (typer/click, argparse, pytest's parser), never
+from help text. vLLM's parsers, the scripts and a fresh pytest parser are read in
+subprocesses, so nothing they import stays in this process.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Flags of tools that are neither ours nor vLLM's, by the command a line starts with. Only
-# what the docs use; add a flag here when a page quotes a new one.
+# Flags of tools that are neither ours, nor vLLM's, nor pytest's, by the command a line
+# starts with. Kept to what the docs quote; add a flag here when a page quotes a new one.
 OTHER_TOOLS: dict[str, set[str]] = {
     "pip": {"--no-deps"},  # pip install
     "ray": {"--head", "--port", "--address"},  # ray start
@@ -76,7 +77,7 @@ def ours() -> dict[str, set[str]]:
 
 
 def _run_json(code: str, *args: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH")] if p)}
     r = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     for line in r.stdout.splitlines():
@@ -140,10 +141,29 @@ def script_flags(paths: list[str]) -> dict[str, set[str] | None]:
     return {p: set(got[p]) if got.get(p) is not None else None for p in paths}
 
 
+_PYTEST = f"""
+import json
+from _pytest.config import get_config
+
+config = get_config()  # pytest's own plugins, whatever -p options a session was given
+config.pluginmanager.load_setuptools_entrypoints("pytest11")  # and every installed plugin
+parser = config._parser
+print({MARK!r} + json.dumps(sorted(n for group in [parser._anonymous, *parser._groups]
+                                   for o in group.options for n in o.names())))
+"""
+
+
 def pytest_flags(config) -> set[str]:
-    """pytest's options as this session's parser holds them (plugins and conftest files included)."""
+    """pytest's options: those of pytest and every installed plugin, read in a fresh process,
+    and those this session's parser holds (conftest files' options included)."""
     parser = config._parser
-    return {n for group in [parser._anonymous, *parser._groups] for o in group.options for n in o.names()}
+    session = {n for group in [parser._anonymous, *parser._groups] for o in group.options for n in o.names()}
+    return session | set(_fresh_pytest_flags())
+
+
+@lru_cache(maxsize=None)
+def _fresh_pytest_flags() -> tuple[str, ...]:
+    return tuple(_run_json(_PYTEST))
 
 
 # --- where each flag belongs -----------------------------------------------------------------
@@ -183,6 +203,8 @@ def command_of(text: str) -> tuple[str, str] | None:
         return ("pytest", "")  # it passes its arguments to pytest
     if w == "scripts/demo.sh":
         return ("vllm-hidden", "extract")  # it passes its arguments to `vllm-hidden extract`
+    if w.startswith("scripts/") and w.endswith(".sh"):
+        return ("unknown", w)  # takes no options
     if w.endswith(".py") and (via_python or w.startswith("scripts/")):
         return ("script", w)
     if w in ("pytest", *OTHER_TOOLS):
@@ -350,7 +372,7 @@ def test_the_parsers_are_read(pytestconfig):
     assert {"--max-model-len", "--enforce-eager", "--no-enable-chunked-prefill"} <= v["engine"]
     assert {"--port", "--api-key", "--middleware", "--max-model-len"} <= v["serve"]
     assert "--port" not in v["engine"]
-    assert {"--durations", "--timeout"} <= pytest_flags(pytestconfig)
+    assert {"--durations", "--lf", "--timeout", "-k"} <= pytest_flags(pytestconfig)  # pytest-timeout is a test dependency
 
 
 SAMPLE = """
@@ -366,6 +388,7 @@ vllm-hidden inspect out/ --port 8000
 python scripts/bench.py --qwen36-27b --no-such-script-flag
 ray start --head --no-such-ray-flag
 vllm serve M --middleware x --no-such-vllm-flag
+VHIDDEN_X=1 scripts/test.sh tests/unit --durations 5 --no-such-pytest-flag
 ```
 
 Run `python scripts/bench_writer.py --tail w-chat`, then `--tail` again and `--append`.
@@ -378,7 +401,7 @@ def test_the_check_finds_made_up_flags(pytestconfig):
     found = {(b.split(":")[1], b.split(": ")[1]) for b in bad}
     assert found == {("4", "--no-such-prose-flag"), ("8", "--no-such-extract-flag"), ("9", "--no-such-serve-flag"),
                      ("10", "--port"), ("11", "--no-such-script-flag"), ("12", "--no-such-ray-flag"),
-                     ("13", "--no-such-vllm-flag"), ("16", "--append")}, "\n".join(bad)
+                     ("13", "--no-such-vllm-flag"), ("14", "--no-such-pytest-flag"), ("17", "--append")}, "\n".join(bad)
     assert all(b.startswith("sample.md:") for b in bad)
 
 
