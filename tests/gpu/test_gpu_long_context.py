@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 BOUND = 1e-2
 NEIGHBOUR = 5e-2  # each captured layer must differ from HF's neighbouring layers' states by more than this

@@ -14,7 +14,7 @@ import torch
 
 from tests.gpu.test_gpu_qwen35 import BATCHED, BOUND, ENGINE, LAYERS, MAX_LEN, VOCAB, _prompts, _rel
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 
 def test_gpu_tp2_and_dp2_match_tp1_and_hf(tmp_path):

@@ -17,7 +17,7 @@ import torch
 
 from tests.gpu.test_gpu_capture import expected_runner, manifest_runner
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 BOUND = 1e-2
 NEIGHBOUR = 5e-2  # captured layer k must differ from HF's layers k-1 and k+1 by more than this

@@ -21,7 +21,7 @@ import torch
 
 from tests.integration.helpers import Server
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 BOUND = 1e-2
 LAYERS = [0, 1, 2, 3]
