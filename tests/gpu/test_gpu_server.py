@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 
+from tests.gpu.reference import Qwen35Reference
 from tests.integration.helpers import Server
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -120,8 +121,6 @@ def served(tmp_path_factory):
     """Runs the servers once (SERVER_COUNTS), with the load, and compares every response that
     carried states with HF Transformers: {"checks": [(what, {layer: rel. L2})], "repeats": ...}.
     Writes $OUT/gpu-server-load.json, gpu-server-qwen3_5.json and the servers' logs."""
-    from transformers import Qwen3_5ForConditionalGeneration
-
     from vllm_hidden.demo import make_qwen35_model
     from vllm_hidden.server import decode, fetch
 
@@ -187,17 +186,12 @@ def served(tmp_path_factory):
 
                 shutil.copy(log, os.path.join(os.environ["OUT"], log.name))
 
-    hf = Qwen3_5ForConditionalGeneration.from_pretrained(str(model), dtype=torch.float32).cuda().eval()
-    decoder = hf.model.language_model.layers
-    last = {}
-    decoder[-1].register_forward_hook(lambda m, i, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
+    hf = Qwen35Reference(model)
     worst = [0.0] * len(LAYERS)
     errors, compared = [], []
     for ids, d, what in checks:
         assert d["token_ids"].tolist() == ids
-        with torch.no_grad():
-            r = hf(torch.tensor([ids], device="cuda"), output_hidden_states=True, use_cache=False)
-        states = [h[0] for h in r.hidden_states[: len(LAYERS)]] + [last["h"][0]]
+        _, states = hf.run(ids)
         got = d["hidden_states"].cuda().float()
         errs = {}
         for k, layer in enumerate(LAYERS):
