@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 
@@ -6,6 +7,25 @@ import pytest
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TESTS = Path(__file__).resolve().parent
+GROUPS = ("unit", "integration", "reliability", "gpu")  # tests/<group>/, each a marker (pyproject.toml)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """Each test gets exactly the marker of its folder under tests/ (`-m unit` runs tests/unit)."""
+    for item in items:
+        path = Path(item.path).resolve()
+        if not path.is_relative_to(TESTS):
+            continue
+        group = path.relative_to(TESTS).parts[0]
+        if group not in GROUPS:
+            raise pytest.UsageError(f"{item.nodeid}: a test belongs in one of tests/{{{','.join(GROUPS)}}}/")
+        other = sorted({m.name for m in item.iter_markers() if m.name in GROUPS} - {group})
+        if other:
+            raise pytest.UsageError(f"{item.nodeid} is in tests/{group}/ but marked {other}: its folder decides")
+        item.add_marker(group)
 
 
 @pytest.fixture(scope="session")

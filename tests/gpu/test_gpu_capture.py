@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 BOUND = 1e-2
 # what vLLM picks by itself, by version: 0.26 runs dense non-MoE models on V2, hybrids on V1

@@ -16,7 +16,9 @@ import random
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+from tests.gpu.reference import Qwen35Reference
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 BOUND = 1e-2
 NEAR_TIE = 0.1  # logits (float32 HF); bf16 rounding of the states moves logits by about this much
@@ -33,8 +35,6 @@ def _rel(got, ref):
 
 
 def test_gpu_generate_rows_and_tokens_match_hf(tmp_path):
-    from transformers import Qwen3_5ForConditionalGeneration
-
     from vllm_hidden.config import ExtractConfig, GenerateConfig
     from vllm_hidden.data import HiddenStatesDataset
     from vllm_hidden.demo import make_qwen35_model
@@ -57,10 +57,7 @@ def test_gpu_generate_rows_and_tokens_match_hf(tmp_path):
     print(f"generate: {s.to_dict()}")
     gens = {json.loads(x)["id"]: json.loads(x) for x in (out / "generations.jsonl").read_text().splitlines()}
 
-    hf = Qwen3_5ForConditionalGeneration.from_pretrained(str(model), dtype=torch.float32).cuda().eval()
-    decoder = hf.model.language_model.layers
-    last = {}
-    decoder[-1].register_forward_hook(lambda m, i, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
+    hf = Qwen35Reference(model)
     ds = HiddenStatesDataset(out)
     worst = [0.0] * len(LAYERS)
     worst_response = [0.0] * len(LAYERS)
@@ -71,9 +68,7 @@ def test_gpu_generate_rows_and_tokens_match_hf(tmp_path):
         assert ids[:p] == prompts[smp["id"]] and len(ids) - p == gens[smp["id"]]["num_generated_tokens"] >= 1
         assert gens[smp["id"]]["response_token_ids"] == ids[p:]
         assert smp["loss_mask"].tolist() == [False] * p + [True] * (len(ids) - p)
-        with torch.no_grad():
-            r = hf(torch.tensor([ids], device="cuda"), output_hidden_states=True, use_cache=False)
-        states = [h[0] for h in r.hidden_states[: len(LAYERS)]] + [last["h"][0]]
+        r, states = hf.run(ids)
         got = smp["hidden_states"].cuda().float()
         for k, layer in enumerate(LAYERS):
             err = _rel(got[:, k], states[layer + 1])

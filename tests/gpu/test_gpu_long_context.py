@@ -18,7 +18,9 @@ import time
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+from tests.gpu.reference import Qwen35Reference
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 BOUND = 1e-2
 NEIGHBOUR = 5e-2  # each captured layer must differ from HF's neighbouring layers' states by more than this
@@ -61,31 +63,23 @@ def _blocked_sdpa(module, query, key, value, attention_mask, dropout=0.0, scalin
 def _references(model, prompts):
     """Per prompt, the embeddings and every decoder layer's output (the last one's before the
     final norm), from HF in float32 and in bf16, with attention in query blocks."""
-    from transformers import AttentionInterface, Qwen3_5ForConditionalGeneration
+    from transformers import AttentionInterface
 
     refs, seconds = {}, {}
     sdpa = AttentionInterface._global_mapping["sdpa"]
     AttentionInterface._global_mapping["sdpa"] = _blocked_sdpa
     try:
         for dtype in (torch.float32, torch.bfloat16):
-            hf = Qwen3_5ForConditionalGeneration.from_pretrained(str(model), dtype=dtype).cuda().eval()
-            decoder = hf.model.language_model.layers
-            assert len(decoder) == len(LAYERS)
-            last = {}
-            hook = decoder[-1].register_forward_hook(
-                lambda m, i, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
+            hf = Qwen35Reference(model, dtype=dtype)
+            assert len(hf.decoder) == len(LAYERS)
             refs[dtype] = {}
             t1 = time.perf_counter()
             for sid, ids in prompts.items():
-                with torch.no_grad():
-                    r = hf(torch.tensor([ids], device="cuda"), output_hidden_states=True, use_cache=False,
-                           logits_to_keep=1)
+                r, states = hf.run(ids, logits_to_keep=1)
                 # [0] the embeddings, [k + 1] the output of layer k
-                refs[dtype][sid] = [h[0].float().cpu() for h in r.hidden_states[: len(LAYERS)]]
-                refs[dtype][sid].append(last["h"][0].float().cpu())
-                del r
+                refs[dtype][sid] = [h.float().cpu() for h in states]
+                del r, states
             seconds[dtype] = time.perf_counter() - t1
-            hook.remove()
             del hf
             torch.cuda.empty_cache()
     finally:

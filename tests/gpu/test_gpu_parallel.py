@@ -12,14 +12,13 @@ import time
 import pytest
 import torch
 
+from tests.gpu.reference import Qwen35Reference
 from tests.gpu.test_gpu_qwen35 import BATCHED, BOUND, ENGINE, LAYERS, MAX_LEN, VOCAB, _prompts, _rel
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 
 def test_gpu_tp2_and_dp2_match_tp1_and_hf(tmp_path):
-    from transformers import Qwen3_5ForConditionalGeneration
-
     from vllm_hidden.config import ExtractConfig
     from vllm_hidden.data import HiddenStatesDataset
     from vllm_hidden.demo import make_qwen35_model
@@ -43,18 +42,13 @@ def test_gpu_tp2_and_dp2_match_tp1_and_hf(tmp_path):
     parts = {s["file"].split("/")[0] for s in json.loads((outs["dp2"] / "manifest.json").read_text())["shards"]}
     assert parts == {"rank-000", "rank-001"}, parts  # both engines wrote
 
-    hf = Qwen3_5ForConditionalGeneration.from_pretrained(str(model), dtype=torch.float32).cuda().eval()
-    decoder = hf.model.language_model.layers
-    last = {}
-    decoder[-1].register_forward_hook(lambda m, i, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
+    hf = Qwen35Reference(model)
     by_id = {m: {d[i]["id"]: d[i] for i in range(len(d))} for m, d in
              ((m, HiddenStatesDataset(p)) for m, p in outs.items())}
     worst_hf = {m: [0.0] * len(LAYERS) for m in outs}
     worst_vs_tp1 = {m: [0.0] * len(LAYERS) for m in ("tp2", "dp2")}
     for sid, ids in good.items():
-        with torch.no_grad():
-            r = hf(torch.tensor([ids], device="cuda"), output_hidden_states=True, use_cache=False)
-        states = [h[0] for h in r.hidden_states[: len(LAYERS)]] + [last["h"][0]]
+        r, states = hf.run(ids)
         del r
         got = {}
         for m in outs:

@@ -15,9 +15,10 @@ import time
 import pytest
 import torch
 
+from tests.gpu.reference import Qwen35Reference
 from tests.gpu.test_gpu_capture import expected_runner, manifest_runner
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 BOUND = 1e-2
 NEIGHBOUR = 5e-2  # captured layer k must differ from HF's layers k-1 and k+1 by more than this
@@ -45,8 +46,6 @@ def _rel(got, ref):
 
 
 def test_gpu_qwen35_capture_matches_hf_graphs_and_eager(tmp_path):
-    from transformers import Qwen3_5ForConditionalGeneration
-
     from vllm_hidden.config import ExtractConfig
     from vllm_hidden.data import HiddenStatesDataset
     from vllm_hidden.demo import make_qwen35_model
@@ -72,11 +71,8 @@ def test_gpu_qwen35_capture_matches_hf_graphs_and_eager(tmp_path):
 
     # vLLM's engines are shut down; the float32 reference (~6 GB of weights) has the GPU to itself
     t1 = time.perf_counter()
-    hf = Qwen3_5ForConditionalGeneration.from_pretrained(str(model), dtype=torch.float32).cuda().eval()
-    decoder = hf.model.language_model.layers
-    assert len(decoder) == len(LAYERS)
-    last = {}
-    decoder[-1].register_forward_hook(lambda m, i, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
+    hf = Qwen35Reference(model)
+    assert len(hf.decoder) == len(LAYERS)
     ds = {m: HiddenStatesDataset(p) for m, p in outs.items()}
     by_id = {m: {d[i]["id"]: d[i] for i in range(len(d))} for m, d in ds.items()}
     worst = {m: [0.0] * len(LAYERS) for m in outs}
@@ -84,10 +80,8 @@ def test_gpu_qwen35_capture_matches_hf_graphs_and_eager(tmp_path):
     min_neighbour = [float("inf")] * len(LAYERS)
     worst_final, min_final_vs_last = 0.0, float("inf")
     for sid, ids in good.items():
-        with torch.no_grad():
-            r = hf(torch.tensor([ids], device="cuda"), output_hidden_states=True, use_cache=False)
         # states[0] = embeddings, states[k + 1] = output of layer k (the last one before the final norm)
-        states = [h[0] for h in r.hidden_states[: len(LAYERS)]] + [last["h"][0]]
+        r, states = hf.run(ids)
         post_norm = r.hidden_states[-1][0]  # HF applies the final norm to its last entry
         del r
         got = {}

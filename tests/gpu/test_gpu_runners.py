@@ -19,7 +19,7 @@ import torch
 from tests.gpu.test_gpu_capture import expected_runner
 from tests.integration.helpers import HFReference, Server, check_states, rel_l2
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 LAYERS = [0, 3, 7]
 BOUND = 1e-2

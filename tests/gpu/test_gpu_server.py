@@ -19,9 +19,10 @@ import time
 import pytest
 import torch
 
+from tests.gpu.reference import Qwen35Reference
 from tests.integration.helpers import Server
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 BOUND = 1e-2
 LAYERS = [0, 1, 2, 3]
@@ -115,12 +116,15 @@ def _load(server: Server, name: str, mode: str, clients: int = 64, per_client: i
             "latency_p50_s": round(statistics.median(lat), 3), "latency_p99_s": round(_pct(lat, 0.99), 3)}, keep
 
 
-def test_gpu_server_states_match_hf_and_load(tmp_path):
-    from transformers import Qwen3_5ForConditionalGeneration
-
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """Runs the servers once (SERVER_COUNTS), with the load, and compares every response that
+    carried states with HF Transformers: {"checks": [(what, {layer: rel. L2})], "repeats": ...}.
+    Writes $OUT/gpu-server-load.json, gpu-server-qwen3_5.json and the servers' logs."""
     from vllm_hidden.demo import make_qwen35_model
     from vllm_hidden.server import decode, fetch
 
+    tmp_path = tmp_path_factory.mktemp("server")
     model = make_qwen35_model(tmp_path / "qwen3_5-4", num_layers=len(LAYERS), vocab_size=VOCAB)
     rng = random.Random(0)
     # uvicorn's 5 s keep-alive races clients reusing idle connections under a slow load
@@ -182,27 +186,20 @@ def test_gpu_server_states_match_hf_and_load(tmp_path):
 
                 shutil.copy(log, os.path.join(os.environ["OUT"], log.name))
 
-    hf = Qwen3_5ForConditionalGeneration.from_pretrained(str(model), dtype=torch.float32).cuda().eval()
-    decoder = hf.model.language_model.layers
-    last = {}
-    decoder[-1].register_forward_hook(lambda m, i, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
+    hf = Qwen35Reference(model)
     worst = [0.0] * len(LAYERS)
-    errors, failed, known = [], [], []
+    errors, compared = [], []
     for ids, d, what in checks:
         assert d["token_ids"].tolist() == ids
-        with torch.no_grad():
-            r = hf(torch.tensor([ids], device="cuda"), output_hidden_states=True, use_cache=False)
-        states = [h[0] for h in r.hidden_states[: len(LAYERS)]] + [last["h"][0]]
+        _, states = hf.run(ids)
         got = d["hidden_states"].cuda().float()
-        errs = []
+        errs = {}
         for k, layer in enumerate(LAYERS):
             ref = states[layer + 1]
-            err = ((got[:, k] - ref).norm() / ref.norm()).item()
-            errs.append(round(err, 5))
-            worst[k] = max(worst[k], err)
-            if err > BOUND:
-                (known if _repeated_one_token(what) else failed).append((what, layer, round(err, 4)))
-        errors.append({"what": what, "tokens": len(ids), "rel_l2": errs})
+            errs[layer] = ((got[:, k] - ref).norm() / ref.norm()).item()
+            worst[k] = max(worst[k], errs[layer])
+        compared.append((what, errs))
+        errors.append({"what": what, "tokens": len(ids), "rel_l2": [round(e, 5) for e in errs.values()]})
     print(f"server: worst rel L2 per layer {LAYERS}: {worst} over {len(checks)} responses; repeats {repeats}")
     for e in errors:
         print("  ", e)
@@ -211,14 +208,51 @@ def test_gpu_server_states_match_hf_and_load(tmp_path):
             json.dump({"arch": "qwen3_5", "layers": LAYERS, "engine_args": ENGINE, "worst_rel_l2": worst,
                        "responses_checked": len(checks), "repeats": repeats, "errors": errors, "servers": servers},
                       f, indent=1)
-    assert failed == [], failed
-    assert all(r["fetch_equals_inline"] for r in repeats if r["prompt"] > 1), repeats
-    if known:  # every other response passed: what is left is the engine's, whichever form carried it
-        pytest.xfail(f"a 1-token prompt sent again after the same one gets states off HF by {max(e for *_, e in known)} "
-                     f"rel. L2 (the first such request is exact, and the same prompt with 17+ tokens repeats "
-                     f"bit-identically): {known[:4]}")
+    return {"checks": compared, "repeats": repeats}
+
+
+def _off(checks: list) -> list:
+    """(what, layer, rel. L2) of every layer of these checks off HF by more than BOUND."""
+    return [(what, layer, round(err, 4)) for what, errs in checks for layer, err in errs.items() if err > BOUND]
 
 
 def _repeated_one_token(what: str) -> bool:
-    """The checks of a 1-token prompt sent a second and third time (see the xfail above)."""
+    """The checks of a 1-token prompt sent a second and third time (the known vLLM defect)."""
     return ": prompt 1 " in what and not what.endswith("#0")
+
+
+def test_gpu_server_states_match_hf_and_load(served):
+    """Every response's states match HF within BOUND, except a 1-token prompt's repeats (their
+    own test, below); the first time a 1-token prompt is sent it matches too."""
+    checks = served["checks"]
+    first_one_token = [c for c in checks if ": prompt 1 " in c[0] and c[0].endswith("#0")]
+    assert len(first_one_token) == len(SERVER_COUNTS), [c[0] for c in checks]
+    assert _off(first_one_token) == []
+    failed = _off([c for c in checks if not _repeated_one_token(c[0])])
+    assert failed == [], failed
+    assert all(r["fetch_equals_inline"] for r in served["repeats"] if r["prompt"] > 1), served["repeats"]
+
+
+class StaleOneTokenState(AssertionError):
+    """The known vLLM defect, as seen on 0.26 (GPU): a 1-token prompt sent again right after the
+    same one comes back 0.10-0.26 rel. L2 off HF (a stale state slot); its first occurrence is
+    exact, and prompts of 2+ tokens repeat bit-identically."""
+
+
+@pytest.mark.xfail(strict=True, raises=StaleOneTokenState,
+                   reason="vLLM defect: a 1-token prompt sent again after the same one reuses a stale state slot "
+                          "(0.10-0.26 rel. L2 off HF on vLLM 0.26; the first occurrence is exact)")
+def test_gpu_server_repeated_one_token_prompts_match_hf(served):
+    """Expected to fail with StaleOneTokenState until vLLM is fixed; then it passes, which
+    strict xfail reports as a failure (XPASS): drop the mark. Any other failure (the defect
+    reaching other responses, or 2+ token prompts no longer repeating bit-identically) is a
+    plain AssertionError, which the mark does not expect: it fails too."""
+    checks = served["checks"]
+    repeated = [c for c in checks if _repeated_one_token(c[0])]
+    assert len(repeated) == 2 * len(SERVER_COUNTS), [c[0] for c in checks]  # the second and third sending
+    assert _off([c for c in checks if not _repeated_one_token(c[0])]) == []  # confined to these
+    assert all(r["inline_twice_equal"] for r in served["repeats"] if r["prompt"] > 1), served["repeats"]
+    off = _off(repeated)
+    if off:
+        raise StaleOneTokenState(f"a 1-token prompt sent again after the same one gets states off HF by "
+                                 f"{max(e for *_, e in off)} rel. L2: {off[:4]}")

@@ -13,8 +13,6 @@ from transformers import AutoTokenizer
 from tests.integration.helpers import HFReference, last_json, rel_l2, run_cli, verify_checksums
 from vllm_hidden.data import HiddenStatesDataset
 
-pytestmark = pytest.mark.integration
-
 MAX_LEN = 512
 VOCAB = 1024
 BOUND = 1e-2

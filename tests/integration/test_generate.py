@@ -28,8 +28,6 @@ from tests.integration.helpers import (HFReference, cli_env, journal_lines, kill
                                        rel_l2, run_cli, start_cli, verify_checksums, write_prompts)
 from vllm_hidden.data import HiddenStatesDataset
 
-pytestmark = pytest.mark.integration
-
 LAYERS = [1, 4, 7]  # of 8; the last before the final norm
 BOUND = 1e-2
 MAX_TOKENS = 12

@@ -17,8 +17,6 @@ from tests.integration.helpers import (HFReference, Server, check_dataset, check
                                        random_prompts, run_cli, start_cli, token_prompt, verify_checksums,
                                        write_prompts)
 
-pytestmark = pytest.mark.integration
-
 VOCAB = 1024
 MAX_LEN = 512
 # small steps, so that an engine holds a few prompts at a time and both engines get work

@@ -16,8 +16,6 @@ import torch
 from tests.integration.helpers import HFReference, Server, check_states
 from tests.integration.helpers import token_prompt as prompt
 
-pytestmark = pytest.mark.integration
-
 LAYERS = [0, 2, 3]  # of a 4-layer model; 3 is the last (taken before the final norm)
 KEY = "test-key-1"
 MAX_HIDDEN = 400

@@ -18,8 +18,6 @@ from tests import chat_model
 from tests.integration.helpers import HFReference, cli_env, rel_l2, run_cli, verify_checksums
 from vllm_hidden.data import DFlashCollator, Eagle3Collator, HiddenStatesDataset
 
-pytestmark = pytest.mark.integration
-
 LAYERS = [1, 3, 7]  # of 8; the last one (before the final norm) for speculators' last slot
 BOUND = 1e-2
 DRIVER = textwrap.dedent("""

@@ -16,8 +16,6 @@ from safetensors import safe_open
 from tests.integration.helpers import HFReference, check_dataset, random_prompts, run_cli, write_prompts
 from vllm_hidden.data import HiddenStatesDataset
 
-pytestmark = pytest.mark.integration
-
 NUM_LAYERS = 8
 LAYERS = [1, 4]  # the cut keeps 0..4: a full-attention layer (3) in, another (7) and three GDN layers out
 ENGINE = ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "256", "--max-num-batched-tokens", "128",

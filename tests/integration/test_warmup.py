@@ -14,8 +14,6 @@ from tests.integration.helpers import (CLI, HFReference, Server, cli_env, last_j
                                        write_prompts)
 from vllm_hidden.data import HiddenStatesDataset
 
-pytestmark = pytest.mark.integration
-
 ENGINE = ["--dtype", "bfloat16", "--max-num-seqs", "8", "--max-num-batched-tokens", "256"]
 LAYERS = "0,2,3"
 MAX_LEN = "256"

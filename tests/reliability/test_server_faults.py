@@ -22,8 +22,6 @@ import requests
 
 from tests.integration.helpers import HFReference, Server, check_states, token_prompt
 
-pytestmark = pytest.mark.integration
-
 LAYERS = [0, 2, 3]  # of a 4-layer model
 # A 3400-token prompt gives a ~7 MB states response, more than the kernel's socket buffers
 # hold (~4 MB on loopback), so a client that does not read really stalls the server's send.

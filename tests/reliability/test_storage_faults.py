@@ -13,17 +13,14 @@ import subprocess
 import threading
 import time
 
-import pytest
 import torch
 
 from tests.damage import flip_bit
 from tests.integration.helpers import (journal_lines, last_json, random_prompts, run_cli, start_cli, verify_checksums,
                                        write_prompts)
+from tests.outputs import random_sample, write_manifest, write_output
 from tests.s3_server import FaultyProxy
-from vllm_hidden.config import ShardConfig
 from vllm_hidden.data import HiddenStatesDataset
-from vllm_hidden.storage.manifest import Manifest
-from vllm_hidden.storage.shards import ShardWriter
 
 ENGINE = ["--enforce-eager", "--dtype", "bfloat16", "--max-num-seqs", "8", "--max-num-batched-tokens", "256"]
 
@@ -200,15 +197,11 @@ def test_s3_5xx_storms_restarts_and_an_outage_then_resume(tiny_models, s3, tmp_p
 
 def _small_output(root, n_shards=3):
     """A real output written by the shard writer: 3 shards of 4 samples."""
-    w = ShardWriter(ShardConfig(output_dir=str(root), max_shard_bytes=4 * 10 * (2 * 16 * 2 + 8), writer_threads=1),
-                    [1, 2], 16, torch.bfloat16)
     g = torch.Generator().manual_seed(0)
-    for i in range(4 * n_shards):
-        w.add(f"x{i}", torch.randint(0, 100, (10,), generator=g), torch.randn(10, 2, 16, generator=g).bfloat16())
-    shards = w.close()
+    samples = {f"x{i}": random_sample(g, 10, 2, 16) for i in range(4 * n_shards)}  # drawn in order from g
+    shards = write_output(root, [1, 2], 16, samples, rows=4 * 10, writer_threads=1, manifest=False)
     assert len(shards) == n_shards
-    Manifest(model="m", layer_ids=[1, 2], layer_semantics="s", num_model_layers=4, hidden_size=16,
-             dtype="bfloat16", shards=shards).write(root)
+    write_manifest(root, shards, [1, 2], 16, num_model_layers=4)
     return shards
 
 

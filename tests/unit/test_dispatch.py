@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from tests.outputs import manifest_fields, random_sample, row_bytes, shard_writer, write_samples
 from vllm_hidden.data import HiddenStatesDataset
 from vllm_hidden import devices
 from vllm_hidden.devices import CPU_BIND, cpu_bind, rank_envs, split
@@ -16,29 +17,24 @@ from vllm_hidden.extract.feed import QueueFeed, ReaderFeed
 from vllm_hidden.inputs import BadLine, Prompt
 from vllm_hidden.storage.output import Output, in_part, rank_part, uploaded_shards
 from vllm_hidden.storage.s3 import S3Location
-from vllm_hidden.storage.shards import ShardWriter
 from vllm_hidden.storage.verify import verify_output
 
 K, H = 2, 8  # 2 layers x 8 wide, bf16: 32 B of hidden states + 8 B token id per row
-ROW = K * H * 2 + 8
+ROW = row_bytes(K, H)
 IDENTITY = {"format": "vllm-hidden/1", "model": "m", "layer_ids": [3, 5], "hidden_size": H}
-FIELDS = dict(model="m", layer_ids=[3, 5], layer_semantics="s", num_model_layers=8, hidden_size=H, dtype="bfloat16")
+FIELDS = manifest_fields([3, 5], H)
 
 
 def sample(sid, n=4):
     """Deterministic (token ids, hidden states) of sample `sid`."""
-    g = torch.Generator().manual_seed(sum(map(ord, sid)) * 7919 + n)
-    return torch.randint(0, 1000, (n,), generator=g), torch.randn(n, K, H, generator=g).to(torch.bfloat16)
+    return random_sample(sum(map(ord, sid)) * 7919 + n, n, K, H, high=1000)
 
 
 def write_part(output, rank, ids, rows, n=4):
     """Write samples `ids` (n tokens each) as the engine of part `rank` would, with shards
     of at most `rows` rows; returns the shards (paths relative to the part)."""
     cfg = output.shard_config(rank, max_shard_bytes=rows * ROW, writer_threads=2)
-    w = ShardWriter(cfg, [3, 5], H, torch.bfloat16)
-    for sid in ids:
-        w.add(sid, *sample(sid, n))
-    return w.close()
+    return write_samples(shard_writer(cfg, [3, 5], H), {sid: sample(sid, n) for sid in ids})
 
 
 def assert_reads_back(ds, ids):

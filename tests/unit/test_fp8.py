@@ -10,12 +10,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from tests.outputs import shard_writer, write_output
 from vllm_hidden.format.quant import FP8, dequantize, quantize
 from vllm_hidden.capture.ring import StepTransfer
-from vllm_hidden.config import ShardConfig
 from vllm_hidden.data import HiddenStatesDataset
-from vllm_hidden.storage.manifest import Manifest
-from vllm_hidden.storage.shards import ShardWriter
 
 
 def _states(n: int, k: int, h: int, seed: int = 0) -> torch.Tensor:
@@ -80,13 +78,11 @@ def test_step_transfer_packs_values_and_their_statistic_in_one_row(fp8):
 
 def _write(tmp_path, fp8: bool, samples, final: bool = False):
     out = tmp_path / ("fp8" if fp8 else "bf16")
-    w = ShardWriter(ShardConfig(output_dir=str(out), fp8=fp8, final_state=final, writer_threads=2,
-                                max_shard_bytes=1 << 20), [4, 9, 2], 256, FP8 if fp8 else torch.bfloat16)
-    for sid, (tok, hs, fin) in samples.items():
-        w.add(sid, tok, hs, final_hidden_states=fin if final else None)
-    shards = w.close()
-    Manifest(model="m", layer_ids=[4, 9, 2], layer_semantics="", num_model_layers=10, hidden_size=256,
-             dtype="bfloat16", shards=shards, final_state="post-norm" if final else "none").write(out)
+    shards = write_output(out, [4, 9, 2], 256, {sid: (tok, hs, fin if final else None)
+                                                for sid, (tok, hs, fin) in samples.items()},
+                          fp8=fp8, final_state=final, writer_threads=2, max_shard_bytes=1 << 20,
+                          manifest={"layer_semantics": "", "num_model_layers": 10,
+                                    "final_state": "post-norm" if final else "none"})
     return out, shards
 
 
@@ -123,7 +119,7 @@ def test_fp8_shards_hold_values_and_scales_and_read_back_as_bf16(tmp_path):
 def test_a_non_finite_row_refuses_its_sample_from_the_statistic(tmp_path, fp8):
     k, h = 2, 64
     tr = StepTransfer(8, k, h, torch.bfloat16, torch.device("cpu"), 2, fp8=fp8)
-    w = ShardWriter(ShardConfig(output_dir=str(tmp_path), fp8=fp8), [0, 5], h, tr.values_dtype)
+    w = shard_writer(tmp_path, [0, 5], h, dtype=tr.values_dtype, fp8=fp8)
     for sid, poison in (("clean", False), ("bad", True)):
         x = _states(6, k, h)
         if poison:
@@ -142,10 +138,10 @@ def test_a_non_finite_row_refuses_its_sample_from_the_statistic(tmp_path, fp8):
 
 
 def test_fp8_output_refuses_values_without_scales(tmp_path):
-    w = ShardWriter(ShardConfig(output_dir=str(tmp_path), fp8=True), [0], 8, FP8)
+    w = shard_writer(tmp_path, [0], 8, dtype=FP8, fp8=True)
     s = w.reserve("x", torch.arange(2))
     with pytest.raises(ValueError, match="scales"):
         w.commit(s)
     with pytest.raises(ValueError, match="fp8=True"):
-        ShardWriter(ShardConfig(output_dir=str(tmp_path / "b"), fp8=True), [0], 8, torch.bfloat16)
+        shard_writer(tmp_path / "b", [0], 8, dtype=torch.bfloat16, fp8=True)
     w.close()

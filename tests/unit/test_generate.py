@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 
+from tests.outputs import shard_writer
 from tests.unit.test_assembler_open_ended import Harness, truth
 from vllm_hidden.capture.assembler import Assembler
 from vllm_hidden.capture.records import NewRequest
@@ -189,11 +190,7 @@ def _record(ends):
 def test_generated_sample_in_the_shard_writer_keeps_its_prompt_length_and_record(tmp_path):
     from safetensors import safe_open
 
-    from vllm_hidden.config import ShardConfig
-    from vllm_hidden.storage.shards import ShardWriter
-
-    w = ShardWriter(ShardConfig(output_dir=str(tmp_path), loss_mask=True, final_state=True, generate=True), [0, 1],
-                    4, torch.float32)
+    w = shard_writer(tmp_path, [0, 1], 4, dtype=torch.float32, loss_mask=True, final_state=True, generate=True)
     rows = torch.arange(6 * 3 * 4, dtype=torch.float32).reshape(6, 3, 4)  # 2 layers + the final state's column
     stat = rows.abs().amax(-1)
     w.add_rows("s", [5, 6, 7, 8, 9, 10], rows, stat, loss_spans=[[2, 6]], num_prompt=2, record='{"id": "s"}\n')

@@ -14,41 +14,33 @@ import pytest
 import torch
 
 from tests.damage import flip_bit
+from tests.outputs import random_sample, write_output
 from tests.s3_server import FaultyProxy
-from vllm_hidden.config import ShardConfig
 from vllm_hidden.data import HiddenStatesDataset, ShardedStream, collate_tokens, token_batches
 from vllm_hidden.data.batches import BufferPool
 from vllm_hidden.data import dataset
 from vllm_hidden.format import shard
 from vllm_hidden.storage import files
 from vllm_hidden.storage.manifest import MANIFEST, Manifest
-from vllm_hidden.storage.shards import ShardWriter
 
 K, H = 2, 16
 
 
 def _write(root, n=48, *, final=True, mask=True, fp8=False, rows_per_shard=60, seed=0, upload=None):
     """A real output (the shard writer): n samples of 1..24 tokens; returns {id: sample tensors}."""
-    row = K * H * (1 if fp8 else 2) + 8 + (H * 2 if final else 0) + mask + (4 * (K + final) if fp8 else 0)
-    cfg = ShardConfig(output_dir=str(root), max_shard_bytes=rows_per_shard * row, writer_threads=2, final_state=final,
-                      loss_mask=mask, fp8=fp8, **(upload or {}))
-    w = ShardWriter(cfg, [1, 3], H, torch.float8_e4m3fn if fp8 else torch.bfloat16)
     g = torch.Generator().manual_seed(seed)
-    data = {}
+    data, samples = {}, {}
     for i in range(n):
         t = int(torch.randint(1, 25, (1,), generator=g))
-        tok = torch.randint(0, 1000, (t,), generator=g)
-        hs = torch.randn(t, K, H, generator=g).bfloat16()
-        fin = torch.randn(t, H, generator=g).bfloat16() if final else None
-        spans = [[t // 3, t]] if mask else None
-        w.add(f"s{i}", tok, hs, final_hidden_states=fin, loss_spans=spans)
+        tok, hs, *fin = random_sample(g, t, K, H, high=1000, final=final)
+        fin = fin[0] if final else None
+        samples[f"s{i}"] = (tok, hs, fin, [[t // 3, t]] if mask else None)
         m = torch.zeros(t, dtype=torch.bool)
         if mask:
             m[t // 3 :] = True
         data[f"s{i}"] = {"token_ids": tok, "hidden_states": hs, "final_hidden_states": fin, "loss_mask": m}
-    shards = w.close()
-    Manifest(model="m", layer_ids=[1, 3], layer_semantics="s", num_model_layers=4, hidden_size=H,
-             dtype="bfloat16", shards=shards).write(root)
+    write_output(root, [1, 3], H, samples, rows=rows_per_shard, writer_threads=2, final_state=final, loss_mask=mask,
+                 fp8=fp8, manifest={"num_model_layers": 4}, **(upload or {}))
     return data
 
 

@@ -2,14 +2,11 @@ import json
 import shutil
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
+from tests.outputs import random_sample, write_output
 from vllm_hidden.cli import app
-from vllm_hidden.config import ShardConfig
 from vllm_hidden.storage.journal import JOURNAL, RUN, prepare_resume, read_journal, write_json_atomic
-from vllm_hidden.storage.manifest import Manifest
-from vllm_hidden.storage.shards import ShardWriter
 from vllm_hidden.storage.verify import verify_output
 
 K, H = 2, 8
@@ -18,16 +15,8 @@ K, H = 2, 8
 def _run(tmp_path, ids, rows=10, manifest=True):
     """Shards as an interrupted (manifest=False) or finished run leaves them."""
     write_json_atomic(tmp_path / RUN, {"format": "vllm-hidden/1", "model": "m", "layer_ids": [3, 5], "hidden_size": H})
-    w = ShardWriter(ShardConfig(output_dir=str(tmp_path), max_shard_bytes=rows * (K * H * 2 + 8), writer_threads=2),
-                    [3, 5], H, torch.bfloat16)
-    for i in ids:
-        g = torch.Generator().manual_seed(i)
-        w.add(i, torch.randint(0, 50, (4,), generator=g), torch.randn(4, K, H, generator=g).to(torch.bfloat16))
-    shards = w.close()
-    if manifest:
-        Manifest(model="m", layer_ids=[3, 5], layer_semantics="s", num_model_layers=8, hidden_size=H,
-                 dtype="bfloat16", shards=shards).write(tmp_path)
-    return shards
+    samples = {i: random_sample(i, 4, K, H, high=50) for i in ids}
+    return write_output(tmp_path, [3, 5], H, samples, rows=rows, writer_threads=2, manifest=manifest)
 
 
 def test_resume_keeps_exactly_the_journaled_shards_and_removes_leftovers(tmp_path):

@@ -9,38 +9,25 @@ import blake3
 import pytest
 import torch
 
+from tests.outputs import random_sample, shard_writer, write_manifest, write_samples
 from tests.s3_server import FaultyProxy
 from vllm_hidden.config import ExtractConfig, ShardConfig
 from vllm_hidden.data import HiddenStatesDataset
-from vllm_hidden.storage.manifest import Manifest
 from vllm_hidden.storage.s3 import S3Location, read_done_ids, transient
-from vllm_hidden.storage.shards import ShardWriter
 
 K, H = 2, 64  # 256 B per row
 
 
 def _data(n=30):
-    out = {}
-    for i in range(n):
-        g = torch.Generator().manual_seed(i)
-        t = 5 + i % 17
-        out[f"s{i}"] = (torch.randint(0, 99, (t,), generator=g), torch.randn(t, K, H, generator=g).to(torch.bfloat16))
-    return out
+    return {f"s{i}": random_sample(i, 5 + i % 17, K, H, high=99) for i in range(n)}
 
 
 def _write(staging, uri, endpoint, data, rows=40, pending=2, retry_s=120.0):
-    w = ShardWriter(ShardConfig(output_dir=str(staging), max_shard_bytes=rows * (K * H * 2 + 8), writer_threads=2,
-                                upload_uri=uri, s3_endpoint_url=endpoint, upload_pending=pending,
-                                upload_retry_s=retry_s),
-                    [3, 5], H, torch.bfloat16)
-    try:
-        for sid, (tok, hs) in data.items():
-            w.add(sid, tok, hs)
-    finally:
-        shards = w.close()
+    w = shard_writer(staging, [3, 5], H, rows=rows, writer_threads=2, upload_uri=uri, s3_endpoint_url=endpoint,
+                     upload_pending=pending, upload_retry_s=retry_s)
+    shards = write_samples(w, data)
     loc = S3Location(uri, endpoint)
-    Manifest(model="m", layer_ids=[3, 5], layer_semantics="s", num_model_layers=8, hidden_size=H,
-             dtype="bfloat16", shards=shards).write(staging)
+    write_manifest(staging, shards, [3, 5], H)
     loc.put_file(staging / "manifest.json", "manifest.json")
     return shards, loc
 
@@ -239,9 +226,8 @@ def test_generated_samples_over_s3_keep_their_records_and_prompt_lengths(s3, tmp
 
     url, bucket, _ = s3
     uri = f"s3://{bucket}/gen"
-    w = ShardWriter(ShardConfig(output_dir=str(tmp_path / "stage"), max_shard_bytes=40 * (K * H * 2 + 8),
-                                writer_threads=2, upload_uri=uri, s3_endpoint_url=url, generate=True),
-                    [3, 5], H, torch.bfloat16)
+    w = shard_writer(tmp_path / "stage", [3, 5], H, rows=40, writer_threads=2, upload_uri=uri, s3_endpoint_url=url,
+                     generate=True)
     data = _data(12)
     lines = {}
     for sid, (tok, hs) in data.items():
@@ -257,8 +243,7 @@ def test_generated_samples_over_s3_keep_their_records_and_prompt_lengths(s3, tmp
     for s in shards:  # shard order, then each shard's index order
         order += [e[0] for e in loc.shard_header(s).index]
     assert [json.loads(x)["id"] for x in got] == order
-    Manifest(model="m", layer_ids=[3, 5], layer_semantics="s", num_model_layers=8, hidden_size=H,
-             dtype="bfloat16", shards=shards).write(tmp_path)
+    write_manifest(tmp_path, shards, [3, 5], H)
     loc.put_file(tmp_path / "manifest.json", "manifest.json")
     ds = HiddenStatesDataset(uri, s3_endpoint_url=url)
     for i in range(len(ds)):

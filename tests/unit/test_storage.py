@@ -5,31 +5,21 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from tests.outputs import random_sample, shard_writer, write_output
 from vllm_hidden.format import quant
-from vllm_hidden.config import ShardConfig
 from vllm_hidden.data import HiddenStatesDataset
 from vllm_hidden.storage.manifest import Manifest
-from vllm_hidden.storage.shards import ShardWriter
 
 K, H = 2, 8
 
 
 def sample(i, n):
-    g = torch.Generator().manual_seed(i)
-    return torch.randint(0, 100, (n,), generator=g), torch.randn(n, K, H, generator=g).to(torch.bfloat16)
+    return random_sample(i, n, K, H)
 
 
 def write(tmp_path, lengths, max_shard_bytes, threads=2):
-    w = ShardWriter(ShardConfig(output_dir=str(tmp_path), max_shard_bytes=max_shard_bytes, writer_threads=threads),
-                    [3, 5], H, torch.bfloat16)
-    data = {}
-    for i, n in enumerate(lengths):
-        tok, hs = sample(i, n)
-        data[f"id{i}"] = (tok, hs)
-        w.add(f"id{i}", tok, hs)
-    shards = w.close()
-    Manifest(model="m", layer_ids=[3, 5], layer_semantics="s", num_model_layers=8, hidden_size=H,
-             dtype="bfloat16", shards=shards).write(tmp_path)
+    data = {f"id{i}": sample(i, n) for i, n in enumerate(lengths)}
+    shards = write_output(tmp_path, [3, 5], H, data, max_shard_bytes=max_shard_bytes, writer_threads=threads)
     return shards, data
 
 
@@ -89,8 +79,7 @@ def test_reader_without_manifest(tmp_path):
 
 
 def _writer(tmp_path, rows, threads=1):
-    cfg = ShardConfig(output_dir=str(tmp_path), max_shard_bytes=rows * (K * H * 2 + 8), writer_threads=threads)
-    return ShardWriter(cfg, [3, 5], H, torch.bfloat16)
+    return shard_writer(tmp_path, [3, 5], H, rows=rows, writer_threads=threads)
 
 
 def test_dropped_and_interleaved_samples(tmp_path):
@@ -215,8 +204,7 @@ def test_manifest_from_an_older_writer_is_refused_by_name(tmp_path):
 # "buf": the stats are made by a writer thread; "place": they came with the rows (decided at commit)
 @pytest.mark.parametrize("fill", ["buf", "place"])
 def test_samples_with_nan_or_inf_are_refused_named_and_not_written(tmp_path, poison, fill):
-    w = ShardWriter(ShardConfig(output_dir=str(tmp_path), max_shard_bytes=1 << 20, writer_threads=2),
-                    [3, 5], H, torch.bfloat16)
+    w = shard_writer(tmp_path, [3, 5], H, max_shard_bytes=1 << 20, writer_threads=2)
     data = {f"id{i}": sample(i, 6) for i in range(4)}
     data["id1"][1][2:4, 1, 0] = poison  # tokens 2 and 3 of layer id 5
     for line, (sid, (tok, hs)) in enumerate(data.items()):
@@ -246,8 +234,7 @@ def test_samples_with_nan_or_inf_are_refused_named_and_not_written(tmp_path, poi
 
 
 def test_a_shard_of_only_refused_samples_is_not_written(tmp_path):
-    w = ShardWriter(ShardConfig(output_dir=str(tmp_path), max_shard_bytes=1 << 20, writer_threads=1),
-                    [3, 5], H, torch.bfloat16)
+    w = shard_writer(tmp_path, [3, 5], H, max_shard_bytes=1 << 20, writer_threads=1)
     tok, hs = sample(0, 4)
     hs[0, 0, 0] = float("nan")
     w.add("x", tok, hs)

@@ -11,11 +11,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from vllm_hidden.config import ShardConfig
+from tests.outputs import random_sample, shard_writer, write_output
 from vllm_hidden.data import DFlashCollator, Eagle3Collator, HiddenStatesDataset, pad_batch
-from vllm_hidden.storage.manifest import Manifest
 from vllm_hidden.storage.output import Output
-from vllm_hidden.storage.shards import ShardWriter
 from vllm_hidden.storage.verify import verify_output
 
 K, H = 3, 8
@@ -23,26 +21,17 @@ LAYERS = [1, 4, 7]
 
 
 def make(i, n):
-    g = torch.Generator().manual_seed(i)
-    tok = torch.randint(0, 100, (n,), generator=g)
-    hs = torch.randn(n, K, H, generator=g).to(torch.bfloat16)
-    final = torch.randn(n, H, generator=g).to(torch.bfloat16)
+    tok, hs, final = random_sample(i, n, K, H, final=True)
     spans = [[1, min(n, 3)], [n - 1, n]] if n > 3 else [[0, n]]
     return tok, hs, final, spans
 
 
 def write(tmp_path, lengths, rows_per_shard=20, final=True, mask=True):
-    per_row = K * H * 2 + (H * 2 if final else 0) + 8 + (1 if mask else 0)
-    w = ShardWriter(ShardConfig(output_dir=str(tmp_path), max_shard_bytes=rows_per_shard * per_row, writer_threads=2,
-                                final_state=final, loss_mask=mask), LAYERS, H, torch.bfloat16)
-    data = {}
-    for i, n in enumerate(lengths):
-        tok, hs, fin, spans = make(i, n)
-        data[f"s{i}"] = (tok, hs, fin, spans)
-        w.add(f"s{i}", tok, hs, final_hidden_states=fin if final else None, loss_spans=spans if mask else None)
-    shards = w.close()
-    Manifest(model="m", layer_ids=LAYERS, layer_semantics="s", num_model_layers=8, hidden_size=H, dtype="bfloat16",
-             shards=shards, final_state="post-norm" if final else "none").write(tmp_path)
+    data = {f"s{i}": make(i, n) for i, n in enumerate(lengths)}
+    samples = {sid: (tok, hs, fin if final else None, spans if mask else None)
+               for sid, (tok, hs, fin, spans) in data.items()}
+    shards = write_output(tmp_path, LAYERS, H, samples, rows=rows_per_shard, writer_threads=2, final_state=final,
+                          loss_mask=mask, manifest={"final_state": "post-norm" if final else "none"})
     return shards, data
 
 
@@ -83,7 +72,7 @@ def test_without_final_state_or_mask_the_keys_are_absent(tmp_path):
 
 
 def test_a_sample_without_its_mask_or_with_a_span_outside_it_is_refused(tmp_path):
-    w = ShardWriter(ShardConfig(output_dir=str(tmp_path), loss_mask=True), LAYERS, H, torch.bfloat16)
+    w = shard_writer(tmp_path, LAYERS, H, loss_mask=True)
     tok, hs, _, _ = make(0, 4)
     with pytest.raises(ValueError, match="has no loss mask"):
         w.add("a", tok, hs)
@@ -95,7 +84,7 @@ def test_a_sample_without_its_mask_or_with_a_span_outside_it_is_refused(tmp_path
 
 
 def test_a_non_finite_final_state_refuses_the_sample(tmp_path):
-    w = ShardWriter(ShardConfig(output_dir=str(tmp_path), final_state=True, loss_mask=True), LAYERS, H, torch.bfloat16)
+    w = shard_writer(tmp_path, LAYERS, H, final_state=True, loss_mask=True)
     for i in range(3):
         tok, hs, fin, spans = make(i, 5)
         if i == 1:
