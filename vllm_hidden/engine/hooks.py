@@ -265,8 +265,8 @@ def problems(rows: Iterable[Hook] = HOOKS) -> list[str]:
             continue
         try:
             mod = importlib.import_module(h.module)
-        except ImportError as e:
-            out.append(f"{h.target} (module {h.module} does not import: {e})")
+        except Exception as e:  # noqa: BLE001 - a moved module, or one failing on import: named, not a traceback
+            out.append(f"{h.target} (module {h.module} does not import: {type(e).__name__}: {e})")
             continue
         owner = getattr(mod, h.cls, None)
         if not isinstance(owner, type):
