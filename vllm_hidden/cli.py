@@ -106,7 +106,7 @@ def extract(
                                                               "at most 32 GiB).")] = None,
 ) -> None:
     from vllm_hidden.config import ExtractConfig, GenerateConfig
-    from vllm_hidden.engine.extractor import CaptureFailed, EngineDied
+    from vllm_hidden.engine.run import CaptureFailed, EngineDied
     from vllm_hidden.extract.coordinator import RankFailed
     from vllm_hidden.inputs import parse_columns
 

@@ -23,7 +23,7 @@ from vllm_hidden.capture.assembler import Assembler, AssemblerThread
 from vllm_hidden.capture.memory import MemorySink
 from vllm_hidden.capture.records import CaptureError, Segment
 from vllm_hidden.config import CaptureConfig
-from vllm_hidden.engine import compat, plugin
+from vllm_hidden.engine import compat, hooks
 from vllm_hidden.engine.runner import REQUEST_KEY, Capture, map_rows
 
 # a plain import (after vllm_hidden's, as before): if vLLM moves the V2 runner, this file fails
@@ -182,7 +182,7 @@ def test_v2_hook_installs_after_load_and_assembles_samples_across_sorted_chunked
     calls = []
     r.execute_model = lambda so, *a, **kw: calls.append(kw)
     worker = SimpleNamespace(model_runner=r)
-    plugin._capture_after_load(lambda self, *a, **kw: None)(worker)
+    hooks._capture_after_load(lambda self, *a, **kw: None)(worker)
     cap = r.vllm_hidden_capture
     assert isinstance(cap, Capture) and cap.kind == "v2"
     assert r.use_aux_hidden_state_outputs and model.aux == (1, 3)  # aux ids: layer + 1, sorted
@@ -248,7 +248,7 @@ def test_requested_runner_reads_the_variable_as_vllm_does(monkeypatch):
 
 
 def test_the_worker_hook_passes_plain_engines_through_and_refuses_a_runner_it_cannot_hook():
-    load = plugin._capture_after_load(lambda self, *a, **kw: "loaded")
+    load = hooks._capture_after_load(lambda self, *a, **kw: "loaded")
     plain = SimpleNamespace(model_runner=_V2Runner())
     plain.model_runner.vllm_config = SimpleNamespace(additional_config={})
     assert load(plain) == "loaded" and not hasattr(plain.model_runner, "vllm_hidden_capture")

@@ -9,10 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_hidden.server.middleware import _check_shape, _splice_parts, _StreamSplicer, _strip_reserved
+from vllm_hidden.server.asgi import splice_parts as _splice_parts
+from vllm_hidden.server.middleware import _check_shape, _strip_reserved
+from vllm_hidden.server.protocol import HiddenStatesSpec, RequestError, decode, encode, parse_field, returned_token_ids
 from vllm_hidden.server.registry import Pending
-from vllm_hidden.server.protocol import (HiddenStatesSpec, RequestError, decode, encode, parse_field,
-                                         returned_token_ids)
+from vllm_hidden.server.stream import StreamSplicer as _StreamSplicer
 
 
 def _splice(obj_json: bytes, key: bytes, value: bytes) -> bytes:
@@ -497,7 +498,9 @@ def test_serve_config_from_env_and_bad_values_name_flag_and_variable():
 def _large_body_run(chunks: list[bytes], limit: int):
     """Run the middleware's over-limit path against a fake vLLM app that reads the body in
     pieces; returns (messages the client got, what the app saw)."""
-    from vllm_hidden.server.middleware import HiddenStatesMiddleware, _read_body, _ScanningReceive
+    from vllm_hidden.server.asgi import ScanningReceive as _ScanningReceive
+    from vllm_hidden.server.asgi import read_body as _read_body
+    from vllm_hidden.server.middleware import HiddenStatesMiddleware
 
     seen = {"body": b"", "disconnect": False}
 

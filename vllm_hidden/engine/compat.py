@@ -24,6 +24,10 @@ model runners we run on.
 Everything else we touch (`execute_model_state.aux_hidden_states` / `.hidden_states` in both
 runners, SchedulerOutput fields, `SamplingParams.extra_args`, `skip_reading_prefix_cache`,
 `worker_extension_cls`, `collective_rpc`) is the same in both versions.
+
+Every read of vLLM's (or its API server's Starlette app's) private or internal state goes
+through a function here, which says where it exists and what happens where it does not; every
+vLLM attribute we replace or set is a row of `hooks.HOOKS`.
 """
 
 from __future__ import annotations
@@ -114,6 +118,13 @@ def step_rows(runner, kind: str, num_scheduled_tokens: dict[str, int]):
             row += c
 
 
+def step_states(runner):
+    """The step's (aux hidden states, the model's output) from the runner's `execute_model_state`
+    (both runners, both versions); aux None where the model returned none."""
+    state = runner.execute_model_state
+    return getattr(state, "aux_hidden_states", None), getattr(state, "hidden_states", None)
+
+
 def spawn_on_cuda() -> None:
     """vLLM forks its engine process by default; a fork cannot use CUDA once the parent has
     touched it (seen on 0.26 when the caller had loaded anything onto the GPU), so always
@@ -140,27 +151,31 @@ def cpus_off_the_forward(device) -> set[int] | None:
     return rest or None
 
 
+def _no_prefix_cache_reads(sampling_params_cls) -> dict[str, bool]:
+    """Never read the prefix cache, where the field exists, so that no prompt row is skipped."""
+    return {"skip_reading_prefix_cache": True} if "skip_reading_prefix_cache" in sampling_params_cls.__struct_fields__ \
+        else {}
+
+
 def prefill_sampling_params(extra_args: dict):
-    """One sampled (discarded) token, greedy, no detokenizing; never read the prefix cache
-    where the field exists, so no prompt row can be skipped."""
+    """One sampled (discarded) token, greedy, no detokenizing, no prefix-cache reads."""
     from vllm import SamplingParams
 
-    kw = {"skip_reading_prefix_cache": True} if "skip_reading_prefix_cache" in SamplingParams.__struct_fields__ else {}
-    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args=extra_args, **kw)
+    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args=extra_args,
+                          **_no_prefix_cache_reads(SamplingParams))
 
 
 def generate_sampling_params(extra_args: dict, *, max_tokens: int, temperature: float, top_p: float, top_k: int,
                              seed: int | None):
     """A response sampled as asked, EOS not stopping it (the driver decides where it ends and
     stops it one token later, so that the last kept token's row is computed too), new tokens
-    only in each output, no detokenizing."""
+    only in each output, no detokenizing, no prefix-cache reads."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    kw = {"skip_reading_prefix_cache": True} if "skip_reading_prefix_cache" in SamplingParams.__struct_fields__ else {}
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                           ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.DELTA,
-                          extra_args=extra_args, **kw)
+                          extra_args=extra_args, **_no_prefix_cache_reads(SamplingParams))
 
 
 def check_seeded_generation(args) -> None:
@@ -174,19 +189,8 @@ def check_seeded_generation(args) -> None:
                          "--max-model-len")
 
 
-def default_loader_class():
-    """The loader behind load formats auto/safetensors/pt/npcache (`get_all_weights` is what a
-    truncated model's weights are filtered through; the dummy loader reads none)."""
-    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-
-    return DefaultModelLoader
 
 
-def v1_runner_class():
-    """The V1 runner, whose `_setup_eagle3_aux_hidden_state_outputs` capture wraps."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    return GPUModelRunner
 
 
 def supports_aux(model) -> bool:
@@ -216,24 +220,12 @@ def compile_env_digest() -> str:
     import hashlib
     import json
 
-    import vllm.envs as envs
+    from vllm import envs
 
     factors = envs.compile_factors() if hasattr(envs, "compile_factors") else {}
     return hashlib.sha256(json.dumps(factors, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def worker_classes() -> list[type]:
-    """The Worker classes whose `load_model` loads either runner's model and whose
-    `compile_or_warm_up_model` ends an engine's start-up."""
-    from vllm.platforms import current_platform
-    from vllm.v1.worker.gpu_worker import Worker
-
-    classes: list[type] = [Worker]
-    if current_platform.is_cpu():
-        from vllm.v1.worker.cpu_worker import CPUWorker
-
-        classes.append(CPUWorker)
-    return classes
 
 
 def device_name() -> str:
@@ -289,3 +281,52 @@ def engine_dead(engine) -> bool:
     """Whether the engine's core process is gone (vLLM marks it dead)."""
     resources = getattr(engine.engine_core, "resources", None)
     return bool(getattr(resources, "engine_dead", False))
+
+
+def shutdown_engine(engine) -> None:
+    """Stop an `LLMEngine`'s core process (and its workers) now, through its core client (0.26
+    and 0.32), rather than waiting for the engine to be garbage-collected."""
+    engine.engine_core.shutdown()
+
+
+def rejection_error() -> type[Exception]:
+    """What the engine client raises for a request it refuses, so that the API server answers 400
+    with our message: `VLLMValidationError` (0.26 and 0.32); a plain ValueError before it existed."""
+    try:
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:  # pragma: no cover - older vLLM
+        return ValueError
+    return VLLMValidationError
+
+
+# -- the API server (FastAPI app, its Starlette middleware) ----------------------------------
+
+def served_vllm_config(app):
+    """The engine's VllmConfig from the app of vLLM's OpenAI server (its state's `engine_client`,
+    set when the app's state is built, 0.26 and 0.32), or None on an app without one."""
+    client = getattr(app.state, "engine_client", None)
+    return client.vllm_config if client else None
+
+
+def api_process_count(vllm_config) -> int:
+    """How many API server processes `vllm serve` runs (`--api-server-count`): the private
+    `ParallelConfig._api_process_count` (0.26 and 0.32); 1 where it is missing or unset."""
+    return max(1, int(getattr(vllm_config.parallel_config, "_api_process_count", 1) or 1))
+
+
+def api_process_rank(vllm_config) -> int:
+    """This API server process's index among them: the private `ParallelConfig._api_process_rank`
+    (0.26 and 0.32); 0 where it is missing."""
+    return getattr(vllm_config.parallel_config, "_api_process_rank", 0)
+
+
+def api_key_middleware(app) -> tuple[type, tuple, dict] | None:
+    """vLLM's --api-key check as the app registered it: (class, args, kwargs) of its
+    `AuthenticationMiddleware` among Starlette's `app.user_middleware` (Starlette's list of
+    `Middleware(cls, *args, **kwargs)` entries, in every Starlette vLLM 0.26 and 0.32 use);
+    None without --api-key, or on an app without that list."""
+    found = None
+    for m in getattr(app, "user_middleware", []):
+        if getattr(m.cls, "__name__", "") == "AuthenticationMiddleware":
+            found = (m.cls, tuple(m.args), dict(m.kwargs))
+    return found

@@ -1,152 +1,25 @@
-"""One vLLM engine with the capture path on, run prefill-only: prompts from a feed -> engine
--> worker-side capture -> durable shards. Runs in the user's process (or a data-parallel
-rank's); the capture itself runs in vLLM's worker. The job around it (checks, plan, output,
-progress, manifest) is `vllm_hidden.extract`."""
+"""One vLLM engine with the capture path on, for any number of extract runs: its settings
+checked and keyed (the cache fingerprint), its start (one cold start compiles while others with
+the same settings wait), reconfiguring it for a later run, and its shutdown. Runs in the user's
+process (or a data-parallel rank's); the capture itself runs in vLLM's worker. The engine's
+arguments are `args`, one run through it is `run`, and the job around it (checks, plan,
+output, progress, manifest) is `vllm_hidden.extract`."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_hidden.config import CaptureConfig, ExtractConfig, Plan, ShardConfig
+from vllm_hidden.engine.args import engine_args
 from vllm_hidden.engine.caches import CacheDirs, fingerprint, resolve_tp
-from vllm_hidden.inputs import BadLine
-from vllm_hidden.format.shard import ShardInfo
+from vllm_hidden.engine.run import DEFAULT_INFLIGHT_CAP, EngineResult, run_feed
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 log = logging.getLogger("vllm_hidden")
-WORKER_EXTENSION = "vllm_hidden.engine.worker_ext.HiddenStatesWorkerExtension"
-
-
-def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: CaptureConfig | None = None, *,
-                dtype: str = "auto", max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
-                tp: int = 1, generate_tokens: int = 0):
-    """vLLM EngineArgs from vLLM's own CLI parser (so every engine flag passes through), set up
-    for prefill-only work; with `capture`, the vllm-hidden capture path is switched on (and
-    with `capture.layers_run`, the model is cut to that many decoder layers where it can be)."""
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm-hidden extract"))
-    try:
-        ns = parser.parse_args(["--model", model, *cli_args])
-    except SystemExit:
-        raise ValueError(f"invalid engine arguments: {' '.join(cli_args)!r}") from None
-    args = EngineArgs.from_cli_args(ns)
-    if args.enable_prefix_caching:
-        raise ValueError("--enable-prefix-caching: cached prompt tokens are not recomputed, so their "
-                         "hidden states would be missing; extract runs with prefix caching off")
-    args.enable_prefix_caching = False
-    args.skip_tokenizer_init = True  # we tokenize (and validate) before the engine
-    # room for the one sampled (discarded) token; --generate: for the response and one token past it
-    args.max_model_len = max_prompt_len + 1 + generate_tokens
-    if dtype != "auto":
-        args.dtype = dtype
-    if max_num_batched_tokens is not None:
-        args.max_num_batched_tokens = max_num_batched_tokens
-    if max_num_seqs is not None:
-        args.max_num_seqs = max_num_seqs
-    if tp > 1:  # resolved against the arguments' own --tensor-parallel-size (caches.resolve_tp)
-        args.tensor_parallel_size = tp
-    if capture is not None:
-        if args.worker_extension_cls and args.worker_extension_cls != WORKER_EXTENSION:
-            raise ValueError(f"--worker-extension-cls {args.worker_extension_cls!r} cannot be combined with capture")
-        args.worker_extension_cls = WORKER_EXTENSION
-        if capture.layers_run is not None and not _can_truncate(args):
-            capture = dataclasses.replace(capture, layers_run=None)
-        if capture.layers_run is not None:
-            from vllm_hidden.engine.truncate import hf_overrides
-
-            args.hf_overrides = hf_overrides(capture.layers_run)
-        args.additional_config = {**(args.additional_config or {}), **capture.to_additional_config()}
-        if not generate_tokens:
-            _taper_the_end(args)
-    return args
-
-
-def _taper_the_end(args) -> None:
-    """Prefill-only: the last steps of a run shrink so that their rows reach disk as the GPU
-    finishes (engine.scheduler)."""
-    from vllm_hidden.engine import scheduler
-
-    if args.scheduler_cls is not None:
-        log.info("vllm-hidden: --scheduler-cls %s given; the end of a run is not tapered", args.scheduler_cls)
-        return
-    args.scheduler_cls = scheduler.QUALNAME
-
-
-# load formats read through vLLM's default loader, whose weight iterator drops a cut model's
-# extra layers (plugin.py), and random weights (nothing to drop)
-TRUNCATABLE_LOAD_FORMATS = frozenset({"auto", "safetensors", "pt", "npcache", "fastsafetensors", "dummy"})
-
-
-def _can_truncate(args) -> bool:
-    if args.hf_overrides:
-        log.info("vllm-hidden: --hf-overrides given; running every decoder layer")
-        return False
-    if str(args.load_format) not in TRUNCATABLE_LOAD_FORMATS:
-        log.info("vllm-hidden: --load-format %s cannot drop the cut layers' weights; running every decoder layer",
-                 args.load_format)
-        return False
-    if args.speculative_config:
-        log.info("vllm-hidden: a speculative config needs the whole target; running every decoder layer")
-        return False
-    return True
-
-
-STATUS_EVERY_S = 1.0  # how often a running extract asks the workers whether capture failed
-DEFAULT_INFLIGHT_CAP = 32 << 30  # --generate: host memory for in-flight rows, at most (default)
-END_EVERY_S = 0.25  # --generate: how often the ends of finished responses go to the worker (one RPC)
-
-
-class CaptureFailed(RuntimeError):
-    """Capture stopped in the worker: the storage failed (`storage`: disk full, S3 unreachable
-    past its retries) or a bug. The engine is still up."""
-
-    def __init__(self, failure: dict[str, Any]) -> None:
-        self.storage = bool(failure.get("storage"))
-        msg = failure["message"]
-        if self.storage:
-            msg += "; the shards made durable before it are kept: fix it, then rerun with --resume"
-        super().__init__(msg)
-
-
-def _check_capture(replies: list[Any]) -> None:
-    for r in replies:
-        if r:
-            raise CaptureFailed(r)
-
-
-class EngineDied(RuntimeError):
-    """The engine's core process died under a run (killed, out of memory, a crash in a kernel)."""
-
-
-@dataclass
-class EngineResult:
-    """What one engine extracted from its feed (shard paths relative to its part)."""
-
-    samples: int = 0
-    tokens: int = 0
-    generated_tokens: int = 0  # --generate: response tokens kept (counted in `tokens` too)
-    shards: list[ShardInfo] = field(default_factory=list)
-    rejected: list[BadLine] = field(default_factory=list)  # prompts the engine's own validation refused
-    seconds: float = 0.0  # first prompt added .. every shard durable
-    flush_seconds: float = 0.0
-    capture_stats: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"samples": self.samples, "tokens": self.tokens, "generated_tokens": self.generated_tokens,
-                "shards": [s.to_dict() for s in self.shards],
-                "rejected": [b.to_dict() for b in self.rejected], "seconds": self.seconds,
-                "flush_seconds": self.flush_seconds, "capture_stats": self.capture_stats}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "EngineResult":
-        return cls(samples=d["samples"], tokens=d["tokens"], generated_tokens=d.get("generated_tokens", 0), shards=[ShardInfo(**s) for s in d["shards"]],
-                   rejected=[BadLine(b["line"], b["id"], b["reason"]) for b in d["rejected"]],
-                   seconds=d["seconds"], flush_seconds=d["flush_seconds"], capture_stats=d["capture_stats"])
 
 
 class Extractor:
@@ -224,7 +97,7 @@ class Extractor:
                     return engine
         return LLMEngine.from_engine_args(args)
 
-    def __enter__(self) -> "Extractor":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -232,7 +105,9 @@ class Extractor:
 
     def close(self) -> None:
         if self.engine is not None:
-            self.engine.engine_core.shutdown()
+            from vllm_hidden.engine import compat
+
+            compat.shutdown_engine(self.engine)
             self.engine = None
 
     def reconfigure(self, cfg: ExtractConfig, plan: Plan) -> None:
@@ -255,14 +130,9 @@ class Extractor:
                              f"has {self.args.max_model_len}")
         self.cfg, self.plan, self.max_prompt_len = cfg, plan, plan.max_prompt_len
 
-    def _done(self, res: EngineResult, rows: int) -> int:
-        if self.first_sample_at is None:
-            self.first_sample_at = time.perf_counter() - self.t_created
-        res.tokens += rows
-        res.samples += 1
-        return rows
-
-    def _responses(self):
+    def responses(self):
+        """--generate: the responses of a run (engine.generate), with the model's tokenizer
+        (loaded once per engine) for stop strings and the response text."""
         from vllm_hidden.engine.generate import Responses, stop_token_ids
 
         if self._gen_tokenizer is None:
@@ -287,10 +157,6 @@ class Extractor:
         budget = self.cfg.max_inflight_bytes or min(DEFAULT_INFLIGHT_CAP, host_memory_bytes() // 4)
         return max(1, budget // row)
 
-    def _send_ends(self, ends: dict[int, dict[str, Any]]) -> None:
-        self.engine.collective_rpc("vllm_hidden_generated", args=(dict(ends),))
-        ends.clear()
-
     def engine_info(self) -> dict[str, Any]:
         """The engine settings the manifest records (plus its dtype)."""
         vc = self.engine.vllm_config
@@ -308,129 +174,4 @@ class Extractor:
         `max_inflight_tokens` rows: prompt tokens, under --generate prompt + max tokens) are in
         the engine at once: enough to fill every step, few enough that engines sharing one feed
         finish together (and, under --generate, that the rows they hold fit in host memory)."""
-        from vllm_hidden.engine import compat
-        from vllm_hidden.engine.runner import LINE_KEY, LOSS_KEY, REQUEST_KEY
-        from vllm_hidden.engine.scheduler import LAST_KEY
-
-        engine = self.engine
-        if engine is None:
-            raise RuntimeError("the extractor is closed")
-        res = EngineResult()
-        opened = False
-        inflight: dict[str, int] = {}
-        tokens_inflight = 0
-        responses = self._responses() if self.cfg.generate is not None else None
-        if responses is not None:
-            # responses hold their rows for hundreds of steps: memory, not step-filling, sets the window
-            max_inflight_tokens = self.generate_window(shard_cfg.final_state)
-        max_tokens = max_inflight_tokens or float("inf")
-        ends: dict[int, dict[str, Any]] = {}  # --generate: input line -> its end, not yet sent to the worker
-        try:
-            opened = any(engine.collective_rpc("vllm_hidden_open", args=(shard_cfg.to_dict(),)))
-            if not opened:
-                raise RuntimeError("no worker opened a capture sink")
-            max_inflight = 2 * engine.vllm_config.scheduler_config.max_num_seqs
-            t1 = time.perf_counter()
-            next_check = next_ends = t1 + STATUS_EVERY_S
-            while True:
-                while not feed.exhausted and len(inflight) < max_inflight and tokens_inflight < max_tokens:
-                    item = feed.next(wait=not inflight)
-                    if item is None:
-                        break
-                    rid = str(item.line)
-                    extra = {REQUEST_KEY: item.id, LINE_KEY: item.line}
-                    if responses is not None:
-                        params = responses.params(rid, item, extra)
-                        rows = len(item.token_ids) + self.cfg.generate.max_tokens
-                    else:
-                        if shard_cfg.loss_mask:  # a few [start, end) pairs, not a per-token list
-                            spans = item.loss_spans if item.loss_spans is not None else [(0, len(item.token_ids))]
-                            extra[LOSS_KEY] = [list(s) for s in spans]  # a prompt without one: every token
-                        if feed.exhausted:  # the run's last prompt: its last steps taper (engine.scheduler)
-                            extra[LAST_KEY] = True
-                        params = compat.prefill_sampling_params(extra)
-                        rows = len(item.token_ids)
-                    try:
-                        engine.add_request(rid, {"prompt_token_ids": item.token_ids}, params)
-                    except ValueError as e:  # the engine's own validation
-                        res.rejected.append(BadLine(item.line, item.id, f"rejected by the engine: {e}"))
-                        if responses is not None:
-                            responses.forget(rid)
-                        continue
-                    inflight[rid] = rows
-                    tokens_inflight += rows
-                if not inflight:
-                    if ends:
-                        self._send_ends(ends)
-                    if feed.exhausted:
-                        break
-                    continue
-                if responses is None:
-                    for o in engine.step():
-                        if o.finished and o.request_id in inflight:
-                            tokens_inflight -= self._done(res, inflight.pop(o.request_id))
-                else:
-                    aborts = []
-                    for o in engine.step():
-                        if o.request_id not in inflight:
-                            continue  # aborted a step ago: its last output
-                        got = responses.update(o.request_id, list(o.outputs[0].token_ids), o.finished)
-                        if got is None:
-                            continue
-                        tokens_inflight -= inflight.pop(o.request_id)
-                        if isinstance(got, BadLine):
-                            res.rejected.append(got)
-                            ends[got.line] = {"drop": got.reason}  # its rows go
-                            continue
-                        if got.abort:
-                            aborts.append(got.rid)
-                        ends[got.line] = got.end
-                        self._done(res, got.rows)
-                        res.generated_tokens += got.generated
-                    if aborts:
-                        engine.abort_request(aborts)
-                    # one RPC for many samples; the worker writes a sample only once it knows its end
-                    if ends and time.perf_counter() >= next_ends:
-                        self._send_ends(ends)
-                        next_ends = time.perf_counter() + END_EVERY_S
-                if on_progress is not None:
-                    on_progress(res.samples, res.tokens)
-                if time.perf_counter() >= next_check:  # one small RPC a second: stop soon after a failure
-                    _check_capture(engine.collective_rpc("vllm_hidden_status"))
-                    next_check = time.perf_counter() + STATUS_EVERY_S
-            t2 = time.perf_counter()
-            opened = False
-            result = engine.collective_rpc("vllm_hidden_close")
-            _check_capture([r.get("error") for r in result if r])
-            res.seconds = time.perf_counter() - t1
-            res.flush_seconds = time.perf_counter() - t2
-        except Exception as e:
-            if not compat.engine_dead(engine):
-                raise
-            opened = False  # the writer died with it; only what it had made durable counts
-            raise EngineDied(f"the vLLM engine process died mid-run ({type(e).__name__}; killed, or out of memory: "
-                             "see the log above); the shards made durable before it are kept: rerun with --resume "
-                             "to finish") from e
-        finally:
-            if opened:  # failed mid-run: drop its requests, stop the writer threads, keep the engine usable
-                try:
-                    if inflight:
-                        engine.abort_request(list(inflight))
-                    engine.collective_rpc("vllm_hidden_close")  # its error, if any, is the one raised
-                except Exception:  # noqa: BLE001 - the original error is what matters
-                    log.exception("vllm-hidden: closing the capture sink after a failure")
-        out = next(r for r in result if r is not None)
-        res.shards = [ShardInfo(**s) for s in out["shards"]]
-        res.capture_stats = out.get("stats", {})
-        # NaN/Inf samples are not written: each becomes an error record and does not count as done
-        bad = [BadLine(line, sid, why) for sid, line, why in out["not_finite"]]
-        res.rejected.extend(bad)
-        if bad:
-            res.samples -= len(bad)
-            res.tokens = sum(s.num_tokens for s in res.shards)
-            res.generated_tokens = -1 if responses is not None else 0  # not known per sample here
-        written = sum(s.num_samples for s in res.shards)
-        if written != res.samples or out["incomplete"]:
-            raise RuntimeError(f"engine finished {res.samples} samples but {written} were written "
-                               f"(incomplete: {out['incomplete'][:5]}, still assembling: {out['in_flight']})")
-        return res
+        return run_feed(self, feed, shard_cfg, on_progress, max_inflight_tokens)

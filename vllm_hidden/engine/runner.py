@@ -1,4 +1,5 @@
-"""The capture hook inside vLLM's model runner (V1 or V2: whichever vLLM made; `compat`).
+"""The capture hook inside vLLM's model runner (V1 or V2: whichever vLLM made; `compat`),
+installed at model load through `hooks`.
 
 At load: switch on the model's aux hidden-state outputs for the selected layers (before
 torch.compile / CUDA-graph capture) and, on the writer rank, allocate the device buffer
@@ -20,11 +21,11 @@ import torch
 from vllm_hidden.capture.assembler import Assembler, AssemblerThread
 from vllm_hidden.capture.memory import MemorySink
 from vllm_hidden.capture.records import CaptureError, NewRequest, Segment, StepRecord
+from vllm_hidden.capture.channel import Publisher, channel_key, routed_id
 from vllm_hidden.capture.ring import StepTransfer
 from vllm_hidden.config import CaptureConfig, ShardConfig
 from vllm_hidden.engine import compat
 from vllm_hidden.engine.caches import StartProbe, describe
-from vllm_hidden.capture.channel import Publisher, channel_key, routed_id
 from vllm_hidden.engine.serving import WORKER_KEY
 from vllm_hidden.storage.shards import ShardWriter
 
@@ -224,8 +225,7 @@ class Capture:
             if new or ended:  # e.g. an open-ended capture finished: its sample is complete
                 thread.put(StepRecord(None, 0, [], new, frozenset(ended)))
             return
-        state = self.runner.execute_model_state
-        aux = getattr(state, "aux_hidden_states", None)
+        aux, output = compat.step_states(self.runner)
         if aux is None:
             raise CaptureError("the model returned no aux hidden states for a step with captured requests")
         if lo:  # copy only the span holding captured rows (a server's batch mixes requests)
@@ -236,7 +236,7 @@ class Capture:
         t1 = time.perf_counter()
         layers = [aux[i] for i in self.order]  # gathered in layer_ids order
         if self.final_state:
-            layers.append(state.hidden_states)  # the model's output: after the final norm
+            layers.append(output)  # the model's output: after the final norm
         self.transfer.submit(layers, hi - lo, slot, lo)
         thread.put(StepRecord(slot, hi - lo, segments, new, frozenset(ended)))
         st.steps += 1
@@ -281,7 +281,7 @@ class _StepStats:
     (backpressure from the host side) and time launching the gather + copy; and the rows of
     the last few steps (what the end of a run has to write: see engine.scheduler)."""
 
-    __slots__ = ("steps", "rows", "last_rows", "acquire_wait_s", "submit_s")
+    __slots__ = ("acquire_wait_s", "last_rows", "rows", "steps", "submit_s")
 
     def __init__(self) -> None:
         self.steps = self.rows = 0
@@ -295,6 +295,9 @@ class _StepStats:
 
 
 def install_capture(runner: Any, cfg: CaptureConfig) -> Capture:
+    """Capture's checks on this runner and its model, the model's aux layers, and the Capture
+    (as `runner.vllm_hidden_capture`). `hooks` calls it, then switches the runner's aux
+    outputs on and wraps its execute_model."""
     model = runner.get_model()
     if not compat.supports_aux(model):
         raise RuntimeError(
@@ -309,20 +312,9 @@ def install_capture(runner: Any, cfg: CaptureConfig) -> Capture:
         raise ValueError(f"layer id {bad[0]} out of range; the model has {num_layers} layers")
     kind = compat.runner_kind(runner)
     compat.check_runner(runner, kind)
-    runner.use_aux_hidden_state_outputs = True
     model.set_aux_hidden_state_layers(cfg.aux_ids)
     cap = Capture(runner, cfg, kind)
     runner.vllm_hidden_capture = cap
-
-    original = runner.execute_model
-
-    def execute_model(scheduler_output, *args, **kwargs):
-        out = original(scheduler_output, *args, **kwargs)
-        if not kwargs.get("dummy_run"):  # V2's profile, warm-up-size and DP-padding runs: no requests
-            cap.on_step(scheduler_output)
-        return out
-
-    runner.execute_model = execute_model
     log.info("vllm-hidden: capturing layer ids %s (aux %s) on vLLM's %s model runner%s", list(cfg.layer_ids),
              [i + 1 for i in cfg.layer_ids], kind.upper(), "" if cap.writer_rank else " [not the writer rank]")
     return cap

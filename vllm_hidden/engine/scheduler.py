@@ -11,7 +11,8 @@ while the next, half-size step runs, and the last step is small. The GPU does th
 in a few more steps (~3 at the end of a run).
 
 `taper_scheduler` is what the engine is given as its `scheduler_cls`: it builds the scheduler
-vLLM would have picked (async or not) with this one change.
+vLLM would have picked (async or not) with this one change. The vLLM methods the subclass
+overrides and the budget attribute it lowers are rows of `hooks.HOOKS`.
 """
 
 from __future__ import annotations
@@ -70,6 +71,10 @@ def taper_scheduler(*args: Any, **kwargs: Any) -> Any:
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler as base
     else:
         from vllm.v1.core.sched.scheduler import Scheduler as base
+    from vllm_hidden.engine import hooks
+
     cls = type(f"Tapering{base.__name__}", (_Taper, base), {"__module__": __name__})
     log.info("vllm-hidden: %s, with the last steps of each extract run tapered", base.__name__)
-    return cls(*args, **kwargs)
+    scheduler = cls(*args, **kwargs)
+    hooks.check_scheduler(scheduler)  # the budget it lowers while a run drains
+    return scheduler

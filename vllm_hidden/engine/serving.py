@@ -1,13 +1,14 @@
-"""The vLLM side of the server: the engine-client hook and the `vllm-hidden serve` launcher.
+"""The vLLM side of the server: what the engine-client hook does, and the `vllm-hidden serve`
+launcher.
 
-Hook: `AsyncLLM.generate` is wrapped (in the API server process only; the middleware
-installs it, with its registry's lookup). A request carrying a registered token from the
-middleware gets its capture
-settings for the worker (rows, mode, the channel key), `skip_reading_prefix_cache` (a
-prefix-cache hit would skip computing rows, as vLLM does for prompt logprobs) and a check
-against the per-response row limit before it reaches the engine; its token ids are recorded
-for the response. Any other request loses every reserved key, whichever endpoint sent it.
-Requests without our keys get vLLM's own generator back, unwrapped.
+Hook (`hooks`: `AsyncLLM.generate`, wrapped in the API server process only; the middleware
+installs it with its registry's lookup): a request carrying a registered token from the
+middleware (`claim`) gets its capture settings for the worker (rows, mode, the channel key),
+`skip_reading_prefix_cache` (a prefix-cache hit would skip computing rows, as vLLM does for
+prompt logprobs) and a check against the per-response row limit before it reaches the engine;
+its token ids are recorded for the response (`captured`). Any other request loses every
+reserved key, whichever endpoint sent it. Requests without our keys get vLLM's own generator
+back, unwrapped.
 """
 
 from __future__ import annotations
@@ -33,70 +34,60 @@ def _prompt_len(prompt: Any) -> int | None:
     return len(ids) if ids is not None else None
 
 
-def install_generate_hook(lookup: Callable[[Any], Any]) -> None:
-    """`lookup(token)` gives the middleware's waiting request for a token (server.registry
-    .Pending: its spec and row limit, filled here with token ids or a rejection), or None."""
+def claim(sampling_params: Any, lookup: Callable[[Any], Any]) -> Any:
+    """The middleware's waiting request (server.registry.Pending) this engine request carries,
+    or None: then it is vLLM's alone. Any request with our reserved keys loses them here, so a
+    client cannot forge the worker's settings through any endpoint."""
+    extra = getattr(sampling_params, "extra_args", None)
+    if not extra or not any(isinstance(k, str) and k.startswith(RESERVED_PREFIX) for k in extra):
+        return None
+    pending = lookup(extra.get(TOKEN_KEY))
+    for k in [k for k in extra if isinstance(k, str) and k.startswith(RESERVED_PREFIX)]:
+        del extra[k]
+    return pending
+
+
+async def captured(pending: Any, prompt: Any, params: Any, start: Callable[[], Any]):
+    """A captured request's outputs: its rows checked against the limits (a rejection is
+    raised before the engine runs it), then `start()` (vLLM's own generator) relayed, its
+    token ids recorded for the response."""
     from vllm.sampling_params import RequestOutputKind
-    from vllm.v1.engine.async_llm import AsyncLLM
 
     from vllm_hidden.capture.channel import channel_key
+    from vllm_hidden.engine import compat
 
-    original = AsyncLLM.generate
-    if getattr(original, "_vllm_hidden", False):
-        return
-    try:
-        from vllm.exceptions import VLLMValidationError as Rejected
-    except ImportError:  # pragma: no cover - older vLLM
-        Rejected = ValueError
-
-    async def captured(self, prompt, params, request_id, pending, args, kwargs):
-        spec = pending.spec
-        n = _prompt_len(prompt)
-        if n is None:
-            pending.rejected = "hidden_states needs a token prompt (this prompt type has no token ids)"
-            raise Rejected(pending.rejected)
-        gen = params.max_tokens if params.max_tokens is not None else 1
-        rows = n + max(gen, 1) - 1 if spec.all_tokens else n
-        if rows > pending.max_tokens:
-            what = f"prompt ({n} tokens) + max_tokens ({gen}) - 1" if spec.all_tokens else f"the prompt ({n} tokens)"
-            pending.rejected = (f"hidden_states: {what} = {rows} rows, over this server's limit of "
-                                f"{pending.max_tokens} hidden-state tokens per response"
-                                + ("; lower max_tokens" if spec.all_tokens else ""))
-            raise Rejected(pending.rejected)
-        if pending.admit is not None:  # fetch form: room for the unfetched bytes, before the engine runs
-            why = pending.admit(rows)
-            if why is not None:
-                pending.rejected, pending.rejected_status = why, 503
-                raise Rejected(why)
-        params.extra_args[WORKER_KEY] = {"id": pending.token, "rows": rows, "all": spec.all_tokens,
-                                         "key": channel_key(), "to": pending.reply_to}
-        params.skip_reading_prefix_cache = True
-        delta = params.output_kind == RequestOutputKind.DELTA
-        async for out in original(self, prompt, params, request_id, *args, **kwargs):
-            if out.prompt_token_ids is not None:
-                pending.prompt_ids = list(out.prompt_token_ids)
-            if out.outputs:
-                ids = list(out.outputs[0].token_ids)
-                if delta:
-                    pending.generated.extend(ids)
-                else:
-                    pending.generated = ids
-            yield out
-
-    def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
-        extra = getattr(sampling_params, "extra_args", None)
-        if not extra or not any(isinstance(k, str) and k.startswith(RESERVED_PREFIX) for k in extra):
-            return original(self, prompt, sampling_params, request_id, *args, **kwargs)
-        pending = lookup(extra.get(TOKEN_KEY))
-        for k in [k for k in extra if isinstance(k, str) and k.startswith(RESERVED_PREFIX)]:
-            del extra[k]
-        if pending is None:
-            return original(self, prompt, sampling_params, request_id, *args, **kwargs)
-        return captured(self, prompt, sampling_params, request_id, pending, args, kwargs)
-
-    generate._vllm_hidden = True  # type: ignore[attr-defined]
-    generate.__wrapped__ = original  # type: ignore[attr-defined]
-    AsyncLLM.generate = generate
+    spec = pending.spec
+    n = _prompt_len(prompt)
+    if n is None:
+        pending.rejected = "hidden_states needs a token prompt (this prompt type has no token ids)"
+        raise compat.rejection_error()(pending.rejected)
+    gen = params.max_tokens if params.max_tokens is not None else 1
+    rows = n + max(gen, 1) - 1 if spec.all_tokens else n
+    if rows > pending.max_tokens:
+        what = f"prompt ({n} tokens) + max_tokens ({gen}) - 1" if spec.all_tokens else f"the prompt ({n} tokens)"
+        pending.rejected = (f"hidden_states: {what} = {rows} rows, over this server's limit of "
+                            f"{pending.max_tokens} hidden-state tokens per response"
+                            + ("; lower max_tokens" if spec.all_tokens else ""))
+        raise compat.rejection_error()(pending.rejected)
+    if pending.admit is not None:  # fetch form: room for the unfetched bytes, before the engine runs
+        why = pending.admit(rows)
+        if why is not None:
+            pending.rejected, pending.rejected_status = why, 503
+            raise compat.rejection_error()(why)
+    params.extra_args[WORKER_KEY] = {"id": pending.token, "rows": rows, "all": spec.all_tokens,
+                                     "key": channel_key(), "to": pending.reply_to}
+    params.skip_reading_prefix_cache = True
+    delta = params.output_kind == RequestOutputKind.DELTA
+    async for out in start():
+        if out.prompt_token_ids is not None:
+            pending.prompt_ids = list(out.prompt_token_ids)
+        if out.outputs:
+            ids = list(out.outputs[0].token_ids)
+            if delta:
+                pending.generated.extend(ids)
+            else:
+                pending.generated = ids
+        yield out
 
 
 def _merge_additional_config(argv: list[str], ours: dict[str, Any]) -> list[str]:
