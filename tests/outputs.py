@@ -11,8 +11,8 @@ from typing import Any, Mapping
 
 import torch
 
-from vllm_hidden.format.quant import FP8
 from vllm_hidden.config import ShardConfig
+from vllm_hidden.format.quant import FP8
 from vllm_hidden.format.shard import ShardInfo
 from vllm_hidden.storage.manifest import Manifest
 from vllm_hidden.storage.shards import ShardWriter

@@ -268,8 +268,8 @@ def _warmup_serve(model, layers, aux_layers, layers_from, args, cache_dir, force
     try:
         from vllm_hidden.engine.serving import with_tp
         from vllm_hidden.extract.plan import model_info
-        from vllm_hidden.warmup import run_serve_warmup
         from vllm_hidden.layers import resolve_layer_ids
+        from vllm_hidden.warmup import run_serve_warmup
 
         ids = resolve_layer_ids(model_info(model).num_layers, layers, aux_layers, str(layers_from) if layers_from else None)
         vllm_args = with_tp([x for k, v in flags.items() if v is not None for x in (k, str(v))] + list(args), tp)

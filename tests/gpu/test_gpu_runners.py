@@ -60,7 +60,7 @@ def test_gpu_serve_dense_on_vllms_runner_matches_hf(tiny_models, tmp_path):
     assert runner == (expected_runner("qwen3") or runner), runner
     ref = HFReference(model)
     worst = [0.0] * len(LAYERS)
-    for (ids, tokens, transfer), (d, got) in zip(jobs, answers):
+    for (ids, tokens, _transfer), (d, got) in zip(jobs, answers):
         out_ids = d["choices"][0]["token_ids"]
         want = ids + out_ids[:-1] if tokens == "all" else ids  # the last sampled token never ran
         dec = check_states(ref, d["hidden_states"], LAYERS, ids=want, tol=BOUND, fetched=got)

@@ -169,7 +169,7 @@ def served(tmp_path_factory):
                 res["api_servers"] = count
                 results.append(res)
                 print(f"load {res}")
-                for p, gen, obj, got in keep:
+                for p, _gen, obj, got in keep:
                     d = got if got is not None else decode(obj)
                     assert d["token_ids"].tolist()[: len(p)] == p
                     checks.append((d["token_ids"].tolist(), d, f"{count} servers: load {mode} {len(p)}"))

@@ -24,8 +24,19 @@ import pytest
 import torch
 
 from tests import chat_model
-from tests.integration.helpers import (HFReference, cli_env, journal_lines, kill_group, last_json, random_prompts,
-                                       rel_l2, run_cli, start_cli, verify_checksums, write_prompts)
+from tests.integration.helpers import (
+    HFReference,
+    cli_env,
+    journal_lines,
+    kill_group,
+    last_json,
+    random_prompts,
+    rel_l2,
+    run_cli,
+    start_cli,
+    verify_checksums,
+    write_prompts,
+)
 from vllm_hidden.data import HiddenStatesDataset
 
 LAYERS = [1, 4, 7]  # of 8; the last before the final norm

@@ -13,9 +13,20 @@ import time
 
 import pytest
 
-from tests.integration.helpers import (HFReference, Server, check_dataset, check_states, journal, last_json,
-                                       random_prompts, run_cli, start_cli, token_prompt, verify_checksums,
-                                       write_prompts)
+from tests.integration.helpers import (
+    HFReference,
+    Server,
+    check_dataset,
+    check_states,
+    journal,
+    last_json,
+    random_prompts,
+    run_cli,
+    start_cli,
+    token_prompt,
+    verify_checksums,
+    write_prompts,
+)
 
 VOCAB = 1024
 MAX_LEN = 512

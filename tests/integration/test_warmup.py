@@ -10,8 +10,17 @@ import subprocess
 
 import pytest
 
-from tests.integration.helpers import (CLI, HFReference, Server, cli_env, last_json, random_prompts, rel_l2, run_cli,
-                                       write_prompts)
+from tests.integration.helpers import (
+    CLI,
+    HFReference,
+    Server,
+    cli_env,
+    last_json,
+    random_prompts,
+    rel_l2,
+    run_cli,
+    write_prompts,
+)
 from vllm_hidden.data import HiddenStatesDataset
 
 ENGINE = ["--dtype", "bfloat16", "--max-num-seqs", "8", "--max-num-batched-tokens", "256"]

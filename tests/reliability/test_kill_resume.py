@@ -17,8 +17,19 @@ import time
 
 import psutil
 
-from tests.integration.helpers import (HFReference, journal, journal_lines, kill_group, last_json, random_prompts,
-                                       rel_l2, run_cli, start_cli, verify_checksums, write_prompts)
+from tests.integration.helpers import (
+    HFReference,
+    journal,
+    journal_lines,
+    kill_group,
+    last_json,
+    random_prompts,
+    rel_l2,
+    run_cli,
+    start_cli,
+    verify_checksums,
+    write_prompts,
+)
 from vllm_hidden.data import HiddenStatesDataset
 from vllm_hidden.storage.verify import verify_output
 

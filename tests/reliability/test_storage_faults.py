@@ -16,8 +16,15 @@ import time
 import torch
 
 from tests.damage import flip_bit
-from tests.integration.helpers import (journal_lines, last_json, random_prompts, run_cli, start_cli, verify_checksums,
-                                       write_prompts)
+from tests.integration.helpers import (
+    journal_lines,
+    last_json,
+    random_prompts,
+    run_cli,
+    start_cli,
+    verify_checksums,
+    write_prompts,
+)
 from tests.outputs import random_sample, write_manifest, write_output
 from tests.s3_server import FaultyProxy
 from vllm_hidden.data import HiddenStatesDataset

@@ -21,12 +21,12 @@ from typing import Any
 import pytest
 
 import vllm_hidden.devices as devices
+import vllm_hidden.engine.caches as caches
 import vllm_hidden.extract.coordinator as co
 import vllm_hidden.extract.plan as plan
-import vllm_hidden.engine.caches as caches
 from vllm_hidden.config import ExtractConfig, ModelInfo, Plan
-from vllm_hidden.inputs import BadLine, Prompt
 from vllm_hidden.format.shard import FORMAT
+from vllm_hidden.inputs import BadLine, Prompt
 
 PLAN = Plan(info=ModelInfo(num_layers=4, hidden_size=8, vocab_size=100, max_positions=64),
                 layer_ids=[1, 2], max_prompt_len=64,

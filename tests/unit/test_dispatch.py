@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.outputs import manifest_fields, random_sample, row_bytes, shard_writer, write_samples
-from vllm_hidden.data import HiddenStatesDataset
 from vllm_hidden import devices
+from vllm_hidden.data import HiddenStatesDataset
 from vllm_hidden.devices import CPU_BIND, cpu_bind, rank_envs, split
 from vllm_hidden.extract.feed import QueueFeed, ReaderFeed
 from vllm_hidden.inputs import BadLine, Prompt

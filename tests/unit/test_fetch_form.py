@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load
 
-from vllm_hidden.server import decode, fetch
 from vllm_hidden.format.header import load as load_safetensors
 from vllm_hidden.format.header import pieces as safetensors_pieces
+from vllm_hidden.server import decode, fetch
 from vllm_hidden.server.protocol import _b64_pieces, finiteness, inline_parts, parse_field, prepare
 from vllm_hidden.server.store import FetchStore
 

@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 
 from tests.outputs import shard_writer, write_output
-from vllm_hidden.format.quant import FP8, dequantize, quantize
 from vllm_hidden.capture.ring import StepTransfer
 from vllm_hidden.data import HiddenStatesDataset
+from vllm_hidden.format.quant import FP8, dequantize, quantize
 
 
 def _states(n: int, k: int, h: int, seed: int = 0) -> torch.Tensor:

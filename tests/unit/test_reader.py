@@ -16,9 +16,8 @@ import torch
 from tests.damage import flip_bit
 from tests.outputs import random_sample, write_output
 from tests.s3_server import FaultyProxy
-from vllm_hidden.data import HiddenStatesDataset, ShardedStream, collate_tokens, token_batches
+from vllm_hidden.data import HiddenStatesDataset, ShardedStream, collate_tokens, dataset, token_batches
 from vllm_hidden.data.batches import BufferPool
-from vllm_hidden.data import dataset
 from vllm_hidden.format import shard
 from vllm_hidden.storage import files
 from vllm_hidden.storage.manifest import MANIFEST, Manifest

@@ -36,8 +36,8 @@ def test_resume_keeps_exactly_the_journaled_shards_and_removes_leftovers(tmp_pat
 def test_a_torn_last_journal_line_is_cut_so_the_next_resume_reads_clean(tmp_path):
     """A crash mid-append leaves half a line; the resumed run appends after it. Unless the
     resume cut it, the line after would be garbled and the run after that refused."""
-    from vllm_hidden.storage.journal import Journal
     from vllm_hidden.format.shard import ShardInfo
+    from vllm_hidden.storage.journal import Journal
 
     shards = _run(tmp_path, range(4), manifest=False)
     with open(tmp_path / JOURNAL, "a") as f:

@@ -1,7 +1,7 @@
-import json
 """S3 output and reader against a real local S3 endpoint (moto's server mode), with faults
 injected by a proxy in front of it: 503s, slow answers, connections cut mid-upload."""
 
+import json
 import threading
 import time
 

@@ -3,6 +3,7 @@
 
 import asyncio
 import base64
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -477,7 +478,7 @@ def test_stream_splicer_states_error_becomes_an_error_object_in_the_event():
 
 def test_spec_is_frozen():
     spec = HiddenStatesSpec(layer_ids=(4,), columns=(0,))
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         spec.tokens = "all"
 
 

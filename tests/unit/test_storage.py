@@ -1,13 +1,13 @@
-import blake3
 import json
 
+import blake3
 import pytest
 import torch
 from safetensors import safe_open
 
 from tests.outputs import random_sample, shard_writer, write_output
-from vllm_hidden.format import quant
 from vllm_hidden.data import HiddenStatesDataset
+from vllm_hidden.format import quant
 from vllm_hidden.storage.manifest import Manifest
 
 K, H = 2, 8

@@ -29,11 +29,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_hidden.data.batches import (
+    LAYOUTS,
+    BatchBuilder,
+    BudgetPacker,
+    BufferPool,
+    alloc_tensors,
+    check_layout,
+    returned_dtype,
+)
+from vllm_hidden.data.dataset import HiddenStatesDataset
 from vllm_hidden.format.quant import dequantize
 from vllm_hidden.format.shard import SCALES
-from vllm_hidden.data.batches import (LAYOUTS, BatchBuilder, BufferPool, BudgetPacker, alloc_tensors, check_layout,
-                                      returned_dtype)
-from vllm_hidden.data.dataset import HiddenStatesDataset
 
 _MAX_WINDOW = 32  # shards mixed at once; a process keeps 64 open
 _READ_AHEAD = 4  # the default read-ahead threads: in the consuming process, and on S3

@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_hidden.inputs import BadLine
 from vllm_hidden.format.shard import ShardInfo
+from vllm_hidden.inputs import BadLine
 
 log = logging.getLogger("vllm_hidden")
 

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from vllm_hidden.capture.assembler import Assembler, AssemblerThread
+from vllm_hidden.capture.channel import Publisher, channel_key, routed_id
 from vllm_hidden.capture.memory import MemorySink
 from vllm_hidden.capture.records import CaptureError, NewRequest, Segment, StepRecord
-from vllm_hidden.capture.channel import Publisher, channel_key, routed_id
 from vllm_hidden.capture.ring import StepTransfer
 from vllm_hidden.config import CaptureConfig, ShardConfig
 from vllm_hidden.engine import compat

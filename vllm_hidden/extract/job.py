@@ -13,9 +13,9 @@ from vllm_hidden.config import ExtractConfig, Plan
 from vllm_hidden.engine.extractor import Extractor
 from vllm_hidden.extract.feed import ReaderFeed
 from vllm_hidden.extract.plan import check_paths, plan_extract, prompt_reader
+from vllm_hidden.format.shard import FP8_STORAGE, ShardInfo
 from vllm_hidden.inputs import count_records
 from vllm_hidden.layers import SEMANTICS
-from vllm_hidden.format.shard import FP8_STORAGE, ShardInfo
 from vllm_hidden.storage.output import Output
 
 
@@ -58,7 +58,14 @@ class ProgressBar:
         self.p = None
         if not enabled:
             return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self.p = Progress(
             TextColumn("extract"), BarColumn(), MofNCompleteColumn(),

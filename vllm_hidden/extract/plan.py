@@ -9,10 +9,10 @@ import tempfile
 from pathlib import Path
 
 from vllm_hidden.config import ExtractConfig, ModelInfo, Plan
+from vllm_hidden.format.shard import FORMAT
 from vllm_hidden.inputs import PromptReader, parse_columns
 from vllm_hidden.inputs.sources import check_input
 from vllm_hidden.layers import layers_to_run, moe_layer_indices, resolve_layer_ids
-from vllm_hidden.format.shard import FORMAT
 from vllm_hidden.storage.journal import RUN
 from vllm_hidden.storage.s3 import S3Location, is_s3
 

@@ -20,8 +20,18 @@ import torch
 
 from vllm_hidden.format import header as st
 from vllm_hidden.format import quant
-from vllm_hidden.format.shard import (FINAL, FINAL_SCALE, GENERATIONS, HIDDEN, HIDDEN_SCALE, LOSS_MASK, TOKENS,
-                                      index_entry, sample_digest, shard_metadata)
+from vllm_hidden.format.shard import (
+    FINAL,
+    FINAL_SCALE,
+    GENERATIONS,
+    HIDDEN,
+    HIDDEN_SCALE,
+    LOSS_MASK,
+    TOKENS,
+    index_entry,
+    sample_digest,
+    shard_metadata,
+)
 
 # an arena's tensors: values [R, K, H], final state [R, H] | None, their statistics [R, K] and [R] | None
 Buffers = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor, "torch.Tensor | None"]

@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from vllm_hidden.config import DEFAULT_S3_RETRY_S, ShardConfig
-from vllm_hidden.storage.journal import RUN, ResumeState, prepare_resume, read_journal, write_json_atomic
-from vllm_hidden.storage.manifest import ERRORS, GENERATIONS, MANIFEST, Manifest
-from vllm_hidden.storage.s3 import S3Location, is_s3, read_done_ids
 from vllm_hidden.format.shard import GENERATIONS as GENERATIONS_TENSOR
 from vllm_hidden.format.shard import ShardInfo, shard_number
 from vllm_hidden.storage.files import shard_header
+from vllm_hidden.storage.journal import RUN, ResumeState, prepare_resume, read_journal, write_json_atomic
+from vllm_hidden.storage.manifest import ERRORS, GENERATIONS, MANIFEST, Manifest
+from vllm_hidden.storage.s3 import S3Location, is_s3, read_done_ids
 
 log = logging.getLogger("vllm_hidden")
 

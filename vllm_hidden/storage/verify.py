@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_hidden.format.shard import ShardInfo
+from vllm_hidden.storage.files import file_checksum, hasher, shard_header
 from vllm_hidden.storage.journal import JOURNAL, RUN
 from vllm_hidden.storage.manifest import MANIFEST, Manifest
 from vllm_hidden.storage.output import durable_shards, uploaded_shards
-from vllm_hidden.format.shard import ShardInfo
-from vllm_hidden.storage.files import file_checksum, hasher, shard_header
 
 
 @dataclass
