@@ -11,7 +11,8 @@ import typer
 
 from vllm_hidden.config import DEFAULT_MAX_SHARD_BYTES, DEFAULT_S3_RETRY_S, DEFAULT_WRITER_THREADS, ServeConfig
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="Extract hidden states from vLLM for drafter training.")
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="Extract hidden states from vLLM for drafter training.")
 
 
 def _fail(msg: str) -> None:
@@ -23,8 +24,10 @@ def _fail(msg: str) -> None:
 Model = Annotated[str, typer.Option("--model", "-m", help="HF model directory or id.")]
 Layers = Annotated[Optional[str], typer.Option(help="Layer ids, output of decoder layer i (0-based), e.g. 1,16,31.")]
 AuxLayers = Annotated[Optional[str], typer.Option(help="vLLM/EAGLE-3 aux ids (input of layer j = layer id j-1).")]
-LayersFrom = Annotated[Optional[Path], typer.Option(help="Drafter config.json (DFlash target_layer_ids or EAGLE-3 aux ids).")]
-MaxModelLen = Annotated[Optional[int], typer.Option(help="Longest prompt accepted (tokens); longer lines become error records.")]
+LayersFrom = Annotated[Optional[Path], typer.Option(help="Drafter config.json (DFlash target_layer_ids "
+                                                    "or EAGLE-3 aux ids).")]
+MaxModelLen = Annotated[Optional[int], typer.Option(help="Longest prompt accepted (tokens); "
+                                                    "longer lines become error records.")]
 MaxBatched = Annotated[Optional[int], typer.Option(help="Tokens per scheduler step (also the capture buffer's rows).")]
 MaxSeqs = Annotated[Optional[int], typer.Option(help="Sequences per scheduler step.")]
 Dtype = Annotated[str, typer.Option(help="Model dtype (auto, bfloat16, float16).")]
@@ -49,9 +52,11 @@ CacheDir = Annotated[Optional[Path], typer.Option(help="Compile and kernel cache
 def extract(
     ctx: typer.Context,
     model: Model,
-    input: Annotated[Path, typer.Option("--input", "-i", help="JSONL or .parquet; per record one of token_ids (optional "
-                                        "loss_mask) | text | messages | conversations (optional tools), optional id.")],
-    output: Annotated[str, typer.Option("--output", "-o", help="Output directory or s3://bucket/prefix (new or empty, or --resume).")],
+    input: Annotated[Path, typer.Option("--input", "-i", help="JSONL or .parquet; per record one of token_ids "
+                                        "(optional loss_mask) | text | messages | conversations "
+                                        "(optional tools), optional id.")],
+    output: Annotated[str, typer.Option("--output", "-o", help="Output directory or s3://bucket/prefix "
+                                        "(new or empty, or --resume).")],
     layers: Layers = None,
     aux_layers: AuxLayers = None,
     layers_from: LayersFrom = None,
@@ -59,15 +64,21 @@ def extract(
     max_num_batched_tokens: MaxBatched = None,
     max_num_seqs: MaxSeqs = None,
     dtype: Dtype = "auto",
-    max_shard_bytes: Annotated[int, typer.Option(help="Largest shard (a longer sample gets a shard of its own).")] = DEFAULT_MAX_SHARD_BYTES,
-    writer_threads: Annotated[int, typer.Option(help="Threads writing shards; host memory holds up to threads+1 shards.")] = DEFAULT_WRITER_THREADS,
+    max_shard_bytes: Annotated[int, typer.Option(help="Largest shard (a longer sample "
+                                                 "gets a shard of its own).")] = DEFAULT_MAX_SHARD_BYTES,
+    writer_threads: Annotated[int, typer.Option(help="Threads writing shards; "
+                                                "host memory holds up to threads+1 shards.")] = DEFAULT_WRITER_THREADS,
     ring_slots: RingSlots = 2,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run in --output: samples in its "
-                                         "durable shards are skipped, the rest are extracted (each exactly once).")] = False,
-    s3_endpoint_url: Annotated[Optional[str], typer.Option(help="S3 endpoint (default: boto3's chain, e.g. AWS_ENDPOINT_URL).")] = None,
-    staging_dir: Annotated[Optional[Path], typer.Option(help="S3 output: local directory shards are written to before upload (e.g. /dev/shm/x).")] = None,
-    s3_retry_seconds: Annotated[float, typer.Option(help="S3 output: how long a shard's upload is tried again through errors "
-                                                    "that pass (connection failures, 5xx, throttling) before the run stops.")] = DEFAULT_S3_RETRY_S,
+                                         "durable shards are skipped, the rest are extracted "
+                                         "(each exactly once).")] = False,
+    s3_endpoint_url: Annotated[Optional[str], typer.Option(help="S3 endpoint (default: boto3's chain, "
+                                                           "e.g. AWS_ENDPOINT_URL).")] = None,
+    staging_dir: Annotated[Optional[Path], typer.Option(help="S3 output: local directory shards are written to "
+                                                        "before upload (e.g. /dev/shm/x).")] = None,
+    s3_retry_seconds: Annotated[float, typer.Option(help="S3 output: how long a shard's upload is tried again "
+                                                    "through errors that pass (connection failures, 5xx, throttling) "
+                                                    "before the run stops.")] = DEFAULT_S3_RETRY_S,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
     cache_dir: CacheDir = None,
     tp: Tp = 1,
@@ -76,10 +87,10 @@ def extract(
     ray: Annotated[Optional[str], typer.Option("--ray", help="Run the --dp engines as actors of this Ray cluster "
                                                "('auto': the one this machine joined); output on S3 or a shared "
                                                "file system.")] = None,
-    loss_mask: Annotated[Optional[str], typer.Option(help="Per-token loss mask: assistant (every assistant turn, through "
-                                                     "its end-of-turn token), last-assistant, all, none (no mask stored). "
-                                                     "Default: assistant for messages/conversations; the record's own "
-                                                     "loss_mask, else all, for token_ids/text.")] = None,
+    loss_mask: Annotated[Optional[str], typer.Option(help="Per-token loss mask: assistant (every assistant turn, "
+                                                     "through its end-of-turn token), last-assistant, all, none (no "
+                                                     "mask stored). Default: assistant for messages/conversations; the "
+                                                     "record's own loss_mask, else all, for token_ids/text.")] = None,
     final_state: FinalState = "none",
     full_model: FullModel = False,
     storage_dtype: Annotated[str, typer.Option(help="auto (the model's dtype) or fp8: float8 e4m3 values with one "
@@ -89,10 +100,12 @@ def extract(
                                                          "'conversations=conv,id=uid'.")] = None,
     generate: Annotated[bool, typer.Option("--generate", help="The target writes each response (a conversation's "
                                            "reply to its last user turn; text/token_ids continued) and the states of "
-                                           "prompt + response are captured in the same pass; see generations.jsonl.")] = False,
+                                           "prompt + response are captured in the same pass; "
+                                           "see generations.jsonl.")] = False,
     max_tokens: Annotated[Optional[int], typer.Option(help="--generate: most tokens per response (default 256); "
                                                       "prompt + response must fit --max-model-len.")] = None,
-    temperature: Annotated[Optional[float], typer.Option(help="--generate: sampling temperature (0: greedy; default 1).")] = None,
+    temperature: Annotated[Optional[float], typer.Option(help="--generate: sampling temperature "
+                                                         "(0: greedy; default 1).")] = None,
     top_p: Annotated[Optional[float], typer.Option(help="--generate: nucleus sampling (default 1: off).")] = None,
     top_k: Annotated[Optional[int], typer.Option(help="--generate: top-k sampling (default 0: off).")] = None,
     seed: Annotated[Optional[int], typer.Option(help="--generate: run seed; each sample's seed is derived from it and "
@@ -124,8 +137,8 @@ def extract(
             layers_from=str(layers_from) if layers_from else None, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, dtype=dtype,
             max_shard_bytes=max_shard_bytes, writer_threads=writer_threads, ring_slots=ring_slots, resume=resume,
-            s3_endpoint_url=s3_endpoint_url, staging_dir=str(staging_dir) if staging_dir else None, s3_retry_s=s3_retry_seconds,
-            progress=progress,
+            s3_endpoint_url=s3_endpoint_url, staging_dir=str(staging_dir) if staging_dir else None,
+            s3_retry_s=s3_retry_seconds, progress=progress,
             engine_args=list(ctx.args), cache_dir=str(cache_dir) if cache_dir else None, tp=tp, dp=dp, ray_address=ray,
             loss_mask=loss_mask, final_state=final_state, input_columns=parse_columns(input_columns),
             full_model=full_model, storage_dtype=storage_dtype,
@@ -166,17 +179,27 @@ def extract(
 def serve(
     ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="HF model directory or id.")],
-    layers: Annotated[Optional[str], typer.Option(help="Layer ids to capture, output of decoder layer i (0-based); requests may ask for a subset.")] = None,
-    aux_layers: Annotated[Optional[str], typer.Option(help="vLLM/EAGLE-3 aux ids (input of layer j = layer id j-1).")] = None,
-    layers_from: Annotated[Optional[Path], typer.Option(help="Drafter config.json (DFlash target_layer_ids or EAGLE-3 aux ids).")] = None,
-    max_hidden_tokens: Annotated[int, typer.Option(help="Most hidden-state rows (tokens) one response may carry; more is HTTP 400.")] = ServeConfig.max_hidden_tokens,
-    max_request_bytes: Annotated[int, typer.Option(help="Largest body of a request with hidden_states; more is HTTP 413.")] = ServeConfig.max_request_bytes,
-    max_concurrent: Annotated[int, typer.Option(help="Hidden-state requests in flight at once (more wait); bounds the memory they hold.")] = ServeConfig.max_concurrent,
-    hidden_states_timeout: Annotated[float, typer.Option(help="Seconds a finished response waits for its hidden states.")] = ServeConfig.timeout_s,
-    fetch_ttl: Annotated[float, typer.Option(help="Fetch form: seconds a response's states wait for their GET, then they are deleted.")] = ServeConfig.fetch_ttl_s,
-    max_unfetched_bytes: Annotated[int, typer.Option(help="Fetch form: bytes all unfetched states may hold, split over the API server processes; "
-                                                     "a request that does not fit is HTTP 503.")] = ServeConfig.max_unfetched_bytes,
-    fetch_dir: Annotated[Optional[Path], typer.Option(help="Fetch form: where unfetched states are kept (default /dev/shm, memory).")] = None,
+    layers: Annotated[Optional[str], typer.Option(help="Layer ids to capture, output of decoder layer i (0-based); "
+                                                  "requests may ask for a subset.")] = None,
+    aux_layers: Annotated[Optional[str], typer.Option(help="vLLM/EAGLE-3 aux ids "
+                                                      "(input of layer j = layer id j-1).")] = None,
+    layers_from: Annotated[Optional[Path], typer.Option(help="Drafter config.json (DFlash target_layer_ids "
+                                                        "or EAGLE-3 aux ids).")] = None,
+    max_hidden_tokens: Annotated[int, typer.Option(help="Most hidden-state rows (tokens) one response may carry; "
+                                                   "more is HTTP 400.")] = ServeConfig.max_hidden_tokens,
+    max_request_bytes: Annotated[int, typer.Option(help="Largest body of a request with hidden_states; "
+                                                   "more is HTTP 413.")] = ServeConfig.max_request_bytes,
+    max_concurrent: Annotated[int, typer.Option(help="Hidden-state requests in flight at once (more wait); "
+                                                "bounds the memory they hold.")] = ServeConfig.max_concurrent,
+    hidden_states_timeout: Annotated[float, typer.Option(help="Seconds a finished response "
+                                                         "waits for its hidden states.")] = ServeConfig.timeout_s,
+    fetch_ttl: Annotated[float, typer.Option(help="Fetch form: seconds a response's states wait for their GET, "
+                                             "then they are deleted.")] = ServeConfig.fetch_ttl_s,
+    max_unfetched_bytes: Annotated[int, typer.Option(help="Fetch form: bytes all unfetched states may hold, split over "
+                                                     "the API server processes; a request that does not fit "
+                                                     "is HTTP 503.")] = ServeConfig.max_unfetched_bytes,
+    fetch_dir: Annotated[Optional[Path], typer.Option(help="Fetch form: where unfetched states are kept "
+                                                      "(default /dev/shm, memory).")] = None,
     cache_dir: CacheDir = None,
     tp: Tp = 1,
 ) -> None:
@@ -194,7 +217,8 @@ def serve(
         from vllm_hidden.extract.plan import model_info
         from vllm_hidden.layers import resolve_layer_ids
 
-        ids = resolve_layer_ids(model_info(model).num_layers, layers, aux_layers, str(layers_from) if layers_from else None)
+        ids = resolve_layer_ids(model_info(model).num_layers, layers, aux_layers,
+                                str(layers_from) if layers_from else None)
         argv = serve_argv(model, ids, list(ctx.args), tp=tp)
         prepare_environment(limits.to_env(), str(fetch_dir) if fetch_dir else None)
     except (ValueError, ImportError, OSError) as e:
@@ -225,9 +249,11 @@ def warmup(
     ring_slots: RingSlots = 2,
     cache_dir: CacheDir = None,
     tp: Tp = 1,
-    force: Annotated[bool, typer.Option("--force", help="Warm up even if a stamp says these settings are warm.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Warm up even if a stamp "
+                                        "says these settings are warm.")] = False,
     serve: Annotated[bool, typer.Option("--serve", help="Warm up for `vllm-hidden serve MODEL` with these layers and "
-                                        "vLLM arguments instead (starts that server on a local port, sends requests, stops it).")] = False,
+                                        "vLLM arguments instead (starts that server on a local port, "
+                                        "sends requests, stops it).")] = False,
     generate: Annotated[bool, typer.Option("--generate", help="Warm up for `extract --generate` with this --max-tokens "
                                            "(its engine differs; the workload then also runs decode steps).")] = False,
     max_tokens: Annotated[Optional[int], typer.Option(help="--generate: as the extract's (default 256).")] = None,
@@ -271,7 +297,8 @@ def _warmup_serve(model, layers, aux_layers, layers_from, args, cache_dir, force
         from vllm_hidden.layers import resolve_layer_ids
         from vllm_hidden.warmup import run_serve_warmup
 
-        ids = resolve_layer_ids(model_info(model).num_layers, layers, aux_layers, str(layers_from) if layers_from else None)
+        ids = resolve_layer_ids(model_info(model).num_layers, layers, aux_layers,
+                                str(layers_from) if layers_from else None)
         vllm_args = with_tp([x for k, v in flags.items() if v is not None for x in (k, str(v))] + list(args), tp)
         r = run_serve_warmup(model, ids, vllm_args, cache_dir=str(cache_dir) if cache_dir else None, force=force)
     except (ValueError, ImportError, OSError, RuntimeError) as e:
@@ -317,12 +344,14 @@ def inspect(
     except (ValueError, ImportError, OSError) as e:
         _fail(str(e))
     if json_out:
-        typer.echo(json.dumps({"path": r.path, "complete": r.complete, "ok": r.ok, **r.summary, "problems": r.problems}))
+        typer.echo(json.dumps({"path": r.path, "complete": r.complete, "ok": r.ok, **r.summary,
+                               "problems": r.problems}))
     else:
         s = r.summary
         typer.echo(f"{r.path}: {'complete' if r.complete else 'INCOMPLETE'} — {s['samples']} samples, {s['tokens']} "
                    f"tokens in {s['shards']} shards ({s['bytes'] / 1e9:.2f} GB); model {s['model']}; layers "
-                   f"{s['layer_ids']}; hidden {s['hidden_size']}" + (f"; {s['errors']} bad input lines" if s.get("errors") else ""))
+                   f"{s['layer_ids']}; hidden {s['hidden_size']}"
+                   + (f"; {s['errors']} bad input lines" if s.get("errors") else ""))
         for p in r.problems:
             typer.secho(f"  problem: {p}", fg=typer.colors.RED, err=True)
         typer.echo("all shards verified" if r.ok else f"{len(r.problems)} problem(s)")
@@ -336,7 +365,8 @@ def export(
     output: Annotated[str, typer.Argument(help="Extract output directory or s3://bucket/prefix.")],
     to: Annotated[str, typer.Option("--to", help="Layout: speculators.")],
     dest: Annotated[Path, typer.Argument(help="Directory to write (new or empty).")],
-    layers: Annotated[Optional[str], typer.Option(help="Layer ids to export, in order (default: all of the output's).")] = None,
+    layers: Annotated[Optional[str], typer.Option(help="Layer ids to export, in order "
+                                                  "(default: all of the output's).")] = None,
     s3_endpoint_url: Annotated[Optional[str], typer.Option(help="S3 endpoint (default: boto3's chain).")] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:

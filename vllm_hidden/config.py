@@ -95,7 +95,8 @@ class ShardConfig:
             raise ValueError(f"upload_pending must be a positive int, got {self.upload_pending!r}")
         if isinstance(self.first_index, bool) or not isinstance(self.first_index, int) or self.first_index < 0:
             raise ValueError(f"first_index must be a non-negative int, got {self.first_index!r}")
-        if isinstance(self.writer_threads, bool) or not isinstance(self.writer_threads, int) or not 1 <= self.writer_threads <= 64:
+        if (isinstance(self.writer_threads, bool) or not isinstance(self.writer_threads, int)
+                or not 1 <= self.writer_threads <= 64):
             raise ValueError(f"writer_threads must be an int in 1..64, got {self.writer_threads!r}")
         if not self.output_dir:
             raise ValueError(f"output_dir must be a non-empty path, got {self.output_dir!r}")

@@ -110,7 +110,8 @@ def resolve_layer_ids(
     layers_from: str | Path | None = None,
 ) -> list[int]:
     """One selection from at most one source; default = DFlash spread of 5 layers."""
-    given = [n for n, v in (("--layers", layers), ("--aux-layers", aux_layers), ("--layers-from", layers_from)) if v is not None]
+    given = [n for n, v in (("--layers", layers), ("--aux-layers", aux_layers), ("--layers-from", layers_from))
+             if v is not None]
     if len(given) > 1:
         raise ValueError(f"give only one of --layers, --aux-layers, --layers-from; got {', '.join(given)}")
     if layers is not None:

@@ -184,7 +184,8 @@ def run_serve_warmup(model: str, layer_ids: list[int], vllm_args: list[str], *, 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "vllm_hidden.cli", "serve", model, "--layers", ",".join(map(str, layer_ids)),
-           "--cache-dir", str(cache.root), *strip_flags(vllm_args, SERVER_ONLY), "--host", "127.0.0.1", "--port", str(port)]
+           "--cache-dir", str(cache.root), *strip_flags(vllm_args, SERVER_ONLY),
+           "--host", "127.0.0.1", "--port", str(port)]
     with tempfile.TemporaryDirectory(prefix="vllm-hidden-warmup-") as tmp:
         log_path = Path(tmp) / "server.log"
         env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}  # a private server: no key to send
@@ -211,7 +212,8 @@ def run_serve_warmup(model: str, layer_ids: list[int], vllm_args: list[str], *, 
 
             def one(n: int) -> int:
                 ids = [rng.randrange(1, 1000) for _ in range(n)]
-                body = {"model": name, "prompt": ids, "max_tokens": 8, "temperature": 0, "hidden_states": {"tokens": "all"}}
+                body = {"model": name, "prompt": ids, "max_tokens": 8, "temperature": 0,
+                        "hidden_states": {"tokens": "all"}}
                 return _http(url + "/v1/completions", body)["usage"]["total_tokens"]
 
             t1 = time.perf_counter()

@@ -17,7 +17,8 @@ class Qwen35Reference:
         self.model = Qwen3_5ForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
         self.decoder = self.model.model.language_model.layers
         last = self._last = {}  # the hook holds this dict, not self: dropping self frees the model
-        self.decoder[-1].register_forward_hook(lambda m, i, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
+        self.decoder[-1].register_forward_hook(
+            lambda m, i, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
 
     @torch.no_grad()
     def run(self, ids: list[int], **kw):

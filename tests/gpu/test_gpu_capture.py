@@ -57,8 +57,9 @@ def test_gpu_capture_matches_hf_graphs_and_eager(arch, tiny_models, tmp_path):
     outs, runners = {}, {}
     for mode, extra in (("graphs", []), ("eager", ["--enforce-eager"])):
         outs[mode] = tmp_path / mode
-        s = run_extract(ExtractConfig(model=str(model), input_path=str(tmp_path / "in.jsonl"), output_dir=str(outs[mode]),
-                                      layers="0,3,7", max_model_len=1024, max_num_batched_tokens=256, dtype="bfloat16",
+        s = run_extract(ExtractConfig(model=str(model), input_path=str(tmp_path / "in.jsonl"),
+                                      output_dir=str(outs[mode]), layers="0,3,7", max_model_len=1024,
+                                      max_num_batched_tokens=256, dtype="bfloat16",
                                       progress=False, engine_args=ENGINE + extra))
         assert s.samples == len(good) and s.errors == 0
         runners[mode] = manifest_runner(outs[mode])
@@ -66,7 +67,8 @@ def test_gpu_capture_matches_hf_graphs_and_eager(arch, tiny_models, tmp_path):
         print(f"{arch} {mode} (model runner {runners[mode]}): {s.to_dict()}")
     hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).cuda().eval()
     last = {}
-    hf.model.layers[-1].register_forward_hook(lambda m, i, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
+    hf.model.layers[-1].register_forward_hook(
+        lambda m, i, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
     worst = {m: [0.0, 0.0, 0.0] for m in outs}
     ds = {m: HiddenStatesDataset(p) for m, p in outs.items()}
     by_id = {m: {d[i]["id"]: d[i] for i in range(len(d))} for m, d in ds.items()}

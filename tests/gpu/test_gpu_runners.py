@@ -1,8 +1,8 @@
 """GPU host only (skipped without CUDA): `vllm-hidden serve` on the model runner vLLM picks for
 a dense model (V2 on vLLM 0.26), with vLLM's defaults (torch.compile + CUDA graphs; in
 V2's FULL graphs, which its default mode uses for uniform decode steps, the aux outputs are
-static buffers padded past the step's tokens). Prompt and generated tokens' states, inline and fetched, from concurrent requests
-(so steps mix decodes, sorted first by V2, with prefill chunks), against HF Transformers in
+static buffers padded past the step's tokens). Prompt and generated tokens' states, inline and fetched, from
+concurrent requests (so steps mix decodes, sorted first by V2, with prefill chunks), against HF Transformers in
 float32. Run: `pytest -q -s tests/gpu/test_gpu_runners.py` on the GPU host; results to $OUT."""
 
 from __future__ import annotations

@@ -65,7 +65,8 @@ def check_output(out, model_dir, good, bad, layer_ids):
     verify_checksums(out)
     man = json.loads((out / "manifest.json").read_text())
     assert man["layer_ids"] == layer_ids and man["num_samples"] == len(good) and man["num_errors"] == len(bad)
-    errors = {json.loads(line)["id"]: json.loads(line)["reason"] for line in (out / "errors.jsonl").read_text().splitlines()}
+    errors = {json.loads(line)["id"]: json.loads(line)["reason"]
+              for line in (out / "errors.jsonl").read_text().splitlines()}
     assert set(errors) == set(bad)
     for sid, part in bad.items():
         assert part in errors[sid], (sid, errors[sid])

@@ -36,7 +36,8 @@ ENGINE = ["--max-model-len", str(MAX_LEN), "--max-num-batched-tokens", "64", "--
 # DP engines eager: DP is orchestration (the engines are independent), and on CPU each engine's
 # core binding is its own compile-cache key, so compiled DP tests compiled once per engine
 DP_ENGINE = [*ENGINE, "--enforce-eager"]
-BAD = [json.dumps({"id": "oov", "token_ids": [1, VOCAB]}), json.dumps({"id": "s0", "token_ids": [1, 2]})]  # + duplicate id
+BAD = [json.dumps({"id": "oov", "token_ids": [1, VOCAB]}),
+       json.dumps({"id": "s0", "token_ids": [1, 2]})]  # + duplicate id
 
 
 def dp_prompts(path, n, seed=0, bad=True):

@@ -40,8 +40,9 @@ def fetch_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(dense, tmp_path_factory, fetch_dir):
     s = Server(dense, tmp_path_factory.mktemp("srv") / "server.log", ",".join(map(str, LAYERS)),
-               "--max-model-len", "1024", "--enforce-eager", "--enable-prompt-tokens-details", "--max-hidden-tokens", str(MAX_HIDDEN),
-               "--max-request-bytes", str(MAX_BODY), "--api-server-count", "2", "--fetch-ttl", str(FETCH_TTL),
+               "--max-model-len", "1024", "--enforce-eager", "--enable-prompt-tokens-details",
+               "--max-hidden-tokens", str(MAX_HIDDEN), "--max-request-bytes", str(MAX_BODY),
+               "--api-server-count", "2", "--fetch-ttl", str(FETCH_TTL),
                "--max-unfetched-bytes", str(UNFETCHED), "--fetch-dir", str(fetch_dir), api_key=KEY)
     yield s
     s.stop()
@@ -138,7 +139,8 @@ def test_fetch_needs_the_api_key_and_a_known_id(server, ref):
     with pytest.raises(RuntimeError, match="HTTP 404"):
         fetch(c, obj)
     for bad in ("A" * 32, "x", "..%2F..%2Fetc%2Fpasswd", obj["url"].rsplit("/", 1)[1] + "A"):
-        r = requests.get(server.url + "/v1/hidden_states/" + bad, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        r = requests.get(server.url + "/v1/hidden_states/" + bad, headers={"Authorization": f"Bearer {KEY}"},
+                         timeout=60)
         assert r.status_code == 404 and r.json()["error"]["code"] == 404, (bad, r.text)
 
 
@@ -152,8 +154,8 @@ def test_unfetched_states_are_bounded(server, fetch_dir):
     model = server.model_name()
     held, refused = [], 0
     for i in range(400):
-        code, body = server.post("/v1/completions", {"model": model, "prompt": prompt(2000 + i, MAX_HIDDEN), "max_tokens": 1,
-                                                     "hidden_states": {"transfer": "fetch"}})
+        code, body = server.post("/v1/completions", {"model": model, "prompt": prompt(2000 + i, MAX_HIDDEN),
+                                                     "max_tokens": 1, "hidden_states": {"transfer": "fetch"}})
         if code == 503:
             assert "--max-unfetched-bytes" in body["error"]["message"], body
             refused += 1
@@ -179,7 +181,8 @@ def test_completion_all_tokens_cover_generated_tokens(server, ref):
     c = server.client()
     p = prompt(2, 30)
     r = c.completions.create(model=server.model_name(), prompt=p, max_tokens=8, temperature=0,
-                             extra_body={"hidden_states": {"layers": [3, 0], "tokens": "all"}, "return_token_ids": True})
+                             extra_body={"hidden_states": {"layers": [3, 0], "tokens": "all"},
+                                         "return_token_ids": True})
     gen = list(r.choices[0].token_ids)
     assert len(gen) == r.usage.completion_tokens == 8
     # the last sampled token is never run through the model, so it has no state
@@ -205,7 +208,8 @@ def test_chat_streaming_states_arrive_with_the_final_chunk(server, ref):
 def test_chat_prompt_states_non_streaming(server, ref):
     c = server.client()
     r = c.chat.completions.create(model=server.model_name(),
-                                  messages=[{"role": "system", "content": "x y"}, {"role": "user", "content": "hello there"}],
+                                  messages=[{"role": "system", "content": "x y"},
+                                            {"role": "user", "content": "hello there"}],
                                   max_tokens=3, temperature=0, extra_body={"hidden_states": {"layers": [0, 3]}})
     obj = r.model_extra["hidden_states"]
     assert obj["num_tokens"] == r.usage.prompt_tokens
@@ -305,13 +309,16 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, ref):
         code, body = server.post("/v1/completions", {**base, "hidden_states": {"layers": [7]}},
                                  headers={"Authorization": auth})
         assert code == 401, (auth, code, body)
-    code, body = server.post("/v1/completions", json.dumps({**base, "hidden_states": True, "pad": "x" * MAX_BODY}).encode())
+    code, body = server.post("/v1/completions",
+                             json.dumps({**base, "hidden_states": True, "pad": "x" * MAX_BODY}).encode())
     assert code == 413 and str(MAX_BODY) in json.dumps(body)
     # the field after the limit: found while the body streams on to vLLM, still a 413
-    code, body = server.post("/v1/completions", json.dumps({**base, "pad": "x" * 8 * MAX_BODY, "hidden_states": True}).encode())
+    code, body = server.post("/v1/completions",
+                             json.dumps({**base, "pad": "x" * 8 * MAX_BODY, "hidden_states": True}).encode())
     assert code == 413 and str(MAX_BODY) in json.dumps(body)
     # a large body without the field is vLLM's to answer, as on a plain server
-    code, body = server.post("/v1/completions", json.dumps({**base, "temperature": 0, "pad": "x" * 8 * MAX_BODY}).encode())
+    code, body = server.post("/v1/completions",
+                             json.dumps({**base, "temperature": 0, "pad": "x" * 8 * MAX_BODY}).encode())
     assert code == 200 and "hidden_states" not in body and body["choices"][0]["text"]
     code, body = server.post("/v1/completions", b'{"hidden_states": true, "prompt": [1, 2')  # malformed JSON
     assert 400 <= code < 500

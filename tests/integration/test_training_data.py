@@ -171,7 +171,8 @@ def test_speculators_export_reads_back_as_its_loader_does(run):
         assert torch.equal(hs["token_ids"], row["input_ids"]) and len(row["input_ids"]) == hs["hidden_states"].shape[0]
         assert row["seq_len"] == len(row["input_ids"]) == len(row["loss_mask"])
         assert torch.equal(row["loss_mask"], s["loss_mask"].long())
-        assert hs["hidden_states"].shape == (len(row["input_ids"]), 3, 256) and torch.isfinite(hs["hidden_states"]).all()
+        assert (hs["hidden_states"].shape == (len(row["input_ids"]), 3, 256)
+                and torch.isfinite(hs["hidden_states"]).all())
         assert torch.equal(hs["hidden_states"][:, :-1].flatten(1), s["hidden_states"][:, :2].flatten(1))
         assert torch.equal(hs["hidden_states"][:, -1], s["hidden_states"][:, 2])  # layer 7, before the norm
     assert not list(root.glob(".speculators-export-*"))  # its scratch table is gone

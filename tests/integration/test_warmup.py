@@ -65,7 +65,8 @@ def test_warmup_then_extract_compiles_nothing(model, tmp_path):
     assert start["kernels_compiled"] == 0 and start["autotune_results_stored"] == 0, start
     assert "engine started WARM" in e.stdout + e.stderr and ", warm;" in e.stdout
     assert start["cache_dirs"]["VLLM_CACHE_ROOT"] == str(cache / "vllm")
-    assert start["model_runner"] == "v1" and json.loads((out / "manifest.json").read_text())["engine"]["model_runner"] == "v1"
+    assert (start["model_runner"] == "v1"
+            and json.loads((out / "manifest.json").read_text())["engine"]["model_runner"] == "v1")
 
     # what a warm engine computes is still right
     ds = HiddenStatesDataset(out)
@@ -92,8 +93,8 @@ def test_engines_started_at_once_compile_once(tiny_models, tmp_path):
         logs.append((out, err))
         procs.append(subprocess.Popen(
             [*CLI, "extract", "-m", str(model), "--layers", LAYERS, "--max-model-len",
-             MAX_LEN, "--cache-dir", str(cache), *ENGINE, "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / f"out{i}"),
-             "--no-progress"], stdout=out, stderr=err, text=True, env=cli_env()))
+             MAX_LEN, "--cache-dir", str(cache), *ENGINE, "-i", str(tmp_path / "in.jsonl"),
+             "-o", str(tmp_path / f"out{i}"), "--no-progress"], stdout=out, stderr=err, text=True, env=cli_env()))
     results = []
     for p, (out, err) in zip(procs, logs):
         p.wait(timeout=900)

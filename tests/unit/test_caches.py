@@ -387,7 +387,8 @@ def test_new_kernels_counts_only_new_kernel_binaries_and_autotune_results(cache_
     _touch(tri / "H2" / "_chunk_fwd.hsaco")
     _touch(tri / "H3" / "chunk_gated_delta_rule.autotune.json")
     _touch(tri / "H4" / "other.autotune.json")
-    for name in ("kernel.json", "kernel.ttir", "kernel.ptx", "__grp__kernel.json", "k.so.lock", "k.sox", "autotune.txt"):
+    for name in ("kernel.json", "kernel.ttir", "kernel.ptx", "__grp__kernel.json", "k.so.lock", "k.sox",
+                 "autotune.txt"):
         _touch(tri / "H5" / name)
     _touch(vllm / "torch_compile_cache" / "graph.py")
     for f in old:  # rewritten after the snapshot: not new

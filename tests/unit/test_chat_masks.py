@@ -151,7 +151,8 @@ def test_a_thinking_template_that_marks_only_the_last_turn_still_gets_exact_mask
     thinking = chat_model.TEMPLATE.replace("<|assistant|> {{ m.content }}",
                                            "<|assistant|> {% if loop.last %}c d {% endif %}{{ m.content }}")
     # ...and, as Qwen3's does, a separator before tool calls only after non-empty content
-    thinking = thinking.replace("{%- if m.tool_calls %} call", "{%- if m.tool_calls %}{% if m.content %} y{% endif %} call")
+    thinking = thinking.replace("{%- if m.tool_calls %} call",
+                                "{%- if m.tool_calls %}{% if m.content %} y{% endif %} call")
     assert thinking.count("loop.last") == 1 and thinking.count(" y{% endif %}") == 1
     tok = chat_model.tokenizer(tmp_path, thinking)
     two = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "e"},
@@ -239,14 +240,16 @@ def test_bad_input_columns_are_refused_naming_them(spec, msg):
 def test_a_conversation_that_opens_with_an_assistant_turn_masks_only_that_turn(tmp_path, tok):
     # the template reads messages[0] (system prompt, tools), so the empty conversation cannot
     # be rendered: the turn is placed by its content, never from character 0
-    (p,) = reader(tmp_path, tok, [{"messages": [{"role": "assistant", "content": "b c"}, {"role": "user", "content": "d"}],
+    (p,) = reader(tmp_path, tok, [{"messages": [{"role": "assistant", "content": "b c"},
+                                                {"role": "user", "content": "d"}],
                                    "tools": chat_model.TOOLS}])
     toks = tok.convert_ids_to_tokens(p.token_ids)
     assert toks[0] == "<|system|>" and [t for t, m in zip(toks, mask_of(p)) if m] == ["b", "c", "<|end|>"]
 
 
 def test_a_record_the_tokenizer_cannot_take_is_an_error_record_and_the_run_goes_on(tmp_path, tok):
-    bad = {"id": "surrogate", "messages": [{"role": "user", "content": "\ud800"}, {"role": "assistant", "content": "b"}]}
+    bad = {"id": "surrogate", "messages": [{"role": "user", "content": "\ud800"},
+                                           {"role": "assistant", "content": "b"}]}
     text = {"id": "surrogate-text", "text": "a \ud800"}
     ok = {"id": "ok", "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
     out = list(reader(tmp_path, tok, [bad, text, ok]))

@@ -372,7 +372,8 @@ def test_the_parsers_are_read(pytestconfig):
     assert {"--max-model-len", "--enforce-eager", "--no-enable-chunked-prefill"} <= v["engine"]
     assert {"--port", "--api-key", "--middleware", "--max-model-len"} <= v["serve"]
     assert "--port" not in v["engine"]
-    assert {"--durations", "--lf", "--timeout", "-k"} <= pytest_flags(pytestconfig)  # pytest-timeout is a test dependency
+    # pytest-timeout is a test dependency
+    assert {"--durations", "--lf", "--timeout", "-k"} <= pytest_flags(pytestconfig)
 
 
 SAMPLE = """

@@ -16,8 +16,8 @@ class FakeTok:
 def read(tmp_path, lines, **kw):
     p = tmp_path / "in.jsonl"
     p.write_text("\n".join(lines) + "\n")
-    return list(PromptReader(p, vocab_size=kw.get("vocab", 100), max_prompt_len=kw.get("max_len", 5), tokenizer_loader=FakeTok,
-                             loss_mask=kw.get("loss_mask")))
+    return list(PromptReader(p, vocab_size=kw.get("vocab", 100), max_prompt_len=kw.get("max_len", 5),
+                             tokenizer_loader=FakeTok, loss_mask=kw.get("loss_mask")))
 
 
 def test_good_lines_and_default_ids(tmp_path):

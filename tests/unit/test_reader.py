@@ -247,9 +247,11 @@ def test_token_budget_batches_never_exceed_it_and_keep_every_token(output, tmp_p
     samples = [ds[i] for i in range(5)]
     for layout in ("packed", "padded"):
         b = collate_tokens(samples, layout)
-        assert b["ids"] == [s["id"] for s in samples] and b["lengths"].tolist() == [len(s["token_ids"]) for s in samples]
+        assert (b["ids"] == [s["id"] for s in samples]
+                and b["lengths"].tolist() == [len(s["token_ids"]) for s in samples])
     most = max(lengths)
-    with pytest.raises(ValueError, match=rf"sample 's\d+' has {most} tokens, more than the token budget {most - 1}") as e:
+    with pytest.raises(ValueError,
+                       match=rf"sample 's\d+' has {most} tokens, more than the token budget {most - 1}") as e:
         list(ShardedStream(ds, token_budget=most - 1))
     assert len(data[str(e.value).split("'")[1]]["token_ids"]) == most  # the sample named is that long
 

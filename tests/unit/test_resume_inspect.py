@@ -46,7 +46,8 @@ def test_a_torn_last_journal_line_is_cut_so_the_next_resume_reads_clean(tmp_path
     j = Journal(tmp_path)  # what the resumed run appends
     j.record(ShardInfo(file="shard-00002.safetensors", bytes=1, blake3="0" * 64, num_samples=0, num_tokens=0))
     j.close()
-    assert sorted(s.file for s in read_journal(tmp_path)) == sorted([*(s.file for s in shards), "shard-00002.safetensors"])
+    assert (sorted(s.file for s in read_journal(tmp_path))
+            == sorted([*(s.file for s in shards), "shard-00002.safetensors"]))
 
 
 def test_resume_refuses_a_damaged_output(tmp_path):
@@ -78,7 +79,8 @@ def test_inspect_verifies_and_names_a_corrupted_shard(tmp_path):
     res = runner.invoke(app, ["inspect", str(tmp_path), "--json"])
     rep = json.loads(res.stdout.strip().splitlines()[-1])
     assert res.exit_code == 1 and not rep["ok"]
-    assert rep["problems"] == [f"{shards[1].file}: BLAKE3 does not match the recorded {shards[1].blake3[:16]}... (corrupted)"]
+    assert rep["problems"] == [f"{shards[1].file}: BLAKE3 does not match the recorded "
+                               f"{shards[1].blake3[:16]}... (corrupted)"]
 
 
 def test_inspect_reports_an_interrupted_run(tmp_path):

@@ -140,7 +140,8 @@ def _step(runner, reqs: dict[str, int], new: list, cached: dict[str, int], count
                 aux[k][q0 + j] = _value(reqs[rid], start[rid] + j, layer)
     runner.execute_model_state = SimpleNamespace(input_batch=batch, aux_hidden_states=aux, hidden_states=None)
     out = SimpleNamespace(scheduled_new_reqs=new,
-                          scheduled_cached_reqs=SimpleNamespace(req_ids=list(cached), num_computed_tokens=list(cached.values())),
+                          scheduled_cached_reqs=SimpleNamespace(req_ids=list(cached),
+                                                                num_computed_tokens=list(cached.values())),
                           finished_req_ids=set(finished), total_num_scheduled_tokens=n, num_scheduled_tokens=counts)
     runner.execute_model(out)
 

@@ -117,7 +117,8 @@ def test_inspect_over_s3_names_a_corrupted_object(s3, tmp_path):
     body[-3] ^= 0x01
     client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
     r = verify_output(f"s3://{bucket}/insp", s3_endpoint_url=url)
-    assert r.problems == [f"{shards[0].file}: BLAKE3 does not match the recorded {shards[0].blake3[:16]}... (corrupted)"]
+    assert r.problems == [f"{shards[0].file}: BLAKE3 does not match the recorded "
+                          f"{shards[0].blake3[:16]}... (corrupted)"]
 
 
 def test_a_fault_longer_than_boto3s_own_retries_is_ridden_out(s3, tmp_path):

@@ -122,7 +122,8 @@ def test_memory_is_bounded_by_the_arena_pool(tmp_path, monkeypatch):
 
     allocated = []
     real = shards_mod.ShardWriter._new_buffer
-    monkeypatch.setattr(shards_mod.ShardWriter, "_new_buffer", lambda self, rows: allocated.append(rows) or real(self, rows))
+    monkeypatch.setattr(shards_mod.ShardWriter, "_new_buffer",
+                        lambda self, rows: allocated.append(rows) or real(self, rows))
     w = _writer(tmp_path, rows=10, threads=2)
     data = {}
     for i in range(40):

@@ -71,7 +71,8 @@ class _Sched(_Taper, _Base):
 
 
 def _request(rid: str, n: int, last: bool = False, extra: bool = True) -> SimpleNamespace:
-    params = SimpleNamespace(extra_args={"vllm_hidden_id": rid, **({LAST_KEY: True} if last else {})} if extra else None)
+    params = SimpleNamespace(extra_args={"vllm_hidden_id": rid, **({LAST_KEY: True} if last else {})}
+                             if extra else None)
     return SimpleNamespace(request_id=rid, num_prompt_tokens=n, num_computed_tokens=0, sampling_params=params)
 
 

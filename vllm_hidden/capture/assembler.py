@@ -146,8 +146,8 @@ class Assembler:
             del self._partial[rid]
             end = part.end
             self.sink.add_rows(part.req.sample_id, end["token_ids"], part.slot.buf[: part.total],
-                               part.slot.stat[: part.total], loss_spans=end["loss_spans"], num_prompt=end["num_prompt"], record=end["record"],
-                               line=part.req.line)
+                               part.slot.stat[: part.total], loss_spans=end["loss_spans"], num_prompt=end["num_prompt"],
+                               record=end["record"], line=part.req.line)
         elif part.finished:  # no more rows will come
             del self._partial[rid]
             self._dropped(rid, part.req, f"the request ended with {part.filled} of its {part.total} rows captured")

@@ -205,7 +205,8 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
         if verify and self.manifest.sample_checksum is None and self.manifest.shards:
             how = ("each process hashes a shard's whole file (BLAKE3) when it first opens it" if self._s3 is None else
                    "only shard sizes are checked when reading; `vllm-hidden inspect` hashes every object")
-            log.warning("vllm-hidden: %s was written without per-sample checksums (an older vllm-hidden): %s", path, how)
+            log.warning("vllm-hidden: %s was written without per-sample checksums (an older vllm-hidden): %s",
+                        path, how)
 
     def __len__(self) -> int:
         return self._len

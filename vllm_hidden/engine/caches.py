@@ -63,7 +63,8 @@ class CacheDirs:
         except OSError as e:
             raise ValueError(f"--cache-dir ({CACHE_ENV}): cannot create {str(self.root)!r}: {e}") from None
         for var, value in [*((v, str(self.root / sub)) for v, sub in _DIRS.items()), ("TRITON_CACHE_AUTOTUNING", "1")]:
-            if var not in os.environ or os.environ[var] in (_APPLIED.get(var), value):  # the user's own wins, ours moves
+            # the user's own wins, ours moves
+            if var not in os.environ or os.environ[var] in (_APPLIED.get(var), value):
                 os.environ[var] = _APPLIED[var] = value
             elif var in _DIRS:
                 log.warning("vllm-hidden: %s=%s is set in the environment; it is used instead of %s",
@@ -126,7 +127,8 @@ class CacheDirs:
                 except (BlockingIOError, PermissionError):
                     pass
                 except OSError as e:
-                    log.warning("vllm-hidden: no start lock on %s (%s); engines started at once may each compile", path, e)
+                    log.warning("vllm-hidden: no start lock on %s (%s); engines started at once may each compile",
+                                path, e)
                     break
                 now = time.monotonic() - t0
                 if not waited or int(now) % 60 == 0:

@@ -158,7 +158,8 @@ class Capture:
         pub = Publisher()
         self._set_layout(False)
         sink = MemorySink(self.transfer.shape[1:], self.transfer.values_dtype, pub.send_sample, pub.send_failure)
-        self.thread = AssemblerThread(Assembler(self.transfer, sink), cpus=compat.cpus_off_the_forward(self.runner.device))
+        self.thread = AssemblerThread(Assembler(self.transfer, sink),
+                                      cpus=compat.cpus_off_the_forward(self.runner.device))
         self.sink_kind = "publish"
         log.info("vllm-hidden: sending hidden states to the API server")
         return True

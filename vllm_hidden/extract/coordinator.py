@@ -246,8 +246,8 @@ def run_parallel(cfg: ExtractConfig):
     summary.errors = output.num_errors
     summary.seconds = finished - t_dispatch  # the first prompt handed out .. every shard durable
     summary.engine_init_seconds = max(r["engine_init_seconds"] for r in ready.values())
-    summary.first_sample_seconds = min((done[r]["first_sample_seconds"] for r in done if done[r]["first_sample_seconds"]),
-                                       default=0.0)
+    summary.first_sample_seconds = min((done[r]["first_sample_seconds"] for r in done
+                                        if done[r]["first_sample_seconds"]), default=0.0)
     summary.flush_seconds = max(res.flush_seconds for res in results)
     summary.engine_start = {"warm": all(r.get("engine_start", {}).get("warm") for r in ready.values())}
     summary.ranks = [{"rank": r, **ready[r], "samples": res.samples, "tokens": res.tokens,

@@ -98,7 +98,8 @@ def plan_extract(cfg: ExtractConfig) -> Plan:
     info = model_info(cfg.model)
     layer_ids = resolve_layer_ids(info.num_layers, cfg.layers, cfg.aux_layers, cfg.layers_from)
     if cfg.max_model_len and info.max_positions and cfg.max_model_len > info.max_positions:
-        raise ValueError(f"--max-model-len {cfg.max_model_len} is above the model's limit of {info.max_positions} positions")
+        raise ValueError(f"--max-model-len {cfg.max_model_len} is above the model's limit of "
+                         f"{info.max_positions} positions")
     max_len = cfg.max_model_len or info.max_positions
     if not max_len:
         raise ValueError(f"--max-model-len is required: {cfg.model!r} does not state max_position_embeddings")

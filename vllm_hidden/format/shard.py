@@ -31,7 +31,8 @@ ROW_TENSORS = (HIDDEN, FINAL, HIDDEN_SCALE, FINAL_SCALE, TOKENS, LOSS_MASK)
 # fp8 storage: each value tensor and its float32 scales (value = fp8 * scale)
 SCALES = {HIDDEN: HIDDEN_SCALE, FINAL: FINAL_SCALE}
 # the manifest's `storage` for an fp8 output
-FP8_STORAGE = {"dtype": "float8_e4m3fn", "scale": f"float32 per (token, layer): amax / {FP8_MAX:g}; value = fp8 * scale",
+FP8_STORAGE = {"dtype": "float8_e4m3fn",
+               "scale": f"float32 per (token, layer): amax / {FP8_MAX:g}; value = fp8 * scale",
                "tensors": dict(SCALES)}
 
 INDEX, LAYER_IDS = "samples", "layer_ids"

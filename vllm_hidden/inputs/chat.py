@@ -102,7 +102,8 @@ class ChatEncoder:
         except Exception as e:  # noqa: BLE001 - the template's own message names the problem
             raise ValueError(f"chat template failed: {type(e).__name__}: {e}") from None
 
-    def encode(self, messages: list[dict[str, Any]], tools: Any, rule: str) -> tuple[list[int], list[tuple[int, int]] | None]:
+    def encode(self, messages: list[dict[str, Any]], tools: Any,
+               rule: str) -> tuple[list[int], list[tuple[int, int]] | None]:
         """-> (token ids, loss spans [start, end) in tokens, or None under rule 'none')."""
         if not messages:
             raise ValueError("conversation is empty")

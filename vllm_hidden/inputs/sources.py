@@ -47,7 +47,8 @@ def _pyarrow_parquet():
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ImportError("Parquet input needs pyarrow: pip install 'vllm-hidden[parquet]' (or pip install pyarrow)") from None
+        raise ImportError("Parquet input needs pyarrow: pip install 'vllm-hidden[parquet]' "
+                          "(or pip install pyarrow)") from None
     return pq
 
 

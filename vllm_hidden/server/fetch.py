@@ -74,5 +74,6 @@ class FetchForm:
             os.close(fd)
         size = len(view)
         await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/octet-stream"), (b"content-length", str(size).encode())]})
+                    "headers": [(b"content-type", b"application/octet-stream"),
+                                (b"content-length", str(size).encode())]})
         await send_body(send, [view], more=False, chunk=SEND_CHUNK_FETCH)

@@ -92,7 +92,8 @@ def _check_shape(req: dict[str, Any], endpoint: str) -> None:
     if endpoint == "/v1/completions":
         p = req.get("prompt")
         if isinstance(p, list) and p and isinstance(p[0], (str, list)) and len(p) > 1:
-            raise RequestError(f"hidden_states needs a single prompt per request, got a list of {len(p)}", param="prompt")
+            raise RequestError(f"hidden_states needs a single prompt per request, got a list of {len(p)}",
+                               param="prompt")
 
 
 class HiddenStatesMiddleware:
@@ -270,7 +271,8 @@ class HiddenStatesMiddleware:
             try:
                 store = self._fetch_form.open_store()
             except (RequestError, OSError) as e:
-                err = e if isinstance(e, RequestError) else RequestError(f"the fetch form is unavailable: {e}", status=500)
+                err = (e if isinstance(e, RequestError)
+                       else RequestError(f"the fetch form is unavailable: {e}", status=500))
                 return await send_error(send, err)
             row_bytes = len(spec.columns) * self._hidden * self._itemsize + 8  # the rows and their token ids
 

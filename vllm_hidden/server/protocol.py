@@ -77,10 +77,12 @@ def parse_field(value: Any, server_layers: tuple[int, ...]) -> HiddenStatesSpec 
     if value is True:
         return HiddenStatesSpec(layer_ids=tuple(server_layers), columns=tuple(range(len(server_layers))))
     if not isinstance(value, dict):
-        raise RequestError(f"'hidden_states' must be true or an object like {{\"layers\": {allowed}}}, got {_show(value)}")
+        raise RequestError("'hidden_states' must be true or an object like "
+                           f"{{\"layers\": {allowed}}}, got {_show(value)}")
     unknown = sorted(set(value) - {"layers", "tokens", "transfer"})
     if unknown:
-        raise RequestError(f"'hidden_states' has unknown keys {_show(unknown)}; allowed: 'layers', 'tokens', 'transfer'")
+        raise RequestError(f"'hidden_states' has unknown keys {_show(unknown)}; "
+                           "allowed: 'layers', 'tokens', 'transfer'")
     tokens = value.get("tokens", "prompt")
     if tokens not in TOKENS_MODES:
         raise RequestError(f"'hidden_states.tokens' must be one of {list(TOKENS_MODES)}, got {_show(tokens)}")
@@ -91,7 +93,8 @@ def parse_field(value: Any, server_layers: tuple[int, ...]) -> HiddenStatesSpec 
     if layers is None:
         layers = allowed
     if not isinstance(layers, list) or not layers:
-        raise RequestError(f"'hidden_states.layers' must be a non-empty list of layer ids from {allowed}, got {_show(layers)}")
+        raise RequestError(f"'hidden_states.layers' must be a non-empty list of layer ids from {allowed}, "
+                           f"got {_show(layers)}")
     if any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
         raise RequestError(f"'hidden_states.layers' must hold integer layer ids, got {_show(layers)}")
     if len(set(layers)) != len(layers):

@@ -97,5 +97,6 @@ class Manifest:
     def read(cls, out_dir: str | Path) -> "Manifest":
         path = Path(out_dir) / MANIFEST
         if not path.is_file():
-            raise FileNotFoundError(f"no {MANIFEST} in {str(out_dir)!r} (not an extract output, or the run did not finish)")
+            raise FileNotFoundError(f"no {MANIFEST} in {str(out_dir)!r} "
+                                    "(not an extract output, or the run did not finish)")
         return cls.from_dict(json.loads(path.read_text()))

@@ -119,8 +119,8 @@ class S3Location:
                  self.retry_for_s)
 
     def put_file(self, local: Path, name: str) -> None:
-        ride_out(lambda: self.client.upload_file(str(local), self.bucket, self.key(name)), f"upload of {name}", self.uri,
-                 self.retry_for_s)
+        ride_out(lambda: self.client.upload_file(str(local), self.bucket, self.key(name)), f"upload of {name}",
+                 self.uri, self.retry_for_s)
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of an object."""
@@ -264,7 +264,8 @@ class S3Uploader:
     def _put(self, local: Path, info: ShardInfo) -> None:
         key = self.loc.key(info.file)
         meta = {"blake3": info.blake3, "num-samples": str(info.num_samples), "num-tokens": str(info.num_tokens)}
-        self.loc.client.upload_file(str(local), self.loc.bucket, key, ExtraArgs={"Metadata": meta}, Config=self.transfer)
+        self.loc.client.upload_file(str(local), self.loc.bucket, key, ExtraArgs={"Metadata": meta},
+                                    Config=self.transfer)
         size = self.loc.client.head_object(Bucket=self.loc.bucket, Key=key)["ContentLength"]
         if size != info.bytes:
             raise OSError(f"{info.file}: S3 holds {size} bytes, the shard has {info.bytes}")

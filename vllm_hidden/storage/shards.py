@@ -40,8 +40,8 @@ _SYNC_EVERY = 256 << 20  # fdatasync as data accumulates, so the final fsync has
 
 
 class ShardWriter:
-    """reserve() -> slot.place(rows, stats) (or fill slot.buf) -> commit() (or drop()); close() finishes what is left and
-    returns every shard written. reserve/commit/drop are called from one thread (the
+    """reserve() -> slot.place(rows, stats) (or fill slot.buf) -> commit() (or drop()); close() finishes what is left
+    and returns every shard written. reserve/commit/drop are called from one thread (the
     assembler); files are written by `cfg.writer_threads` threads."""
 
     def __init__(self, cfg: ShardConfig, layer_ids: list[int], hidden_size: int, dtype: torch.dtype) -> None:
@@ -187,7 +187,8 @@ class ShardWriter:
             raise ValueError(f"sample {sample_id!r}: final_hidden_states must be given exactly when the output "
                              f"stores them (final_state={self.cfg.final_state})")
         slot = self.reserve(sample_id, token_ids, loss_spans=loss_spans)
-        rows = hidden_states if final_hidden_states is None else torch.cat([hidden_states, final_hidden_states[:, None]], 1)
+        rows = (hidden_states if final_hidden_states is None
+                else torch.cat([hidden_states, final_hidden_states[:, None]], 1))
         stat = torch.empty(rows.shape[:2], dtype=torch.float32)
         if self.fp8:
             values = torch.empty(rows.shape, dtype=quant.FP8)

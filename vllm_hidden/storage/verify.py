@@ -73,7 +73,8 @@ def _check_s3_shard(loc, s: ShardInfo, layers: int | None) -> list[str]:
         size += len(chunk)
     if size != s.bytes:
         return [f"{s.file}: {size} bytes, recorded {s.bytes}"]
-    out = [] if h.hexdigest() == s.blake3 else [f"{s.file}: BLAKE3 does not match the recorded {s.blake3[:16]}... (corrupted)"]
+    out = ([] if h.hexdigest() == s.blake3
+           else [f"{s.file}: BLAKE3 does not match the recorded {s.blake3[:16]}... (corrupted)"])
     return out + _header_problems(loc, s, layers)
 
 
