@@ -323,10 +323,11 @@ class WholeShardVerified(HiddenStatesDataset):
         super().__init__(path, verify=False)
 
     def shard(self, k: int) -> Any:
-        if self._pid != os.getpid() or k not in self._open:  # this process opens shard k
+        if k not in self._checked:  # this process opens shard k first (the set is emptied in a forked worker)
             info = self.manifest.shards[k]
             if whole_file_blake3(self.root / info.file) != info.blake3:
                 raise ValueError(f"shard {info.file!r} does not match its BLAKE3 checksum in the manifest")
+            self._checked.add(k)
         return super().shard(k)
 
 
