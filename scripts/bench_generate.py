@@ -2,7 +2,7 @@
 generates the responses, then `vllm-hidden extract` prefills prompt + response again) against
 one pass (`vllm-hidden extract --generate`), on the same prompts and engine settings.
 
-    # GPU host, Qwen3.6-27B text dims (random weights), BRIEF's W-chat prompts, 256 tokens each:
+    # GPU host, Qwen3.6-27B text dims (random weights), the W-chat workload's prompts, 256 tokens each:
     python scripts/bench_generate.py --qwen36-27b --max-tokens 256
     # CPU, tiny random Qwen3-Next:
     python scripts/bench_generate.py --workload small --max-tokens 32
@@ -23,19 +23,13 @@ Engine starts are not in any wall time (a real two-pass pipeline starts two engi
 from __future__ import annotations
 
 import json
-import os
-import platform
 import shutil
-import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402 - the prefill benchmark's workloads, engine start, RSS sampling, verification
-
-ROOT = bench.ROOT
+import benchlib
+from benchlib import RssPeak
 
 
 def run_generate(spec: dict, save) -> dict:
@@ -44,19 +38,17 @@ def run_generate(spec: dict, save) -> dict:
 
     prompts = json.loads(Path(spec["prompts"]).read_text())
     # the max_model_len extract --generate gives its engine: prompt limit + max tokens + 1
-    engine, init = bench._start_engine([spec["model"], *spec["engine_args"]], spec["max_model_len"] + 1)
+    engine, init = benchlib.start_engine([spec["model"], *spec["engine_args"]], spec["max_model_len"] + 1)
     sp = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False,
                         output_kind=RequestOutputKind.FINAL_ONLY)
     res = {"engine_init_seconds": init}
     try:
-        with bench.RssPeak() as rss:
-            dt, outs = bench._timed_loop(engine, prompts, lambda i: sp)
+        with RssPeak() as rss:
+            dt, outs = benchlib.timed_loop(engine, prompts, lambda i: sp)
     finally:
         engine.engine_core.shutdown()
     by_id = {int(o.request_id): list(o.outputs[0].token_ids) for o in outs}
-    with open(spec["second_pass_input"], "w") as f:
-        for i, p in enumerate(prompts):
-            f.write(json.dumps({"id": i, "token_ids": p + by_id[i]}) + "\n")
+    benchlib.write_prompts(spec["second_pass_input"], [p + by_id[i] for i, p in enumerate(prompts)])
     Path(spec["responses"]).write_text(json.dumps([by_id[i] for i in range(len(prompts))]))
     gen = sum(map(len, by_id.values()))
     res.update(seconds=dt, generated_tokens=gen, samples=len(outs), generated_tokens_per_s=round(gen / dt, 1),
@@ -85,7 +77,7 @@ def verify_generated(out: Path, prompts: list[list[int]], max_tokens: int) -> di
         ok = ok and gens[sid]["num_prompt_tokens"] == p and s["hidden_states"].shape[0] == len(ids)
         seen.add(sid)
         responses[sid] = ids[p:]
-    v = bench.verify_extract(out, [[]] * len(prompts))  # checksums, finite, bytes (token ids checked above)
+    v = benchlib.verify_extract(out, [[]] * len(prompts))  # checksums, finite, bytes (token ids checked above)
     v.pop("token_ids_match")
     v.update(all_samples_present_once=seen == set(range(len(prompts))) and len(gens) == len(prompts),
              prompts_responses_and_generations_match=ok)
@@ -111,7 +103,7 @@ def run_extract(spec: dict, save) -> dict:
         window = ex.generate_window(False)
         res["inflight_window_rows"] = window
         res["inflight_bound_bytes"] = window * len(ex.layer_ids) * ex.info.hidden_size * 2
-        with bench.RssPeak() as rss:
+        with RssPeak() as rss:
             s = extract_file(ex, spec["input"], str(out / "one-pass")).to_dict()
         v, responses = verify_generated(out / "one-pass", prompts, spec["max_tokens"])
         plain = json.loads(Path(spec["responses"]).read_text()) if Path(spec["responses"]).exists() else None
@@ -130,41 +122,33 @@ def run_extract(spec: dict, save) -> dict:
         second = replace(cfg, generate=None, input_path=spec["second_pass_input"], output_dir=str(out / "second"))
         ex.reconfigure(second, plan_extract(second))
         two = [json.loads(line)["token_ids"] for line in Path(spec["second_pass_input"]).read_text().splitlines()]
-        with bench.RssPeak() as rss:
+        with RssPeak() as rss:
             s = extract_file(ex, spec["second_pass_input"], str(out / "second")).to_dict()
         res["second_pass"] = {"seconds": s["seconds"], "tokens": s["tokens"], "flush_seconds": s["flush_seconds"],
-                              "peak_rss_bytes_during_run": rss.peak, "verified": bench.verify_extract(out / "second", two)}
+                              "peak_rss_bytes_during_run": rss.peak, "verified": benchlib.verify_extract(out / "second", two)}
         save(res)
         shutil.rmtree(out / "second")
     return res
 
 
 def child(spec_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
-
-    def save(res: dict) -> None:
-        tmp = Path(spec["result"] + ".tmp")
-        tmp.write_text(json.dumps(res))
-        os.replace(tmp, spec["result"])
-
+    spec, save = benchlib.child_spec(spec_path)
     {"generate": run_generate, "extract": run_extract}[spec["case"]](spec, save)
 
 
 def main() -> None:
-    ap = bench.model_parser(__doc__)
-    ap.add_argument("--workload", default="w-chat", help=f"one of {sorted(bench.WORKLOADS)}")
+    ap = benchlib.model_parser(__doc__)
+    ap.add_argument("--workload", default="w-chat", help=f"one of {sorted(benchlib.WORKLOADS)}")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--cases", default="generate,extract")
     ap.add_argument("--layers", default=None, help="layer ids (default: the DFlash default for the model)")
     ap.add_argument("--max-model-len", type=int, default=4096, help="prompt + response (as extract --generate)")
-    ap.add_argument("--work-dir", default=str(ROOT / ".bench"))
+    ap.add_argument("--work-dir", default=str(benchlib.ROOT / ".bench"))
     ap.add_argument("--engine-arg", action="append", default=[], help="passed to vLLM for every case (repeat)")
     ap.add_argument("--result", default=None, help="result JSON (default benchmarks/results/<kind>-generate-<time>.json)")
     ap.add_argument("--append", action="store_true", help="add these cases to an existing --result (a case per call)")
     a = ap.parse_args()
-    import signal
-
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    benchlib.exit_on_sigterm()
     if a.child:
         child(a.child)
         return
@@ -175,33 +159,22 @@ def main() -> None:
 
     from vllm_hidden.layers import resolve_layer_ids
 
-    model, engine, model_desc = bench.pick_model(a, work)
+    model, engine, model_desc = benchlib.pick_model(a, work)
     text = AutoConfig.from_pretrained(model).get_text_config()
     layer_ids = resolve_layer_ids(text.num_hidden_layers, a.layers, None, None)
-    ps = bench.make_prompts(bench.WORKLOADS[a.workload], text.vocab_size)
+    ps = benchlib.make_prompts(benchlib.WORKLOADS[a.workload], text.vocab_size)
     prompts, inp = work / f"gen-{a.workload}.prompts.json", work / f"gen-{a.workload}.jsonl"
     prompts.write_text(json.dumps(ps))
-    with open(inp, "w") as f:
-        for i, p in enumerate(ps):
-            f.write(json.dumps({"id": i, "token_ids": p}) + "\n")
+    benchlib.write_prompts(inp, ps)
     common = {"model": model, "engine_args": engine, "max_model_len": a.max_model_len,  # prompt + response
               "max_tokens": a.max_tokens, "layers": ",".join(map(str, layer_ids)), "prompts": str(prompts),
               "input": str(inp), "second_pass_input": str(work / "gen-second-pass.jsonl"),
               "responses": str(work / "gen-responses.json"), "out_dir": str(work / "gen-out")}
-    path = Path(a.result) if a.result else ROOT / "benchmarks" / "results" / (
-        f"{'gpu' if a.qwen36_27b else 'cpu'}-generate-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    import torch
-    import vllm
-
-    rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    result = {"command": " ".join(["python", "scripts/bench_generate.py", *sys.argv[1:]]), "git_revision": rev,
-              "source_blake3": bench.source_fingerprint(),
-              "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "python": platform.python_version()},
-              "machine": {"cpus": os.cpu_count(),
-                          "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
+    path = benchlib.result_path(a.result, f"{'gpu' if a.qwen36_27b else 'cpu'}-generate-{benchlib.stamp()}.json")
+    result = {"command": benchlib.command_line(__file__), **benchlib.engine_provenance(__file__),
               "model": model_desc, "layer_ids": layer_ids, "engine_args": engine, "max_model_len": a.max_model_len,
               "max_tokens": a.max_tokens, "sampling": "greedy, ignore_eos",
-              "workload": {**bench.WORKLOADS[a.workload], "name": a.workload, "seed": 0,
+              "workload": {**benchlib.WORKLOADS[a.workload], "name": a.workload, "seed": 0,
                            "prompt_tokens": sum(map(len, ps))},
               "cases": {}}
     if a.append and path.exists():  # earlier calls' cases (and commands) kept
@@ -214,10 +187,9 @@ def main() -> None:
                 Path(common[stale]).unlink(missing_ok=True)
         spec = {**common, "case": case, "result": str(work / f"gen-result-{case}.json")}
         print(f"bench_generate: case {case} ...", flush=True)
-        result["cases"][case] = bench.run_case(spec, work, script=__file__)
+        result["cases"][case] = benchlib.run_case(spec, work, __file__)
         summarize(result)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1))
+        benchlib.write_json(path, result)
         print(f"bench_generate: {case}: {json.dumps(result.get('summary', {}))}", flush=True)
         if result["cases"][case].pop("interrupted", False):
             sys.exit(143)

@@ -12,7 +12,6 @@ a system prompt and tools. The records: multi-turn conversations, lognormal turn
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -21,8 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import benchlib
+
+sys.path.insert(0, str(benchlib.ROOT))  # the package of this checkout
 
 CHATML = (
     "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
@@ -116,17 +116,17 @@ def measure(path: Path, tok, rule: str | None, vocab: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchlib.parser(__doc__)
     ap.add_argument("--samples", type=int, default=2000)
     ap.add_argument("--turns", type=int, default=3, help="most user/assistant turn pairs per conversation")
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--work-dir", default=str(ROOT / ".bench" / "inputs"))
+    ap.add_argument("--work-dir", default=str(benchlib.ROOT / ".bench" / "inputs"))
     ap.add_argument("--result", default=None)
     a = ap.parse_args()
     # one core, and the tokenizer's own thread pool off: a per-core figure
     os.environ["RAYON_NUM_THREADS"] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    core = sorted(os.sched_getaffinity(0))[0]
+    core = min(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {core})
     work = Path(a.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -151,20 +151,15 @@ def main() -> None:
                 f.write(json.dumps({"id": p.id, "token_ids": p.token_ids}) + "\n")
     rows.append({**measure(ids_inp, tok, None, len(tok)), "rule": "token_ids lines (default mask: all)"})
     print(json.dumps(rows[-1]), flush=True)
-    import tokenizers
-    import transformers
-
-    result = {"command": " ".join(["python", "scripts/bench_inputs.py", *sys.argv[1:]]), "cpu_core": core,
+    result = {"command": benchlib.command_line(__file__), "cpu_core": core,
               "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
-              "versions": {"python": platform.python_version(), "tokenizers": tokenizers.__version__,
-                           "transformers": transformers.__version__},
+              "versions": benchlib.versions("python", "tokenizers", "transformers"),
               "tokenizer": f"byte-level BPE trained here, vocab {len(tok)}, ChatML template with tools",
               "tokenizer_train_seconds": round(train_s, 1), "samples": a.samples, "max_turn_pairs": a.turns,
               "mean_tokens_per_sample": round(rows[0]["tokens"] / max(1, rows[0]["samples"]), 1), "runs": rows,
               "target_tokens_per_s": 60000}
-    path = Path(a.result) if a.result else ROOT / "benchmarks" / "results" / f"cpu-inputs-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    path = benchlib.result_path(a.result, f"cpu-inputs-{benchlib.stamp()}.json")
+    benchlib.write_json(path, result, end="\n")
     print(f"bench_inputs: {path}")
 
 

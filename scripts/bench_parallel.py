@@ -1,6 +1,6 @@
 """Data parallel vs tensor parallel extraction, output written, one command per host:
 
-    # 2-GPU host, Qwen3.6-27B text dims (random weights), BRIEF's W-chat doubled (1024 samples):
+    # 2-GPU host, Qwen3.6-27B text dims (random weights), the W-chat workload doubled (1024 samples):
     python scripts/bench_parallel.py --qwen36-27b --samples 1024 --cases dp1,dp2,tp2
     # CPU (tiny random Qwen3-Next), the same cases at CI scale:
     python scripts/bench_parallel.py --samples 64 --cases dp1,dp2,tp2
@@ -17,30 +17,28 @@ written, per-engine shares, start times).
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import ROOT, WORKLOADS, make_prompts  # noqa: E402
-from bench_start import CpuSampler, bench_model, finish, run_cli  # noqa: E402
+import benchlib
+from benchlib import CpuSampler, finish, run_cli
 
 CASES = {"dp1": (1, 1), "dp2": (2, 1), "tp2": (1, 2), "dp2-shm": (2, 1), "dp1-shm": (1, 1), "dp4": (4, 1),
          "tp4": (1, 4), "dp2tp2": (2, 2)}
 
 
 def check_output(out: Path, prompts: list[list[int]]) -> dict:
+    from safetensors import safe_open
+
     from vllm_hidden.data import HiddenStatesDataset
 
     ds = HiddenStatesDataset(out)
     seen: dict[int, int] = {}
-    for s, shard in enumerate(ds.manifest.shards):
-        from safetensors import safe_open
-
+    for shard in ds.manifest.shards:
         with safe_open(str(out / shard.file), framework="pt") as f:
             tok = f.get_tensor("token_ids")
             for sid, row, n in json.loads(f.metadata()["samples"]):
@@ -56,11 +54,11 @@ def check_output(out: Path, prompts: list[list[int]]) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchlib.parser(__doc__)
     ap.add_argument("--qwen36-27b", action="store_true", help="Qwen3.6-27B text dims, random weights (GPU)")
     ap.add_argument("--cases", default="dp1,dp2,tp2", help=f"comma list of {sorted(CASES)}")
-    ap.add_argument("--samples", type=int, default=1024, help="W-chat prompts (BRIEF's W-chat is 512; 1024 = doubled)")
-    ap.add_argument("--work-dir", default=str(ROOT / ".bench"))
+    ap.add_argument("--samples", type=int, default=1024, help="W-chat prompts (the W-chat workload has 512; 1024 = doubled)")
+    ap.add_argument("--work-dir", default=str(benchlib.ROOT / ".bench"))
     ap.add_argument("--out-dir", default=None, help="extract output (default <work-dir>/par-out); emptied per case")
     ap.add_argument("--shm-dir", default="/dev/shm/vllm-hidden-par")
     ap.add_argument("--cache-dir", default=None, help="compile caches shared by the cases (default <work-dir>/par-cache)")
@@ -71,30 +69,20 @@ def main() -> None:
     a = ap.parse_args()
 
     work = Path(a.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    model, engine, desc, max_len, vocab = bench_model(
+    model, engine, desc, max_len, vocab = benchlib.bench_model(
         work, a.qwen36_27b, ["--dtype", "bfloat16", "--max-num-seqs", "16", "--max-num-batched-tokens", "512"])
     engine += a.engine_arg
-    spec = {**WORKLOADS["w-chat"], "samples": a.samples, "max": min(WORKLOADS["w-chat"]["max"], max_len)}
-    prompts = make_prompts(spec, vocab)
     inp = work / "par.jsonl"
-    with open(inp, "w") as f:
-        for i, p in enumerate(prompts):
-            f.write(json.dumps({"id": i, "token_ids": p}) + "\n")
+    prompts = benchlib.w_chat_input(inp, a.samples, max_len, vocab)
     cache = Path(a.cache_dir or work / "par-cache")
 
-    path = Path(a.result) if a.result else ROOT / "benchmarks" / "results" / (
-        f"{'gpu' if a.qwen36_27b else 'cpu'}-parallel-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    result = json.loads(path.read_text()) if a.append and path.exists() else {"cases": {}}
-    result.setdefault("commands", []).append(" ".join(["python", "scripts/bench_parallel.py", *sys.argv[1:]]))
+    path = benchlib.result_path(a.result, f"{'gpu' if a.qwen36_27b else 'cpu'}-parallel-{benchlib.stamp()}.json")
+    result = benchlib.load_result(path, a.append, {"cases": {}})
+    benchlib.add_command(result, __file__)
     result.update({"model": desc, "engine_args": engine, "max_model_len": max_len + 1, "samples": a.samples,
                    "tokens": sum(map(len, prompts)), "cpus": os.cpu_count()})
-    try:
-        import torch
-
-        result["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    except Exception:  # noqa: BLE001 - informational
-        pass
+    with contextlib.suppress(Exception):  # informational
+        result["gpus"] = benchlib.gpu_names()
 
     for case in [c for c in a.cases.split(",") if c]:
         if case not in CASES:
@@ -122,8 +110,7 @@ def main() -> None:
         if base and res.get("tokens_per_s"):
             res["speedup_vs_dp1"] = round(res["tokens_per_s"] / base, 3)
         result["cases"][case] = res
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1))
+        benchlib.write_json(path, result)
         brief = {k: res.get(k) for k in ("rc", "wall_s", "tokens_per_s", "speedup_vs_dp1", "gb_per_s_written", "check",
                                          "busy_cores_peak")}
         print(f"bench_parallel: {case}: {json.dumps(brief)}", flush=True)

@@ -43,30 +43,23 @@ import argparse
 import json
 import multiprocessing
 import os
-import platform
 import random
 import shutil
-import signal
 import socket
-import subprocess
-import sys
-import threading
 import time
 import warnings
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import benchlib
 import blake3
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import ROOT, source_fingerprint  # noqa: E402
-
-from vllm_hidden.config import ShardConfig  # noqa: E402
-from vllm_hidden.data import HiddenStatesDataset, ShardedStream  # noqa: E402
-from vllm_hidden.storage.manifest import Manifest  # noqa: E402
-from vllm_hidden.storage.shards import ShardWriter  # noqa: E402
+from vllm_hidden.config import ShardConfig
+from vllm_hidden.data import HiddenStatesDataset, ShardedStream
+from vllm_hidden.storage.manifest import Manifest
+from vllm_hidden.storage.shards import ShardWriter
 
 GB = 1e9
 CHUNK = 16 << 20  # ceiling reads
@@ -82,25 +75,12 @@ BEFORE = ("the current reader with verify=False (each sample's rows read with os
 warnings.filterwarnings("ignore", message="This DataLoader will create")  # more workers than cores: on purpose
 
 
-# -- host, revision --------------------------------------------------------------------------
-def host_facts() -> dict[str, Any]:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), None)
-    mem = next((int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()
-                if ln.startswith("MemTotal:")), None)
-    return {"hostname": socket.gethostname(), "cpus": os.cpu_count(), "cpu_model": cpu, "memory_bytes": mem,
-            "kernel": platform.release(), "python": platform.python_version(), "torch": torch.__version__}
-
-
+# -- revision, storage -------------------------------------------------------------------------
 def git_facts() -> dict[str, Any]:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-    changes = git("status", "--porcelain", "--", "vllm_hidden", "scripts").splitlines()
-    script = blake3.blake3(Path(__file__).read_bytes()).hexdigest()
-    return {"git_revision": git("rev-parse", "HEAD"), "git_dirty": bool(changes), "git_changes": changes,
-            # what ran, whatever the checkout: BLAKE3 over the package (and bench.py), and of this script
-            "source_blake3": source_fingerprint(), "script_blake3": script}
+    changes = benchlib.git_changes("vllm_hidden", "scripts")
+    return {"git_revision": benchlib.git_revision(), "git_dirty": bool(changes), "git_changes": changes,
+            # what ran, whatever the checkout: BLAKE3 over the package, benchlib and this script; and of this script
+            "source_blake3": benchlib.source_fingerprint(__file__), "script_blake3": whole_file_blake3(Path(__file__))}
 
 
 def fs_type(path: Path) -> str | None:
@@ -274,19 +254,11 @@ def ceiling(files: list[Path], threads: int, cold: list[Path] | None) -> dict[st
         if cold:
             drop_cache(cold)
         parts = [files[i::n] for i in range(n)]
-        done = [0] * n
-
-        def run(i: int) -> None:
-            done[i] = read_files(parts[i])
-
         t0 = time.perf_counter()
-        pool = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-        for t in pool:
-            t.start()
-        for t in pool:
-            t.join()
+        with ThreadPoolExecutor(n) as pool:  # a thread per part
+            done = sum(pool.map(read_files, parts))
         dt = time.perf_counter() - t0
-        out[key] = {"seconds": round(dt, 3), "bytes": sum(done), "gb_per_s": round(sum(done) / dt / GB, 3)}
+        out[key] = {"seconds": round(dt, 3), "bytes": done, "gb_per_s": round(done / dt / GB, 3)}
     out["gb_per_s"] = max(out["one_stream"]["gb_per_s"], out["parallel"]["gb_per_s"])
     return out
 
@@ -323,10 +295,11 @@ class WholeShardVerified(HiddenStatesDataset):
         super().__init__(path, verify=False)
 
     def shard(self, k: int) -> Any:
-        if self._pid != os.getpid() or k not in self._open:  # this process opens shard k
+        if k not in self._checked:  # this process opens shard k first (the set is emptied in a forked worker)
             info = self.manifest.shards[k]
             if whole_file_blake3(self.root / info.file) != info.blake3:
                 raise ValueError(f"shard {info.file!r} does not match its BLAKE3 checksum in the manifest")
+            self._checked.add(k)
         return super().shard(k)
 
 
@@ -419,7 +392,7 @@ def bench_storage(name: str, root: Path, a: argparse.Namespace, info: dict[str, 
     ceil = res["ceiling"]["gb_per_s"]
     print(f"{name}: ceiling {ceil:.2f} GB/s", flush=True)
     runs = [(c, w) for w in a.workers for c in ("stream", "stream-noverify", "map-shuffle", "torchsave")]
-    four = 4 if 4 in a.workers else most  # the issue's byte count is with 4 workers
+    four = 4 if 4 in a.workers else most  # the bytes-read targets are checked at 4 workers
     runs += [("before", four), ("stream-budget", most)] + ([("stream-budget", 0)] if 0 in a.workers and most else [])
     res["cases"] = []
     for case, w in runs:
@@ -465,8 +438,8 @@ def targets(storages: dict[str, dict[str, Any]], workers: list[int]) -> dict[str
 
 
 def table(storages: dict[str, dict[str, Any]]) -> str:
-    rows = [f"{'storage':8} {'case':16} {'workers':>7} {'GB/s':>7} {'samples/s':>9} {'s':>7} {'/ceiling':>8} "
-            f"{'read/data':>9} {'own cpu s':>9} {'others s':>8}"]
+    rows = [(f"{'storage':8} {'case':16} {'workers':>7} {'GB/s':>7} {'samples/s':>9} {'s':>7} {'/ceiling':>8} "
+             f"{'read/data':>9} {'own cpu s':>9} {'others s':>8}")]
     for name, s in storages.items():
         c = s["ceiling"]
         rows.append(f"{name:8} {'ceiling':16} {'':>7} {c['gb_per_s']:7.2f} {'':>9} {'':>7} {'':>8} {'':>9}  "
@@ -489,7 +462,7 @@ def remove(paths: list[Path]) -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchlib.parser(__doc__)
     ap.add_argument("--dir", required=True, type=Path, help="a directory on local disk (datasets made under it)")
     ap.add_argument("--tmpfs", type=Path, default=None, help="a directory on tmpfs, e.g. /dev/shm/bench-reader")
     ap.add_argument("--gb", type=float, default=4.0, help="GiB of hidden states")
@@ -524,17 +497,17 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     a = parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # killed: still remove the datasets
+    benchlib.exit_on_sigterm()  # killed: still remove the datasets
     facts = git_facts()
-    out = a.out or ROOT / "benchmarks" / "results" / (
-        f"reader-{socket.gethostname().split('.')[0]}-{time.strftime('%Y%m%d')}-{facts['git_revision'][:7]}.json")
+    out = benchlib.result_path(a.out, f"reader-{socket.gethostname().split('.')[0]}-{benchlib.stamp('%Y%m%d')}-"
+                                      f"{facts['git_revision'][:7]}.json")
     locations = {"disk": a.dir, **({"tmpfs": a.tmpfs} if a.tmpfs else {})}
     for root in locations.values():
         for d in (root / SHARDS, root / TORCHSAVE):
             if d.exists():
                 raise SystemExit(f"{d} exists (left by an earlier run?): remove it or choose another directory")
     result: dict[str, Any] = {
-        "command": " ".join(["python", "scripts/bench_reader.py", *sys.argv[1:]]), **facts, "host": host_facts(),
+        "command": benchlib.command_line(__file__), **facts, "host": benchlib.host_facts(),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
         "units": "GB = 1e9 bytes; payload = bytes of the tensors delivered to the consumer",
         "before": BEFORE, "token_budget": budget(a), "storages": {}}
@@ -553,8 +526,7 @@ def main() -> None:
             result["storages"][name] = bench_storage(name, root, a, info)
             result["targets"] = targets(result["storages"], a.workers)
             result["wall_seconds"] = round(time.perf_counter() - t_start, 1)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(result, indent=1))  # after each storage: a later failure keeps the first
+            benchlib.write_json(out, result)  # after each storage: a later failure keeps the first
             if not a.keep:  # frees the tmpfs's memory, and the disk copy's page cache, before the next storage
                 remove(made.pop(name))
     finally:

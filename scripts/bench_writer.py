@@ -13,7 +13,6 @@ its time runs until every shard is durable (and, with --s3, uploaded). Peak RSS 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -21,12 +20,11 @@ import sys
 import time
 from pathlib import Path
 
+import benchlib
 import torch
+from benchlib import RssPeak
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-from bench import RssPeak  # noqa: E402
+sys.path.insert(0, str(benchlib.ROOT))  # the package of this checkout
 
 
 def samples(total_bytes: int, k: int, h: int, seed: int = 0):
@@ -123,11 +121,10 @@ def bench_tail(d: Path, workload: str, threads: int, k: int, h: int, tok_per_s: 
     pace (a step of n rows every n / tok_per_s seconds) and go through the real shard writer
     as the assembler places them; flush = from the last step's rows placed to every shard
     durable (what `flush_seconds` measures in an extract, less the engine's last step)."""
-    from bench import WORKLOADS, make_prompts
     from vllm_hidden.config import ShardConfig
     from vllm_hidden.storage.shards import ShardWriter
 
-    lengths = [len(p) for p in make_prompts(WORKLOADS[workload], 248320)]  # the lengths bench.py's 27B runs had
+    lengths = [len(p) for p in benchlib.make_prompts(benchlib.WORKLOADS[workload], 248320)]  # the lengths bench.py's 27B runs had
     steps = steps_of(lengths, budget, taper)
     src = torch.randn(budget, k, h).to(torch.bfloat16)  # the ring slot
     stat = torch.ones(budget, k)
@@ -159,7 +156,7 @@ def bench_tail(d: Path, workload: str, threads: int, k: int, h: int, tok_per_s: 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchlib.parser(__doc__)
     ap.add_argument("--dir", action="append", required=True, help="target directory (repeat: tmpfs, disk)")
     ap.add_argument("--gb", type=float, default=3.0, help="data volume per measurement")
     ap.add_argument("--shard-bytes", type=int, default=1 << 30)
@@ -180,11 +177,10 @@ def main() -> None:
                 runs.append(bench_tail(Path(a.dir[0]), a.tail, a.threads, k, h, a.tok_per_s, a.step_tokens, taper))
                 print(json.dumps(runs[-1]), flush=True)
         if a.result:
-            Path(a.result).write_text(json.dumps({"command": " ".join(["python", "scripts/bench_writer.py", *sys.argv[1:]]),
-                                                  "cpus": os.cpu_count(), "runs": runs}, indent=1))
+            benchlib.write_json(a.result, {"command": benchlib.command_line(__file__), "cpus": os.cpu_count(), "runs": runs})
         return
     data = samples(int(a.gb * 1e9), k, h)
-    res = {"command": " ".join(["python", "scripts/bench_writer.py", *sys.argv[1:]]), "cpus": os.cpu_count(),
+    res = {"command": benchlib.command_line(__file__), "cpus": os.cpu_count(),
            "data_bytes": sum(s[2].numel() * 2 for s in data), "samples": len(data), "shard_bytes": a.shard_bytes,
            "threads": a.threads, "targets": {}}
     for d in a.dir:
@@ -197,7 +193,7 @@ def main() -> None:
     if a.s3:
         import boto3
 
-        sys.path.insert(0, str(ROOT / "tests"))
+        sys.path.insert(0, str(benchlib.ROOT / "tests"))
         from s3_server import MotoServer, set_s3_env
 
         set_s3_env()
@@ -210,9 +206,8 @@ def main() -> None:
             print(f"s3 (moto on 127.0.0.1, staging {d}): write + upload {up['gb_per_s']:.2f} GB/s", flush=True)
         finally:
             server.stop()
-    path = Path(a.result) if a.result else ROOT / "benchmarks" / "results" / f"writer-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(res, indent=1))
+    path = benchlib.result_path(a.result, f"writer-{benchlib.stamp()}.json")
+    benchlib.write_json(path, res)
     print(f"wrote {path}")
 
 

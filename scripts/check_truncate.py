@@ -10,7 +10,6 @@ layers 1,4 (the cut runs 5 of 8), chunked prefill (128-token steps)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -19,13 +18,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+import benchlib
 import torch
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchlib.parser(__doc__)
     ap.add_argument("--model", default=None)
     ap.add_argument("--layers", default="1,4")
     ap.add_argument("--prompts", type=int, default=12)
@@ -38,18 +36,16 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="check-truncate-"))
     model = a.model or str(make_tiny_model(work / "model", arch="qwen3_next", num_layers=8, moe_layer=0))
     rng = random.Random(5)
-    with open(work / "in.jsonl", "w") as f:
-        for i in range(a.prompts):
-            n = rng.randrange(16, 250)
-            f.write(json.dumps({"id": f"t{i}", "token_ids": [rng.randrange(10, 1000) for _ in range(n)]}) + "\n")
+    prompts = [[rng.randrange(10, 1000) for _ in range(rng.randrange(16, 250))] for _ in range(a.prompts)]
+    benchlib.write_prompts(work / "in.jsonl", prompts, ids=[f"t{i}" for i in range(a.prompts)])
     engine = a.engine_arg or ["--dtype", "bfloat16", "--max-model-len", "256", "--max-num-batched-tokens", "128",
                               "--max-num-seqs", "8"]
     for name, extra in (("cut", []), ("full", ["--full-model"])):
         r = subprocess.run([sys.executable, "-m", "vllm_hidden.cli", "extract", "-m", model, "-i", str(work / "in.jsonl"),
                             "-o", str(work / name), "--layers", a.layers, "--no-progress",
                             "--cache-dir", str(work / f"cache-{name}"), *extra, *engine],
-                           capture_output=True, text=True,
-                           env={"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, "PYTHONPATH": str(ROOT)})  # (CPU: a small KV cache)
+                           capture_output=True, text=True, check=False,
+                           env={"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, "PYTHONPATH": str(benchlib.ROOT)})  # (CPU: a small KV cache)
         if r.returncode:
             sys.exit(f"{name}: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     cut, full = HiddenStatesDataset(work / "cut"), HiddenStatesDataset(work / "full")
@@ -60,16 +56,14 @@ def main() -> None:
         same += torch.equal(x, y)
         worst = max(worst, ((x - y).norm() / y.norm()).item())
         maxabs = max(maxabs, (x - y).abs().max().item())
-    import vllm
-
-    res = {"command": " ".join(["python", "scripts/check_truncate.py", *sys.argv[1:]]), "model": a.model or "tiny qwen3_next 8 layers, MoE layer 0",
+    res = {"command": benchlib.command_line(__file__), "model": a.model or "tiny qwen3_next 8 layers, MoE layer 0",
            "layers": a.layers, "engine_args": engine, "compiled": "--enforce-eager" not in engine,
            "layers_run": {n: json.loads((work / n / "manifest.json").read_text())["layers_run"] for n in ("cut", "full")},
            "samples": len(cut), "bit_identical_samples": same, "worst_rel_l2": worst, "max_abs_diff": maxabs,
-           "versions": {"vllm": vllm.__version__, "torch": torch.__version__}}
+           "versions": benchlib.versions("vllm", "torch")}
     print(json.dumps(res))
     if a.result:
-        Path(a.result).write_text(json.dumps(res, indent=1))
+        benchlib.write_json(a.result, res)
 
 
 if __name__ == "__main__":
