@@ -209,7 +209,8 @@ def main() -> None:
     ap.add_argument("--layers", default=None, help="layer ids (default: the DFlash default for the model)")
     ap.add_argument("--max-model-len", type=int, default=4095, help="longest prompt (the engine gets +1)")
     ap.add_argument("--writer-threads", type=int, default=None)
-    ap.add_argument("--work-dir", default=str(benchlib.ROOT / ".bench"), help="inputs, models, and the extract disk output")
+    ap.add_argument("--work-dir", default=str(benchlib.ROOT / ".bench"),
+                    help="inputs, models, and the extract disk output")
     ap.add_argument("--shm-dir", default="/dev/shm/vllm-hidden-bench")
     ap.add_argument("--engine-arg", action="append", default=[], help="passed to vLLM for every case (repeat)")
     ap.add_argument("--tuned-arg", action="append", default=[], help="extra vLLM args for extract-tuned (repeat)")

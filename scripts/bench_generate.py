@@ -125,7 +125,8 @@ def run_extract(spec: dict, save) -> dict:
         with RssPeak() as rss:
             s = extract_file(ex, spec["second_pass_input"], str(out / "second")).to_dict()
         res["second_pass"] = {"seconds": s["seconds"], "tokens": s["tokens"], "flush_seconds": s["flush_seconds"],
-                              "peak_rss_bytes_during_run": rss.peak, "verified": benchlib.verify_extract(out / "second", two)}
+                              "peak_rss_bytes_during_run": rss.peak,
+                              "verified": benchlib.verify_extract(out / "second", two)}
         save(res)
         shutil.rmtree(out / "second")
     return res
@@ -145,7 +146,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096, help="prompt + response (as extract --generate)")
     ap.add_argument("--work-dir", default=str(benchlib.ROOT / ".bench"))
     ap.add_argument("--engine-arg", action="append", default=[], help="passed to vLLM for every case (repeat)")
-    ap.add_argument("--result", default=None, help="result JSON (default benchmarks/results/<kind>-generate-<time>.json)")
+    ap.add_argument("--result", default=None,
+                    help="result JSON (default benchmarks/results/<kind>-generate-<time>.json)")
     ap.add_argument("--append", action="store_true", help="add these cases to an existing --result (a case per call)")
     a = ap.parse_args()
     benchlib.exit_on_sigterm()

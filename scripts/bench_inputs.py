@@ -73,8 +73,9 @@ def build_tokenizer(path: Path, texts: list[str], vocab: int):
 def make_records(texts: list[str], n: int, turns: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     words = " ".join(texts).split()
-    tools = [{"type": "function", "function": {"name": f"tool_{k}", "description": "looks things up",
-                                               "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}
+    params = {"type": "object", "properties": {"q": {"type": "string"}}}
+    tools = [{"type": "function",
+              "function": {"name": f"tool_{k}", "description": "looks things up", "parameters": params}}
              for k in range(3)]
 
     def say(median: int) -> str:
@@ -91,8 +92,9 @@ def make_records(texts: list[str], n: int, turns: int, seed: int = 0) -> list[di
         if i % 3 == 0:
             recs.append({"id": i, "messages": msgs, "tools": tools})
         elif i % 3 == 1:
-            recs.append({"id": i, "conversations": [{"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]),
-                                                     "value": m["content"]} for m in msgs]})
+            sharegpt = {"user": "human", "assistant": "gpt"}
+            recs.append({"id": i, "conversations": [{"from": sharegpt.get(m["role"], m["role"]), "value": m["content"]}
+                                                    for m in msgs]})
         else:
             recs.append({"id": i, "conversations": msgs})
     return recs

@@ -57,11 +57,13 @@ def main() -> None:
     ap = benchlib.parser(__doc__)
     ap.add_argument("--qwen36-27b", action="store_true", help="Qwen3.6-27B text dims, random weights (GPU)")
     ap.add_argument("--cases", default="dp1,dp2,tp2", help=f"comma list of {sorted(CASES)}")
-    ap.add_argument("--samples", type=int, default=1024, help="W-chat prompts (the W-chat workload has 512; 1024 = doubled)")
+    ap.add_argument("--samples", type=int, default=1024,
+                    help="W-chat prompts (the W-chat workload has 512; 1024 = doubled)")
     ap.add_argument("--work-dir", default=str(benchlib.ROOT / ".bench"))
     ap.add_argument("--out-dir", default=None, help="extract output (default <work-dir>/par-out); emptied per case")
     ap.add_argument("--shm-dir", default="/dev/shm/vllm-hidden-par")
-    ap.add_argument("--cache-dir", default=None, help="compile caches shared by the cases (default <work-dir>/par-cache)")
+    ap.add_argument("--cache-dir", default=None,
+                    help="compile caches shared by the cases (default <work-dir>/par-cache)")
     ap.add_argument("--engine-arg", action="append", default=[])
     ap.add_argument("--keep-output", action="store_true")
     ap.add_argument("--result", default=None)
@@ -116,7 +118,8 @@ def main() -> None:
         print(f"bench_parallel: {case}: {json.dumps(brief)}", flush=True)
         for r in cli.get("ranks", []):
             print(f"  rank {r['rank']}: {r['samples']} samples, {r['tokens']} tokens in {r['seconds']} s, "
-                  f"engine start {r['engine_init_seconds']} s, warm {r.get('engine_start', {}).get('warm')}", flush=True)
+                  f"engine start {r['engine_init_seconds']} s, warm {r.get('engine_start', {}).get('warm')}",
+                  flush=True)
         if res["rc"]:
             print(res.get("log_tail", "")[-3000:], flush=True)
         if not a.keep_output:

@@ -429,7 +429,8 @@ def targets(storages: dict[str, dict[str, Any]], workers: list[int]) -> dict[str
         t["read_le_1.1x_dataset"] = {"workers": four, "value": v, "before": before, "pass": v <= 1.1}
         ratios = {w: c["ratio_to_ceiling"] for w, c in streams.items()}
         best = max(ratios, key=ratios.get)
-        t["stream_ge_0.8x_ceiling"] = {"by_workers": {str(w): {"value": v, "pass": v >= 0.8} for w, v in ratios.items()},
+        t["stream_ge_0.8x_ceiling"] = {"by_workers": {str(w): {"value": v, "pass": v >= 0.8}
+                                                      for w, v in ratios.items()},
                                        "best": {"workers": best, "value": ratios[best], "pass": ratios[best] >= 0.8}}
         t["verification_overhead_le_0.10"] = {
             w: {"value": v, "pass": v <= 0.10} for w, v in s["verification_overhead"].items()}

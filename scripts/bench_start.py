@@ -13,8 +13,8 @@ Each step is the real CLI in its own process; the host's CPU use is sampled whil
 Steps: warmup (cache A, empty at first), noop (warmup again: must return at once), warm
 (extract on A), cold (extract on a fresh cache B), parallel (--parallel extracts on A at
 once, one per GPU with --parallel-gpus, or sharing one with --parallel-gpu-memory-utilization),
-parallel-cold (the same on a fresh cache C: one compiles, the others wait for it). Per step: wall seconds, the CLI's JSON
-(engine start report: warm/cold, kernels compiled; seconds to the first finished sample),
+parallel-cold (the same on a fresh cache C: one compiles, the others wait for it). Per step: wall seconds, the CLI's
+JSON (engine start report: warm/cold, kernels compiled; seconds to the first finished sample),
 and the busy cores of the host (peak and mean of 0.5 s samples).
 """
 
@@ -35,7 +35,8 @@ def main() -> None:
     ap = benchlib.parser(__doc__)
     ap.add_argument("--qwen36-27b", action="store_true", help="Qwen3.6-27B text dims, random weights (GPU)")
     ap.add_argument("--steps", default="warmup,noop,warm,cold,parallel")
-    ap.add_argument("--cache-root", default=str(benchlib.ROOT / ".bench" / "start-cache"), help="A = <root>/a, B = <root>/b")
+    ap.add_argument("--cache-root", default=str(benchlib.ROOT / ".bench" / "start-cache"),
+                    help="A = <root>/a, B = <root>/b")
     ap.add_argument("--work-dir", default=str(benchlib.ROOT / ".bench"))
     ap.add_argument("--samples", type=int, default=64, help="prompts per extract (W-chat lengths)")
     ap.add_argument("--parallel", type=int, default=2)
@@ -104,7 +105,8 @@ def main() -> None:
         print(f"bench_start: {step}: {json.dumps(brief)[:1500]}", flush=True)
         for e in res.get("engines", [res]):
             cli = e.get("cli", {})
-            print(f"  first sample {cli.get('first_sample_seconds')} s, engine start {cli.get('engine_init_seconds')} s, "
+            print(f"  first sample {cli.get('first_sample_seconds')} s, "
+                  f"engine start {cli.get('engine_init_seconds')} s, "
                   f"report {json.dumps(cli.get('engine_start') or cli.get('start'))[:600]}", flush=True)
             if e.get("rc"):
                 print(e.get("log_tail", "")[-1500:], flush=True)

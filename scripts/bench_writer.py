@@ -51,7 +51,8 @@ def bench_save_file(data, d: Path, shard_bytes: int) -> dict:
             cur, size = [], 0
     if cur:
         groups.append(cur)
-    tensors = [{"hidden_states": torch.cat([s[2] for s in g]), "token_ids": torch.cat([s[1] for s in g])} for g in groups]
+    tensors = [{"hidden_states": torch.cat([s[2] for s in g]), "token_ids": torch.cat([s[1] for s in g])}
+               for g in groups]
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     nbytes = sum(t["hidden_states"].numel() * 2 + t["token_ids"].numel() * 8 for t in tensors)
@@ -124,7 +125,8 @@ def bench_tail(d: Path, workload: str, threads: int, k: int, h: int, tok_per_s: 
     from vllm_hidden.config import ShardConfig
     from vllm_hidden.storage.shards import ShardWriter
 
-    lengths = [len(p) for p in benchlib.make_prompts(benchlib.WORKLOADS[workload], 248320)]  # the lengths bench.py's 27B runs had
+    # the lengths bench.py's 27B runs had
+    lengths = [len(p) for p in benchlib.make_prompts(benchlib.WORKLOADS[workload], 248320)]
     steps = steps_of(lengths, budget, taper)
     src = torch.randn(budget, k, h).to(torch.bfloat16)  # the ring slot
     stat = torch.ones(budget, k)
@@ -166,7 +168,8 @@ def main() -> None:
     ap.add_argument("--tok-per-s", type=float, default=11600.0)
     ap.add_argument("--step-tokens", type=int, default=16384)
     ap.add_argument("--repeat", type=int, default=1)
-    ap.add_argument("--taper", choices=["on", "off", "both"], default="both", help="the end of a run tapered (engine.scheduler)")
+    ap.add_argument("--taper", choices=["on", "off", "both"], default="both",
+                    help="the end of a run tapered (engine.scheduler)")
     ap.add_argument("--result", default=None)
     a = ap.parse_args()
     k, h = 5, 5120
@@ -177,7 +180,8 @@ def main() -> None:
                 runs.append(bench_tail(Path(a.dir[0]), a.tail, a.threads, k, h, a.tok_per_s, a.step_tokens, taper))
                 print(json.dumps(runs[-1]), flush=True)
         if a.result:
-            benchlib.write_json(a.result, {"command": benchlib.command_line(__file__), "cpus": os.cpu_count(), "runs": runs})
+            benchlib.write_json(a.result, {"command": benchlib.command_line(__file__), "cpus": os.cpu_count(),
+                                           "runs": runs})
         return
     data = samples(int(a.gb * 1e9), k, h)
     res = {"command": benchlib.command_line(__file__), "cpus": os.cpu_count(),

@@ -115,13 +115,15 @@ def pick_model(a: argparse.Namespace, work: Path) -> tuple[str, list[str], str]:
 
         model = str(write_qwen3_32b_config(work / "qwen3-32b"))
         ref = [x for x in REFERENCE_27B if x not in ("--gdn-prefill-backend", "triton")]
-        return model, [*ref, "--load-format", "dummy", *engine], "Qwen3-32B dims (dense), random weights (load_format=dummy)"
+        return (model, [*ref, "--load-format", "dummy", *engine],
+                "Qwen3-32B dims (dense), random weights (load_format=dummy)")
     if a.qwen36_27b:
         model, ref = qwen36_27b(work)
         return model, [*ref, *engine], "Qwen3.6-27B text dims, random weights (load_format=dummy), language_model_only"
     if a.model:
         return a.model, engine, a.model
-    return tiny_model(work), ["--dtype", "bfloat16", *engine], "tiny random Qwen3-Next (vllm_hidden.demo, 8 layers, hidden 256)"
+    return (tiny_model(work), ["--dtype", "bfloat16", *engine],
+            "tiny random Qwen3-Next (vllm_hidden.demo, 8 layers, hidden 256)")
 
 
 def bench_model(work: Path, qwen36: bool, tiny_engine: list[str]) -> tuple[str, list[str], str, int, int]:

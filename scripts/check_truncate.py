@@ -41,11 +41,12 @@ def main() -> None:
     engine = a.engine_arg or ["--dtype", "bfloat16", "--max-model-len", "256", "--max-num-batched-tokens", "128",
                               "--max-num-seqs", "8"]
     for name, extra in (("cut", []), ("full", ["--full-model"])):
-        r = subprocess.run([sys.executable, "-m", "vllm_hidden.cli", "extract", "-m", model, "-i", str(work / "in.jsonl"),
-                            "-o", str(work / name), "--layers", a.layers, "--no-progress",
+        r = subprocess.run([sys.executable, "-m", "vllm_hidden.cli", "extract", "-m", model,
+                            "-i", str(work / "in.jsonl"), "-o", str(work / name), "--layers", a.layers, "--no-progress",
                             "--cache-dir", str(work / f"cache-{name}"), *extra, *engine],
                            capture_output=True, text=True, check=False,
-                           env={"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, "PYTHONPATH": str(benchlib.ROOT)})  # (CPU: a small KV cache)
+                           # (CPU: a small KV cache)
+                           env={"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, "PYTHONPATH": str(benchlib.ROOT)})
         if r.returncode:
             sys.exit(f"{name}: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     cut, full = HiddenStatesDataset(work / "cut"), HiddenStatesDataset(work / "full")
@@ -58,7 +59,8 @@ def main() -> None:
         maxabs = max(maxabs, (x - y).abs().max().item())
     res = {"command": benchlib.command_line(__file__), "model": a.model or "tiny qwen3_next 8 layers, MoE layer 0",
            "layers": a.layers, "engine_args": engine, "compiled": "--enforce-eager" not in engine,
-           "layers_run": {n: json.loads((work / n / "manifest.json").read_text())["layers_run"] for n in ("cut", "full")},
+           "layers_run": {n: json.loads((work / n / "manifest.json").read_text())["layers_run"]
+                          for n in ("cut", "full")},
            "samples": len(cut), "bit_identical_samples": same, "worst_rel_l2": worst, "max_abs_diff": maxabs,
            "versions": benchlib.versions("vllm", "torch")}
     print(json.dumps(res))

@@ -26,8 +26,9 @@ if __name__ == "__main__":
         for i in range(20):  # ShareGPT turns; the loss mask covers the assistant ("gpt") turns
             turns = [{"from": "system", "value": "be brief ."}]
             for _ in range(rng.randint(1, 3)):
-                turns.append({"from": "human", "value": " ".join(rng.choice("abcdefgh") for _ in range(rng.randint(3, 9)))})
-                turns.append({"from": "gpt", "value": " ".join(rng.choice("abcdefgh") for _ in range(rng.randint(3, 30)))})
+                for who, most in (("human", 9), ("gpt", 30)):
+                    words = (rng.choice("abcdefgh") for _ in range(rng.randint(3, most)))
+                    turns.append({"from": who, "value": " ".join(words)})
             f.write(json.dumps({"id": f"conv-{i}", "conversations": turns}) + "\n")
     out = root / "out"
     shutil.rmtree(out, ignore_errors=True)
@@ -44,7 +45,8 @@ if __name__ == "__main__":
     ds = HiddenStatesDataset(out)
     s = ds[0]
     print(f"read back: {len(ds)} samples, layer_ids {ds.layer_ids}; ds[0]: id={s['id']!r} "
-          f"token_ids {tuple(s['token_ids'].shape)} hidden_states {tuple(s['hidden_states'].shape)} {s['hidden_states'].dtype}"
+          f"token_ids {tuple(s['token_ids'].shape)} hidden_states {tuple(s['hidden_states'].shape)} "
+          f"{s['hidden_states'].dtype}"
           f" final_hidden_states {tuple(s['final_hidden_states'].shape)}")
     conv = next(ds[i] for i in range(len(ds)) if str(ds[i]["id"]).startswith("conv-"))
     print(f"{conv['id']}: {int(conv['loss_mask'].sum())} of {conv['loss_mask'].numel()} tokens in the loss mask "
