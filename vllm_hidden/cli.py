@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from vllm_hidden.config import DEFAULT_MAX_SHARD_BYTES, DEFAULT_S3_RETRY_S, DEFAULT_WRITER_THREADS, ServeConfig
+from vllm_hidden.config import DEFAULT_MAX_SHARD_BYTES, DEFAULT_S3_RETRY_S, DEFAULT_WRITER_THREADS, DTYPES, ServeConfig
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Extract hidden states from vLLM for drafter training.")
@@ -30,7 +30,7 @@ MaxModelLen = Annotated[Optional[int], typer.Option(help="Longest prompt accepte
                                                     "longer lines become error records.")]
 MaxBatched = Annotated[Optional[int], typer.Option(help="Tokens per scheduler step (also the capture buffer's rows).")]
 MaxSeqs = Annotated[Optional[int], typer.Option(help="Sequences per scheduler step.")]
-Dtype = Annotated[str, typer.Option(help="Model dtype (auto, bfloat16, float16).")]
+Dtype = Annotated[str, typer.Option(help=f"Model dtype ({', '.join(DTYPES)}).")]
 RingSlots = Annotated[int, typer.Option(help="Host ring depth (steps in flight between GPU and writer).")]
 FullModel = Annotated[bool, typer.Option("--full-model", help="Run every decoder layer. By default the engine runs "
                                           "layers 0 .. the deepest captured one only (the states are the same; "

@@ -42,7 +42,7 @@ from vllm_hidden.data.dataset import HiddenStatesDataset
 from vllm_hidden.format.quant import dequantize
 from vllm_hidden.format.shard import SCALES
 
-_MAX_WINDOW = 32  # shards mixed at once; a process keeps 64 open
+_MAX_WINDOW = 32  # shards mixed at once (a process keeps up to dataset._OPEN_SHARDS open)
 _READ_AHEAD = 4  # the default read-ahead threads: in the consuming process, and on S3
 
 
