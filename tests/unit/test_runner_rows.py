@@ -247,7 +247,6 @@ def test_requested_runner_reads_the_variable_as_vllm_does(monkeypatch):
             compat.requested_runner()
 
 
-
 def test_the_worker_hook_passes_plain_engines_through_and_refuses_a_runner_it_cannot_hook():
     load = hooks._capture_after_load(lambda self, *a, **kw: "loaded")
     plain = SimpleNamespace(model_runner=_V2Runner())

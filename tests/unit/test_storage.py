@@ -106,7 +106,6 @@ def test_dropped_and_interleaved_samples(tmp_path):
     assert blake3.blake3((tmp_path / shard.file).read_bytes()).hexdigest() == shard.blake3
 
 
-
 def test_incomplete_samples_are_left_out_at_close(tmp_path):
     w = _writer(tmp_path, rows=10)
     tok, hs = sample(0, 8)

@@ -189,10 +189,6 @@ def check_seeded_generation(args) -> None:
                          "--max-model-len")
 
 
-
-
-
-
 def supports_aux(model) -> bool:
     from vllm.model_executor.models.interfaces import supports_eagle3
 
@@ -224,8 +220,6 @@ def compile_env_digest() -> str:
 
     factors = envs.compile_factors() if hasattr(envs, "compile_factors") else {}
     return hashlib.sha256(json.dumps(factors, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 
 
 def device_name() -> str:
