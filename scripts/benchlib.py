@@ -226,7 +226,7 @@ def start_engine(args: list[str], max_len: int):
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from vllm_hidden.engine import compat
-    from vllm_hidden.engine.extractor import engine_args
+    from vllm_hidden.engine.args import engine_args
 
     compat.spawn_on_cuda()  # the model runner is vLLM's choice, as for extract
     t0 = time.perf_counter()
