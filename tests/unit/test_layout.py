@@ -121,3 +121,24 @@ def test_vllm_is_imported_only_under_engine():
         if any(m == "vllm" or m.startswith("vllm.") for m in _imports(name, path)):
             outside.append(name)
     assert outside == []
+
+
+def test_no_package_exports_a_name_of_its_own_submodule():
+    """Importing a submodule sets it as an attribute of its package: a submodule named like a
+    name the package exports (`vllm_hidden.server.fetch`, the client helper) would replace that
+    name as soon as anything imports the submodule."""
+    clashes = []
+    for init in ROOT.rglob("__init__.py"):
+        pkg = init.parent
+        subs = {p.stem for p in pkg.glob("*.py")} | {p.name for p in pkg.iterdir() if (p / "__init__.py").is_file()}
+        for node in ast.walk(ast.parse(init.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                clashes += [(str(pkg), a.asname or a.name) for a in node.names if (a.asname or a.name) in subs]
+    assert clashes == []
+
+
+def test_the_client_helpers_survive_the_server_modules_being_imported():
+    import vllm_hidden.server.middleware  # noqa: F401 - imports every server module
+    from vllm_hidden.server import decode, fetch
+
+    assert callable(decode) and callable(fetch) and fetch.__module__ == "vllm_hidden.server.protocol"

@@ -41,7 +41,7 @@ from vllm_hidden.server.asgi import (
     splice_parts,
     with_length,
 )
-from vllm_hidden.server.fetch import FetchForm
+from vllm_hidden.server.fetch_form import FetchForm
 from vllm_hidden.server.protocol import (
     FETCH_PATH,
     FIELD,
