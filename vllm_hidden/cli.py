@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -358,33 +359,49 @@ def inspect(
     raise typer.Exit(0 if r.ok else 1)
 
 
-@app.command(help="Write an extract output in the layout a drafter trainer loads. --to speculators: "
-             "vllm-project/speculators' offline data (a datasets table with input_ids, loss_mask, seq_len, and "
-             "hidden_states/hs_{i}.safetensors); the last exported layer must be the model's last.")
+@app.command(help="Write an extract output in the layout a drafter trainer loads, then print the trainer "
+             "settings that go with it. speculators: vllm-project/speculators' offline data (a datasets table, "
+             "hidden_states/hs_{i}.safetensors, token_freq.pt; the last layer must be the model's last). "
+             "specforge-eagle3 / specforge-dflash: SpecForge's offline files (rows_{g}-{g+2000}/data_{i}.ckpt). "
+             "export.json is written last; an interrupted export is finished by running it again.")
 def export(
     output: Annotated[str, typer.Argument(help="Extract output directory or s3://bucket/prefix.")],
-    to: Annotated[str, typer.Option("--to", help="Layout: speculators.")],
-    dest: Annotated[Path, typer.Argument(help="Directory to write (new or empty).")],
-    layers: Annotated[Optional[str], typer.Option(help="Layer ids to export, in order "
-                                                  "(default: all of the output's).")] = None,
+    to: Annotated[str, typer.Option("--to", help="Layout: speculators, specforge-eagle3 or specforge-dflash.")],
+    dest: Annotated[Path, typer.Argument(help="Directory to write (new or empty, or an unfinished export "
+                                         "of the same to finish).")],
+    layers: Annotated[Optional[str], typer.Option(help="Layer ids to export, in order (default: all of the "
+                                                  "output's; specforge-eagle3: its three, low to high).")] = None,
     s3_endpoint_url: Annotated[Optional[str], typer.Option(help="S3 endpoint (default: boto3's chain).")] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
-    from vllm_hidden.data.trainers import export_speculators
+    from vllm_hidden.export import export_output
+    from vllm_hidden.export.run import parse_layers
 
     try:
-        if to != "speculators":
-            raise ValueError(f"--to must be speculators, got {to!r}")
-        ids = None
-        if layers is not None:
-            try:
-                ids = [int(x) for x in layers.split(",")]
-            except ValueError:
-                raise ValueError(f"--layers must be comma-separated layer ids, got {layers!r}") from None
-        summary = export_speculators(output, dest, layers=ids, s3_endpoint_url=s3_endpoint_url, progress=progress)
+        record = export_output(output, to, dest, layers=parse_layers(layers), s3_endpoint_url=s3_endpoint_url,
+                               progress=progress)
     except (ValueError, ImportError, OSError) as e:
         _fail(str(e))
-    typer.echo(json.dumps(summary))
+    _print_settings(record)
+    typer.echo(json.dumps(record))
+
+
+def _print_settings(r: dict) -> None:
+    """The trainer settings that go with an export, for a person (stderr; stdout ends with the JSON)."""
+    s = r["settings"]
+    say = functools.partial(typer.echo, err=True)
+    say(f"exported {r['exported_samples']} samples, {r['exported_tokens']} tokens"
+        + (f" ({r['written']} written now, the rest by the run this one finished)" if r["resumed"] else "")
+        + (f"; left out {r['skipped']['count']}: {r['skipped']['why']}" if r.get("skipped") else ""))
+    say(f"{s['trainer']}:")
+    if r["kind"] == "speculators":
+        say(f"  target layer ids {r['target_layer_ids']} ({r['numbering']})")
+        say(f"  flags: {s['flags']}")
+        return
+    say(f"  layer ids {r['layer_ids']}: {s['numbering']}")
+    for k, v in {**s["run_config"], **s["draft_config"]}.items():
+        say(f"  {k}: {v}")
+    say(f"  {s['command']}")
 
 
 @app.command(help="Write a tiny random model (Qwen3-Next GDN hybrid by default) for demos and tests.")

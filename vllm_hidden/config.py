@@ -250,6 +250,7 @@ class Plan:
     max_prompt_len: int  # the longest prompt accepted (under --generate: leaving room for --max-tokens)
     layers_run: int = 0  # decoder layers the engine runs (0 .. layers_run-1); 0: all of them
     identity: dict[str, Any]  # run.json: what the output is (checked by --resume)
+    layer_source: dict[str, Any] | None = None  # where layer_ids came from (the manifest records it)
 
 
 def _non_negative(name: str, v: object) -> float:

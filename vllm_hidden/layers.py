@@ -10,14 +10,18 @@ before the final norm (HF's `output_hidden_states[-1]` is after it).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 SEMANTICS = (
     "layer_ids[k] = output of decoder layer k (0-based) = HF output_hidden_states[k+1]; "
     "residual stream, before the final norm for the last layer; vLLM aux id = layer_id + 1"
 )
 DEFAULT_NUM_LAYERS = 5
+log = logging.getLogger(__name__)
 
 
 def dflash_default_layer_ids(num_layers: int, num_draft_layers: int = DEFAULT_NUM_LAYERS) -> list[int]:
@@ -53,8 +57,52 @@ def parse_id_list(spec: str | Sequence[int], what: str = "--layers") -> list[int
     return ids
 
 
-def layer_ids_from_drafter_config(path: str | Path) -> list[int]:
-    """Read the target layers from a drafter's config.json (DFlash or EAGLE-3)."""
+@dataclass(frozen=True)
+class DrafterLayers:
+    """The layers a drafter config asks for, read with the meaning of the project that wrote it."""
+
+    kind: str  # one of DRAFTER_KINDS
+    key: str  # where the ids are in the config
+    config_ids: list[int]
+    layer_ids: list[int]  # this project's layer ids (output of layer i)
+
+    def describe(self, path: str | Path) -> str:
+        return (f"--layers-from {str(path)!r}: a {self.kind} config, {self.key} = {self.config_ids} -> layer ids "
+                f"{self.layer_ids} ({DRAFTER_KINDS[self.kind]})")
+
+    def to_dict(self, path: str | Path) -> dict[str, Any]:
+        return {"path": str(path), "kind": self.kind, "key": self.key, "config_ids": self.config_ids,
+                "meaning": DRAFTER_KINDS[self.kind]}
+
+
+# How each project reads its drafter config's layer ids (docs/training.md cites the sources).
+DRAFTER_KINDS = {
+    "dflash": "DFlash (z-lab, SpecForge): target_layer_ids index HF hidden_states[id + 1], the output of layer id "
+              "(= layer id)",
+    "sglang-eagle3": "SGLang/SpecForge EAGLE-3: SGLang captures the input of layer id + 1, the output of layer id "
+                     "(= layer id)",
+    "vllm-eagle3": "vLLM EAGLE-3: aux id j is the input of layer j (= layer id j - 1)",
+    "speculators-eagle3": "speculators EAGLE-3: vLLM aux ids (= layer id j - 1), plus the model's last layer, the "
+                          "slot speculators trains against",
+    "speculators-dflash": "speculators DFlash: vLLM aux ids (= layer id j - 1), plus the model's last layer, the "
+                          "slot speculators trains against",
+}
+
+
+def _aux_to_layer_ids(aux: list[int], where: str, key: str) -> list[int]:
+    bad = [j for j in aux if j < 1]
+    if bad:
+        raise ValueError(f"--layers-from: {where}: {key} has aux id {bad[0]}; aux ids start at 1 "
+                         "(aux 0 would be the embedding output, not a layer output)")
+    return [j - 1 for j in aux]
+
+
+def drafter_layers(path: str | Path, num_layers: int) -> DrafterLayers:
+    """Read the target layers from a drafter's config.json, telling the writers apart:
+    speculators (`speculators_model_type` / `speculators_config`; its ids are vLLM aux ids and
+    its data always holds the last layer too), DFlash (`dflash_config.target_layer_ids`),
+    SGLang/SpecForge EAGLE-3 (`eagle_config.eagle_aux_hidden_state_layer_ids`, output-of-layer
+    ids), vLLM EAGLE-3 (top-level `eagle_aux_hidden_state_layer_ids`, aux ids)."""
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
@@ -64,23 +112,43 @@ def layer_ids_from_drafter_config(path: str | Path) -> list[int]:
         cfg = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"--layers-from: {str(p)!r} is not valid JSON ({e})") from None
-    dflash = cfg.get("dflash_config") or {}
-    if "target_layer_ids" in dflash:
-        return parse_id_list(dflash["target_layer_ids"], "dflash_config.target_layer_ids")
-    if "target_layer_ids" in cfg:
-        return parse_id_list(cfg["target_layer_ids"], "target_layer_ids")
-    for key in ("eagle_aux_hidden_state_layer_ids",):
-        for holder in (cfg, cfg.get("eagle_config") or {}):
-            if key in holder:
-                aux = parse_id_list(holder[key], key)
-                bad = [j for j in aux if j < 1]
-                if bad:
-                    raise ValueError(f"--layers-from: {str(p)!r}: {key} has aux id {bad[0]}; aux ids start at 1 "
-                                     "(aux 0 would be the embedding output, not a layer output)")
-                return [j - 1 for j in aux]
+    if not isinstance(cfg, dict):
+        raise ValueError(f"--layers-from: {str(p)!r} is not a JSON object")
+    where = repr(str(p))
+    last = num_layers - 1
+
+    def ids(holder: dict[str, Any], key: str) -> list[int]:
+        return parse_id_list(holder[key], key)
+
+    if "speculators_model_type" in cfg or "speculators_config" in cfg:
+        for key, kind in (("eagle_aux_hidden_state_layer_ids", "speculators-eagle3"),
+                          ("aux_hidden_state_layer_ids", "speculators-dflash")):
+            if cfg.get(key) is not None:
+                got = _aux_to_layer_ids(ids(cfg, key), where, key)
+                return DrafterLayers(kind=kind, key=key, config_ids=ids(cfg, key),
+                                     layer_ids=got + ([last] if last not in got else []))
+    else:
+        dflash = cfg.get("dflash_config")
+        if isinstance(dflash, dict) and dflash.get("target_layer_ids") is not None:
+            key = "dflash_config.target_layer_ids"
+            got = parse_id_list(dflash["target_layer_ids"], key)
+            return DrafterLayers(kind="dflash", key=key, config_ids=got, layer_ids=list(got))
+        eagle = cfg.get("eagle_config")
+        if isinstance(eagle, dict) and eagle.get("eagle_aux_hidden_state_layer_ids") is not None:
+            key = "eagle_config.eagle_aux_hidden_state_layer_ids"
+            got = parse_id_list(eagle["eagle_aux_hidden_state_layer_ids"], key)
+            return DrafterLayers(kind="sglang-eagle3", key=key, config_ids=got, layer_ids=list(got))
+        if cfg.get("eagle_aux_hidden_state_layer_ids") is not None:
+            key = "eagle_aux_hidden_state_layer_ids"
+            got = ids(cfg, key)
+            return DrafterLayers(kind="vllm-eagle3", key=key, config_ids=got,
+                                 layer_ids=_aux_to_layer_ids(got, where, key))
     raise ValueError(
-        f"--layers-from: {str(p)!r} has neither dflash_config.target_layer_ids nor "
-        "eagle_aux_hidden_state_layer_ids"
+        f"--layers-from: cannot tell which layers {str(p)!r} means: it has none of dflash_config.target_layer_ids "
+        "(DFlash), eagle_config.eagle_aux_hidden_state_layer_ids (SGLang/SpecForge EAGLE-3), a top-level "
+        "eagle_aux_hidden_state_layer_ids (vLLM EAGLE-3), or speculators_model_type with eagle_aux_hidden_state_"
+        "layer_ids / aux_hidden_state_layer_ids (speculators); give the layers with --layers (output of layer i) "
+        "or --aux-layers (vLLM aux ids)"
     )
 
 
@@ -126,8 +194,23 @@ def resolve_layer_ids(
                 )
         return validate_layer_ids([j - 1 for j in aux], num_layers, "--aux-layers")
     if layers_from is not None:
-        return validate_layer_ids(layer_ids_from_drafter_config(layers_from), num_layers, "--layers-from")
+        d = drafter_layers(layers_from, num_layers)
+        log.info("%s", d.describe(layers_from))
+        return validate_layer_ids(d.layer_ids, num_layers, "--layers-from")
     return dflash_default_layer_ids(num_layers)
+
+
+def layer_source(num_layers: int, layers: str | Sequence[int] | None = None,
+                 aux_layers: str | Sequence[int] | None = None,
+                 layers_from: str | Path | None = None) -> dict[str, Any]:
+    """Where an extract's layer ids came from, for its manifest."""
+    if layers_from is not None:
+        return {"option": "--layers-from", **drafter_layers(layers_from, num_layers).to_dict(layers_from)}
+    if aux_layers is not None:
+        return {"option": "--aux-layers", "aux_ids": parse_id_list(aux_layers, "--aux-layers")}
+    if layers is not None:
+        return {"option": "--layers"}
+    return {"option": "default", "rule": f"DFlash's spread of {DEFAULT_NUM_LAYERS} layers over 1 .. N-3"}
 
 
 def to_aux_ids(layer_ids: Sequence[int]) -> list[int]:

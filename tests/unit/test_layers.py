@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from vllm_hidden.layers import dflash_default_layer_ids, resolve_layer_ids, to_aux_ids
+from vllm_hidden.layers import dflash_default_layer_ids, drafter_layers, layer_source, resolve_layer_ids, to_aux_ids
 
 
 def test_dflash_default_matches_dflash_for_64_layers():
@@ -38,24 +38,74 @@ def test_aux_ids_are_layer_ids_plus_one():
         resolve_layer_ids(8, aux_layers="9")
 
 
-def test_drafter_configs(tmp_path):
-    d = tmp_path / "dflash"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({"dflash_config": {"target_layer_ids": [1, 3, 5]}}))
-    assert resolve_layer_ids(8, layers_from=d) == [1, 3, 5]
-    e = tmp_path / "eagle.json"
-    e.write_text(json.dumps({"eagle_aux_hidden_state_layer_ids": [2, 4, 8]}))
-    assert resolve_layer_ids(8, layers_from=e) == [1, 3, 7]
-    bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"dflash_config": {"target_layer_ids": [1, 30]}}))
+def _config(tmp_path, name, cfg):
+    p = tmp_path / name
+    p.write_text(json.dumps(cfg))
+    return p
+
+
+# One config of each kind, in the shape its project writes (the ids of each mean layers 1, 3, 5 of 8;
+# the sources of each meaning are cited in docs/training.md):
+KINDS = [
+    # z-lab DFlash / SpecForge DFlash: target_layer_ids index HF hidden_states[id + 1]
+    ("dflash", {"architectures": ["DFlashDraftModel"], "dflash_config": {"target_layer_ids": [1, 3, 5],
+                                                                         "mask_token_id": 9}}, [1, 3, 5]),
+    # SpecForge EAGLE-3 draft config: SGLang adds 1 and captures before that layer = output of layer id
+    ("sglang-eagle3", {"architectures": ["LlamaForCausalLMEagle3"], "eagle_config": {
+        "eagle_aux_hidden_state_layer_ids": [1, 3, 5], "use_aux_hidden_state": True}}, [1, 3, 5]),
+    # a vLLM EAGLE-3 config: aux id j = input of layer j
+    ("vllm-eagle3", {"architectures": ["Eagle3LlamaForCausalLM"], "eagle_aux_hidden_state_layer_ids": [2, 4, 6]},
+     [1, 3, 5]),
+    # speculators: vLLM aux ids without the final layer, which its data always holds last
+    ("speculators-eagle3", {"speculators_model_type": "eagle3", "eagle_aux_hidden_state_layer_ids": [2, 4, 6],
+                            "speculators_config": {"algorithm": "eagle3"}}, [1, 3, 5, 7]),
+    ("speculators-dflash", {"speculators_model_type": "dflash", "aux_hidden_state_layer_ids": [2, 4, 6]},
+     [1, 3, 5, 7]),
+]
+
+
+@pytest.mark.parametrize("kind, cfg, ids", KINDS, ids=[k[0] for k in KINDS])
+def test_drafter_configs_are_read_as_their_project_means_them(tmp_path, kind, cfg, ids):
+    p = _config(tmp_path, "config.json", cfg)
+    d = drafter_layers(tmp_path, 8)  # a directory: its config.json
+    assert (d.kind, d.layer_ids) == (kind, ids)
+    assert resolve_layer_ids(8, layers_from=p) == ids
+    src = layer_source(8, layers_from=p)
+    assert src["option"] == "--layers-from" and src["kind"] == kind and src["path"] == str(p)
+    assert kind in d.describe(p) and str(ids) in d.describe(p)
+
+
+def test_the_same_key_means_two_things():
+    """eagle_aux_hidden_state_layer_ids under eagle_config (SpecForge/SGLang) is one more than
+    the same numbers at the top level (vLLM): the off-by-one every project has shipped."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as t:
+        sg = _config(Path(t), "sg.json", {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 6]}})
+        vl = _config(Path(t), "vl.json", {"eagle_aux_hidden_state_layer_ids": [2, 4, 6]})
+        assert resolve_layer_ids(8, layers_from=sg) == [2, 4, 6]
+        assert resolve_layer_ids(8, layers_from=vl) == [1, 3, 5]
+
+
+def test_drafter_config_errors(tmp_path):
+    bad = _config(tmp_path, "bad.json", {"dflash_config": {"target_layer_ids": [1, 30]}})
     with pytest.raises(ValueError, match="layer id 30 out of range; the model has 8 layers"):
         resolve_layer_ids(8, layers_from=bad)
-    none = tmp_path / "none.json"
-    none.write_text("{}")
-    with pytest.raises(ValueError, match="neither"):
-        resolve_layer_ids(8, layers_from=none)
+    aux0 = _config(tmp_path, "aux0.json", {"eagle_aux_hidden_state_layer_ids": [0, 3]})
+    with pytest.raises(ValueError, match="aux id 0"):
+        resolve_layer_ids(8, layers_from=aux0)
+    for cfg in ({}, {"target_layer_ids": [1, 2]}, {"speculators_model_type": "eagle3"}):
+        with pytest.raises(ValueError, match="cannot tell which layers.*--layers.*--aux-layers"):
+            resolve_layer_ids(8, layers_from=_config(tmp_path, "none.json", cfg))
     with pytest.raises(ValueError, match="no such drafter config"):
         resolve_layer_ids(8, layers_from=tmp_path / "missing.json")
+
+
+def test_layer_source_names_the_option():
+    assert layer_source(8, layers="1,2") == {"option": "--layers"}
+    assert layer_source(8, aux_layers="2,3") == {"option": "--aux-layers", "aux_ids": [2, 3]}
+    assert layer_source(8)["option"] == "default"
 
 
 def test_only_one_source():

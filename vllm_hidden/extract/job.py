@@ -91,7 +91,7 @@ def manifest_fields(cfg: ExtractConfig, plan: Plan, engine: dict[str, Any], read
     """The manifest's description of the run (everything but shards and errors)."""
     from vllm_hidden.engine import compat
 
-    return dict(model=cfg.model, layer_ids=plan.layer_ids, layer_semantics=SEMANTICS,
+    return dict(model=cfg.model, layer_ids=plan.layer_ids, layer_semantics=SEMANTICS, layer_source=plan.layer_source,
                 num_model_layers=plan.info.num_layers, hidden_size=plan.info.hidden_size,
                 # decoder layers the engine ran (< num_model_layers: cut after the deepest captured one)
                 layers_run=engine.get("layers_run", plan.info.num_layers),

@@ -12,7 +12,7 @@ from vllm_hidden.config import ExtractConfig, ModelInfo, Plan
 from vllm_hidden.format.shard import FORMAT
 from vllm_hidden.inputs import PromptReader, parse_columns
 from vllm_hidden.inputs.sources import check_input
-from vllm_hidden.layers import layers_to_run, moe_layer_indices, resolve_layer_ids
+from vllm_hidden.layers import layer_source, layers_to_run, moe_layer_indices, resolve_layer_ids
 from vllm_hidden.storage.journal import RUN
 from vllm_hidden.storage.s3 import S3Location, is_s3
 
@@ -118,7 +118,8 @@ def plan_extract(cfg: ExtractConfig) -> Plan:
     # not part of the identity: a cut model computes the captured layers exactly as the whole one
     layers_run = layers_to_run(info.num_layers, layer_ids, info.moe_layers, full=cfg.needs_full_model)
     return Plan(info=info, layer_ids=list(layer_ids), max_prompt_len=max_prompt_len, identity=identity,
-                layers_run=layers_run)
+                layers_run=layers_run,
+                layer_source=layer_source(info.num_layers, cfg.layers, cfg.aux_layers, cfg.layers_from))
 
 
 def prompt_reader(cfg: ExtractConfig, plan: Plan, input_path: str | None = None) -> PromptReader:

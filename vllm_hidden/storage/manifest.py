@@ -20,6 +20,9 @@ class Manifest:
     model: str
     layer_ids: list[int]
     layer_semantics: str
+    # where layer_ids came from: {"option": "--layers-from", "path", "kind", "key", "config_ids",
+    # "meaning"} for a drafter config, or the option given ("--layers", "--aux-layers", "default")
+    layer_source: dict[str, Any] | None = None
     num_model_layers: int
     hidden_size: int
     # decoder layers the engine ran; fewer than num_model_layers: the model was cut after the
