@@ -1,7 +1,12 @@
 """Training-ready output from the real engine: conversations in (messages, role/content and
 ShareGPT conversations, tools), loss masks and the final normed state out, the same records
-as Parquet giving the same shards, and the hand-off to trainers (collators, speculators
-export). One engine serves both inputs (the library API, as the CLI drives it)."""
+as Parquet giving the same shards, and the hand-off to trainers: the collators, and each
+export loaded by the trainer's OWN code (SpecForge 0.2.0's offline reader, normalizers and
+collators; speculators 0.9.0's ArrowDataset, CollateFn and vocab mapping), every value
+compared with HiddenStatesDataset and the layer each trainer believes it holds checked
+against HF. The layers come from drafter configs (--layers-from): a speculators EAGLE-3
+config for the main engine, a SpecForge/SGLang one for a second, each checked by parity.
+The library API drives both engines in one process, as the CLI does."""
 
 from __future__ import annotations
 
@@ -19,20 +24,30 @@ from tests.integration.helpers import HFReference, cli_env, rel_l2, run_cli, ver
 from vllm_hidden.data import DFlashCollator, Eagle3Collator, HiddenStatesDataset
 
 LAYERS = [1, 3, 7]  # of 8; the last one (before the final norm) for speculators' last slot
+SGLANG_LAYERS = [1, 3, 5]
 BOUND = 1e-2
+# speculators' EAGLE-3 config names vLLM aux ids without the final layer: [2, 4] = layer ids 1, 3 (+ 7)
+SPECULATORS_CONFIG = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+                      "speculators_config": {"algorithm": "eagle3"}, "eagle_aux_hidden_state_layer_ids": [2, 4]}
+# SpecForge's EAGLE-3 draft config: the same key under eagle_config, output-of-layer ids (SGLang adds 1)
+SGLANG_CONFIG = {"architectures": ["LlamaForCausalLMEagle3"],
+                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": SGLANG_LAYERS, "use_aux_hidden_state": True}}
 DRIVER = textwrap.dedent("""
     import json, sys
     from vllm_hidden.config import ExtractConfig
     from vllm_hidden.extract.job import extract_file, start_extractor
 
     if __name__ == "__main__":
-        model, runs = sys.argv[1], json.loads(sys.argv[2])
-        cfg = ExtractConfig(model=model, input_path=runs[0][0], output_dir=runs[0][1], layers="1,3,7",
-                            final_state="post-norm", max_model_len=512, max_num_batched_tokens=64, dtype="bfloat16",
-                            engine_args=["--enforce-eager"], progress=False, max_shard_bytes=200_000)
+        model, runs, second = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+        common = dict(model=model, final_state="post-norm", max_model_len=512, max_num_batched_tokens=64,
+                      dtype="bfloat16", engine_args=["--enforce-eager"], progress=False, max_shard_bytes=200_000)
+        cfg = ExtractConfig(input_path=runs[0][0], output_dir=runs[0][1], layers_from=runs[0][2], **common)
         with start_extractor(cfg) as ex:
-            for inp, out in runs:
+            for inp, out, _ in runs:
                 print(json.dumps(extract_file(ex, inp, out).to_dict()), flush=True)
+        cfg = ExtractConfig(input_path=second[0], output_dir=second[1], layers_from=second[2], **common)
+        with start_extractor(cfg) as ex:
+            print(json.dumps(extract_file(ex, second[0], second[1]).to_dict()), flush=True)
 """)
 
 
@@ -60,9 +75,15 @@ def run(tiny_models, tmp_path_factory):
     keys = sorted({k for r in recs for k in r})
     pq.write_table(pa.table({k: [r.get(k) for r in recs] for k in keys}), root / "in.parquet", row_group_size=8)
     assert pq.ParquetFile(str(root / "in.parquet")).num_row_groups == 5
-    runs = [[str(root / "in.jsonl"), str(root / "out-jsonl")], [str(root / "in.parquet"), str(root / "out-parquet")]]
-    r = subprocess.run([sys.executable, "-c", DRIVER, str(model), json.dumps(runs)], capture_output=True, text=True,
-                       timeout=900, env=cli_env())
+    (root / "speculators.json").write_text(json.dumps(SPECULATORS_CONFIG))
+    (root / "sglang").mkdir()
+    (root / "sglang" / "config.json").write_text(json.dumps(SGLANG_CONFIG))
+    (root / "in-small.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat_model.conversations(6, seed=2)))
+    runs = [[str(root / p) for p in (i, o, "speculators.json")]
+            for i, o in (("in.jsonl", "out-jsonl"), ("in.parquet", "out-parquet"))]
+    second = [str(root / "in-small.jsonl"), str(root / "out-sglang"), str(root / "sglang")]
+    r = subprocess.run([sys.executable, "-c", DRIVER, str(model), json.dumps(runs), json.dumps(second)],
+                       capture_output=True, text=True, timeout=900, env=cli_env())
     assert r.returncode == 0, r.stderr[-4000:]
     summaries = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     return model, root, recs, summaries
@@ -106,7 +127,9 @@ def test_masks_tokens_states_and_final_state_match_hf_and_the_independent_masks(
         seen += 1
     assert seen == len(recs) - 3
     man = json.loads((out / "manifest.json").read_text())
-    assert man["final_state"] == "post-norm"
+    assert man["final_state"] == "post-norm" and man["layer_ids"] == LAYERS
+    src = man["layer_source"]
+    assert src["option"] == "--layers-from" and src["kind"] == "speculators-eagle3" and src["config_ids"] == [2, 4]
     inp = man["input"]
     assert inp["format"] == "jsonl" and inp["loss_mask"] == "default"
     kinds = [next(k for k in ("token_ids", "text", "messages", "conversations") if k in r) for r in recs]
@@ -153,29 +176,142 @@ def test_collators_give_the_dflash_and_eagle3_shapes(run):
         DFlashCollator(ds.layer_ids, use=[5])
 
 
-def test_speculators_export_reads_back_as_its_loader_does(run):
-    import datasets
-    from safetensors.torch import load_file
-
-    _, root, _, _ = run
-    dest = root / "speculators"
-    r = run_cli("export", str(root / "out-jsonl"), "--to", "speculators", str(dest), "--no-progress")
-    assert r.returncode == 0, r.stderr[-3000:]
-    ds = HiddenStatesDataset(root / "out-jsonl")
-    table = datasets.load_from_disk(str(dest))
-    assert len(table) == len(ds) and set(table.column_names) >= {"input_ids", "loss_mask", "seq_len"}
+def test_layers_from_a_specforge_eagle3_config_are_the_outputs_of_those_layers(run):
+    """The same key that means aux ids at the top level (vLLM) means output-of-layer ids under
+    eagle_config (SGLang adds 1 before capturing): reading it as aux ids would store layers
+    0, 2, 4 here, which HF tells apart from 1, 3, 5."""
+    model, root, _, summaries = run
+    out = root / "out-sglang"
+    verify_checksums(out)
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["layer_ids"] == SGLANG_LAYERS and man["layer_source"]["kind"] == "sglang-eagle3"
+    ds, ref = HiddenStatesDataset(out), HFReference(model)
+    assert len(ds) == summaries[2]["samples"] == 6
     for i in range(len(ds)):
-        s, row = ds[i], table[i]
-        hs = load_file(str(dest / "hidden_states" / f"hs_{i}.safetensors"))
-        # what speculators' ArrowDataset checks and takes (train/data.py, data_generation/offline.py)
-        assert torch.equal(hs["token_ids"], row["input_ids"]) and len(row["input_ids"]) == hs["hidden_states"].shape[0]
-        assert row["seq_len"] == len(row["input_ids"]) == len(row["loss_mask"])
-        assert torch.equal(row["loss_mask"], s["loss_mask"].long())
-        assert (hs["hidden_states"].shape == (len(row["input_ids"]), 3, 256)
-                and torch.isfinite(hs["hidden_states"]).all())
-        assert torch.equal(hs["hidden_states"][:, :-1].flatten(1), s["hidden_states"][:, :2].flatten(1))
-        assert torch.equal(hs["hidden_states"][:, -1], s["hidden_states"][:, 2])  # layer 7, before the norm
-    assert not list(root.glob(".speculators-export-*"))  # its scratch table is gone
+        s = ds[i]
+        states = ref.states(s["token_ids"].tolist())
+        for k, lid in enumerate(SGLANG_LAYERS):
+            assert rel_l2(s["hidden_states"][:, k], states[lid]) <= BOUND, (s["id"], lid)
+            assert rel_l2(s["hidden_states"][:, k], states[lid - 1]) > 5 * BOUND, (s["id"], lid)  # can fail
+
+
+def _export(root, kind, dest, *args):
+    r = run_cli("export", str(root / "out-jsonl"), "--to", kind, str(dest), "--no-progress", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads((dest / "export.json").read_text()), r.stderr
+
+
+def _specforge_features(strategy, dest):
+    """Every sample of a SpecForge export as SpecForge's offline training gets it: its reader
+    (OfflineManifestReader via the strategy's build_offline_reader), the feature store that
+    loads the files, and the strategy's normalizer; keyed by our sample index (from the file)."""
+    from specforge.runtime.data_plane.feature_store import LocalFeatureStore
+
+    if strategy == "eagle3":
+        from specforge.algorithms.eagle3 import data as sf
+
+        reader = sf.build_offline_reader(str(dest), run_id="t", ttt_length=7, max_len=4096)
+        normalize, collate = sf.build_offline_normalizer(4096), sf.build_offline_collator()
+    else:
+        from specforge.algorithms.common import dflash_family_data as sf
+
+        reader = sf.build_offline_reader("dflash", str(dest), run_id="t", ttt_length=1, max_len=4096)
+        normalize, collate = sf.build_offline_normalizer(4096), sf.build_collator()
+    store, feats = LocalFeatureStore(), {}
+    for ref in reader.read():
+        tensors, handle = store.get(ref)
+        feats[int(ref.feature_store_uri.rsplit("data_", 1)[1].removesuffix(".ckpt"))] = normalize(tensors)
+        store.release(handle)
+    return feats, collate
+
+
+def test_specforge_eagle3_export_trains_in_specforge_as_written(run):
+    model, root, _, _ = run
+    rec, err = _export(root, "specforge-eagle3", root / "sf-eagle3")
+    ids = rec["settings"]["run_config"]["model.aux_hidden_state_layer_ids"]
+    assert ids == LAYERS and "specforge train --config" in err and "aux_hidden_state_layer_ids: [1, 3, 7]" in err
+    ds = HiddenStatesDataset(root / "out-jsonl")
+    feats, collate = _specforge_features("eagle3", root / "sf-eagle3")
+    assert sorted(feats) == list(range(len(ds)))
+    ref = HFReference(model)
+    for i, f in feats.items():
+        s = ds[i]
+        t = s["token_ids"].shape[0]
+        mask = s["loss_mask"].long()
+        mask[-1] = 0  # SpecForge drops the last position's loss itself
+        assert torch.equal(f["input_ids"][0], s["token_ids"]) and torch.equal(f["loss_mask"][0], mask)
+        assert torch.equal(f["hidden_state"][0], s["hidden_states"].reshape(t, -1))
+        assert torch.equal(f["target"][0], s["final_hidden_states"])
+        if i < 4:  # what SpecForge believes: its id j is the output of layer j; target after the final norm
+            states = ref.states(s["token_ids"].tolist())
+            for k, j in enumerate(ids):
+                assert rel_l2(f["hidden_state"][0, :, k * 256:(k + 1) * 256], states[j]) <= BOUND, (i, j)
+            assert rel_l2(f["target"][0], ref.post_norm) <= BOUND, i
+    batch = collate([feats[i] for i in range(4)])
+    t = max(ds[i]["token_ids"].shape[0] for i in range(4))
+    assert batch["hidden_state"].shape == (4, t, 3 * 256) and batch["target"].shape == (4, t, 256)
+
+
+def test_specforge_dflash_export_trains_in_specforge_as_written(run):
+    from specforge.modeling.draft.dflash import extract_context_feature
+
+    model, root, _, _ = run
+    rec, err = _export(root, "specforge-dflash", root / "sf-dflash", "--layers", "3,1")
+    ids = rec["settings"]["draft_config"]["dflash_config.target_layer_ids"]
+    assert ids == [3, 1] and "dflash_config.target_layer_ids: [3, 1]" in err
+    ds = HiddenStatesDataset(root / "out-jsonl")
+    feats, collate = _specforge_features("dflash", root / "sf-dflash")
+    skipped = set(rec["skipped"]["ids"]) if rec["skipped"] else set()
+    assert len(feats) + len(skipped) == len(ds) == rec["exported_samples"] + len(skipped)
+    ref = HFReference(model)
+    for i, f in feats.items():
+        s = ds[i]
+        assert s["id"] not in skipped
+        assert torch.equal(f["input_ids"][0], s["token_ids"]) and torch.equal(f["loss_mask"][0], s["loss_mask"].long())
+        assert torch.equal(f["hidden_states"][0], s["hidden_states"][:, [1, 0]].flatten(1))
+        if i < 4:  # DFlash's own selection (SpecForge's extract_context_feature) over HF's hidden states
+            r = ref.model(s["token_ids"][None], output_hidden_states=True)
+            want = extract_context_feature(list(r.hidden_states), ids)[0]
+            assert rel_l2(f["hidden_states"][0], want) <= BOUND, i
+    batch = collate([feats[i] for i in list(feats)[:3]])
+    assert batch["hidden_states"].shape[-1] == 2 * 256
+
+
+def test_speculators_export_trains_in_speculators_as_written(run):
+    from speculators.train.data import ArrowDataset, CollateFn
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    model, root, _, _ = run
+    dest = root / "speculators"
+    rec, err = _export(root, "speculators", dest)
+    assert rec["target_layer_ids"] == [2, 4] and "--target-layer-ids 2 4" in err  # vLLM aux ids of layers 1, 3
+    ds = HiddenStatesDataset(root / "out-jsonl")
+    data = ArrowDataset(4096, str(dest), on_missing="raise")  # raise: never ask a vLLM server for states
+    assert len(data) == len(ds)
+    ref, freq = HFReference(model), {}
+    for i in range(len(ds)):
+        s, row = ds[i], data[i]
+        assert isinstance(row, dict), row  # not SampleUnavailable: token ids matched, dtype included
+        assert torch.equal(row["input_ids"], s["token_ids"]) and torch.equal(row["loss_mask"], s["loss_mask"].long())
+        assert torch.equal(row["hidden_states"], s["hidden_states"][:, :2].flatten(1))
+        assert torch.equal(row["verifier_last_hidden_states"], s["hidden_states"][:, 2])
+        for t in s["token_ids"][s["loss_mask"]].tolist():
+            freq[t] = freq.get(t, 0) + 1
+        if i < 4:  # what speculators believes: aux id j = input of layer j (HF hidden_states[j]);
+            # the last slot = the final layer before the norm (speculators applies it)
+            r = ref.model(s["token_ids"][None], output_hidden_states=True)
+            ref.states(s["token_ids"].tolist())
+            for k, j in enumerate(rec["target_layer_ids"]):
+                assert rel_l2(row["hidden_states"][:, k * 256:(k + 1) * 256], r.hidden_states[j][0]) <= BOUND
+            assert rel_l2(row["verifier_last_hidden_states"], ref._last[0]) <= BOUND
+    batch = CollateFn(512, 256, num_target_layers=2)([data[i] for i in range(4)])
+    assert batch["hidden_states"].shape == (1, 512, 512) and batch["verifier_last_hidden_states"].shape == (1, 512, 256)
+    token_freq = torch.load(dest / "token_freq.pt", weights_only=True)  # as speculators' train/cli.py reads it
+    assert token_freq == freq
+    vocab = ref.model.config.vocab_size
+    d2t, t2d = build_vocab_mappings_from_distribution(token_freq, draft_vocab_size=64, target_vocab_size=vocab)
+    top = sorted(freq, key=lambda t: (-freq[t], t))[:64]
+    assert set((d2t + torch.arange(64)).tolist()) >= set(top[: min(64, len(top))]) and t2d.sum() == 64
     bad = run_cli("export", str(root / "out-jsonl"), "--to", "speculators", str(root / "spec2"), "--layers", "1,3",
                   "--no-progress")
-    assert bad.returncode == 2 and "the last exported layer is 3" in bad.stderr and "layer id 7" in bad.stderr
+    assert bad.returncode == 2 and "the last exported layer is 3: pass --layers 1,3,7" in bad.stderr

@@ -124,7 +124,14 @@ def export_speculators(src: str, dest: str | Path, *, layers: list[int] | None =
             flush()
         table = datasets.Dataset.from_file(str(stream))
         table.set_format(type="torch")  # speculators compares input_ids with torch.equal
-        table.save_to_disk(str(out))  # beside hidden_states/; a rerun of an unfinished export writes it anew
+        quiet = not progress and datasets.is_progress_bar_enabled()
+        if quiet:
+            datasets.disable_progress_bars()
+        try:
+            table.save_to_disk(str(out))  # beside hidden_states/; a rerun of an unfinished export writes it anew
+        finally:
+            if quiet:
+                datasets.enable_progress_bars()
         del table
     save_atomic(dict(freq), out / TOKEN_FREQ, torch.save)
     m = ds.manifest
