@@ -37,17 +37,25 @@ def test_cut_hybrid_loads_a_full_checkpoint_and_gives_the_whole_models_states(mo
     assert any(n.startswith(f"model.layers.{NUM_LAYERS - 1}.") for n in names)  # the checkpoint is whole
 
     prompts = write_prompts(tmp_path / "in.jsonl", random_prompts(12, seed=5, lengths=(16, 250), prefix="t"))
-    outs = {}
-    for name, extra in (("cut", []), ("full", ["--full-model"]), ("fp8", ["--storage-dtype", "fp8"])):
+    outs, runs = {}, {}
+    # the cut run takes its layers from a DFlash drafter config (target_layer_ids are output-of-layer
+    # ids, HF hidden_states[id + 1]): the parity check below covers that meaning too
+    (tmp_path / "dflash.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"],
+                                                      "dflash_config": {"target_layer_ids": LAYERS}}))
+    from_config = ["--layers-from", str(tmp_path / "dflash.json")]
+    for name, extra in (("cut", from_config), ("full", ["--full-model"]), ("fp8", ["--storage-dtype", "fp8"])):
         out = tmp_path / name
-        r = run_cli("extract", "-m", str(model), "-i", str(tmp_path / "in.jsonl"), "-o", str(out),
-                    "--layers", ",".join(map(str, LAYERS)), "--no-progress", *extra, *ENGINE)
+        layers = [] if extra is from_config else ["--layers", ",".join(map(str, LAYERS))]
+        r = run_cli("extract", "-m", str(model), "-i", str(tmp_path / "in.jsonl"), "-o", str(out), *layers,
+                    "--no-progress", *extra, *ENGINE)
         assert r.returncode == 0, r.stderr[-3000:]
-        outs[name] = out
+        outs[name], runs[name] = out, r
     cut = json.loads((outs["cut"] / "manifest.json").read_text())
     full = json.loads((outs["full"] / "manifest.json").read_text())
     assert cut["layers_run"] == max(LAYERS) + 1 and cut["engine"]["layers_run"] == max(LAYERS) + 1, cut["engine"]
     assert full["layers_run"] == NUM_LAYERS and cut["num_model_layers"] == full["num_model_layers"] == NUM_LAYERS
+    assert cut["layer_source"]["kind"] == "dflash" and full["layer_source"] == {"option": "--layers"}
+    assert "a dflash config, dflash_config.target_layer_ids = [1, 4] -> layer ids [1, 4]" in runs["cut"].stderr
 
     a, b = HiddenStatesDataset(outs["cut"]), HiddenStatesDataset(outs["full"])
     assert len(a) == len(b) == len(prompts)
