@@ -75,7 +75,7 @@ class DrafterLayers:
                 "meaning": DRAFTER_KINDS[self.kind]}
 
 
-# How each project reads its drafter config's layer ids (docs/training.md cites the sources).
+# How each project reads its drafter config's layer ids (docs/train-a-drafter.md cites the sources).
 DRAFTER_KINDS = {
     "dflash": "DFlash (z-lab, SpecForge): target_layer_ids index HF hidden_states[id + 1], the output of layer id "
               "(= layer id)",

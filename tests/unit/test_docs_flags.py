@@ -5,7 +5,9 @@ Each flag is checked against the command it belongs to:
   command: `vllm-hidden SUB` (its typer options, read from the click command objects, plus
   vLLM's own engine or server options where SUB passes unknown options on to vLLM),
   `vllm serve`, `python scripts/X.py` (that script's argparse options), `pytest` /
-  `scripts/test.sh` (pytest's and its plugins' options), or a few other tools (OTHER_TOOLS);
+  `scripts/test.sh` (pytest's and its plugins' options), the trainers' `speculators train`
+  and `specforge train` (their own parsers: both are installed for the tests), or a few
+  other tools (OTHER_TOOLS);
 - any other flag (prose, tables, comments) must be an option of some `vllm-hidden`
   subcommand or of vLLM's engine or server, or of a command named earlier in the same
   paragraph, or be listed in PROSE_ONLY.
@@ -38,9 +40,7 @@ OTHER_TOOLS: dict[str, set[str]] = {
     "b3sum": set(),
 }
 # Flags named in prose without their command: another project's tool.
-PROSE_ONLY: dict[str, str] = {
-    "--on-missing": "vllm-project/speculators' offline trainer (docs/training-data.md)",
-}
+PROSE_ONLY: dict[str, str] = {}
 
 FLAG = re.compile(r"(?<![\w/.#-])--[A-Za-z][\w-]*")  # not inside a path, a word or a link anchor
 FENCE = re.compile(r"^\s*(```|~~~)\s*([\w+-]*)")
@@ -134,6 +134,37 @@ print({MARK!r} + json.dumps(out))
 """
 
 
+_TRAINERS = f"""
+import argparse, json
+
+class Parsed(Exception):
+    pass
+
+def grab(self, args=None, namespace=None):
+    raise Parsed(self)
+
+def opts(p):
+    return sorted(s for a in p._actions for s in a.option_strings)
+
+argparse.ArgumentParser.parse_args = argparse.ArgumentParser.parse_known_args = grab
+from speculators.train.config.resolution import build_parser  # what `speculators train` parses with
+out = {{"speculators train": opts(build_parser())}}
+from specforge import cli  # `specforge train`: a subparser its main() builds
+try:
+    cli.main(["train"])
+except Parsed as e:
+    sub = next(a for a in e.args[0]._actions if isinstance(a, argparse._SubParsersAction))
+    out["specforge train"] = opts(sub.choices["train"])
+print({MARK!r} + json.dumps(out))
+"""
+
+
+@lru_cache(maxsize=None)
+def trainer_flags() -> dict[str, set[str]]:
+    """`speculators train` and `specforge train` -> their options, from the installed trainers."""
+    return {k: set(v) for k, v in _run_json(_TRAINERS).items()}
+
+
 def script_flags(paths: list[str]) -> dict[str, set[str] | None]:
     """scripts/X.py -> its argparse options (None: it parses no arguments)."""
     runnable = [p for p in paths if re.search(r"parse_(known_)?args|ArgumentParser", (ROOT / p).read_text())]
@@ -207,6 +238,8 @@ def command_of(text: str) -> tuple[str, str] | None:
         return ("unknown", w)  # takes no options
     if w.endswith(".py") and (via_python or w.startswith("scripts/")):
         return ("script", w)
+    if w in ("speculators", "specforge") and len(words) > 1 and words[1] == "train":
+        return ("trainer", f"{w} train")
     if w in ("pytest", *OTHER_TOOLS):
         return (w, "")
     return None
@@ -329,6 +362,8 @@ def problems(flags: list[Flag], pytest_opts: set[str]) -> list[str]:
             return got, name
         if kind == "pytest":
             return pytest_opts, "pytest"
+        if kind == "trainer":
+            return trainer_flags()[name], f"`{name}`"
         if kind in OTHER_TOOLS:
             return OTHER_TOOLS[kind], f"{kind} (OTHER_TOOLS in this test)"
         return None, f"the command {name!r} is not one this test knows"
@@ -374,6 +409,9 @@ def test_the_parsers_are_read(pytestconfig):
     assert "--port" not in v["engine"]
     # pytest-timeout is a test dependency
     assert {"--durations", "--lf", "--timeout", "-k"} <= pytest_flags(pytestconfig)
+    t = trainer_flags()
+    assert {"--data-path", "--target-layer-ids", "--on-missing", "--verifier-name-or-path"} <= t["speculators train"]
+    assert {"--config", "-c"} <= t["specforge train"] and "--data-path" not in t["specforge train"]
 
 
 SAMPLE = """
@@ -388,6 +426,7 @@ vllm-hidden serve M --port 8000 --no-such-serve-flag
 vllm-hidden inspect out/ --port 8000
 python scripts/bench.py --qwen36-27b --no-such-script-flag
 ray start --head --no-such-ray-flag
+speculators train --data-path d --no-such-speculators-flag
 vllm serve M --middleware x --no-such-vllm-flag
 VHIDDEN_X=1 scripts/test.sh tests/unit --durations 5 --no-such-pytest-flag
 ```
@@ -402,7 +441,8 @@ def test_the_check_finds_made_up_flags(pytestconfig):
     found = {(b.split(":")[1], b.split(": ")[1]) for b in bad}
     assert found == {("4", "--no-such-prose-flag"), ("8", "--no-such-extract-flag"), ("9", "--no-such-serve-flag"),
                      ("10", "--port"), ("11", "--no-such-script-flag"), ("12", "--no-such-ray-flag"),
-                     ("13", "--no-such-vllm-flag"), ("14", "--no-such-pytest-flag"), ("17", "--append")}, "\n".join(bad)
+                     ("13", "--no-such-speculators-flag"), ("14", "--no-such-vllm-flag"),
+                     ("15", "--no-such-pytest-flag"), ("18", "--append")}, "\n".join(bad)
     assert all(b.startswith("sample.md:") for b in bad)
 
 
@@ -412,6 +452,7 @@ def test_the_check_finds_made_up_flags(pytestconfig):
     ("python -m vllm_hidden.cli warmup --serve", ("vllm-hidden", "warmup")),
     ("python scripts/bench.py --append", ("script", "scripts/bench.py")),
     ("vllm serve MODEL --port 1", ("vllm", "serve")),
+    ("speculators train --data-path d", ("trainer", "speculators train")),
     ("--max-tokens 256", None),
 ])
 def test_command_of(line, cmd):

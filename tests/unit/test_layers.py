@@ -45,7 +45,7 @@ def _config(tmp_path, name, cfg):
 
 
 # One config of each kind, in the shape its project writes (the ids of each mean layers 1, 3, 5 of 8;
-# the sources of each meaning are cited in docs/training.md):
+# the sources of each meaning are cited in docs/train-a-drafter.md):
 KINDS = [
     # z-lab DFlash / SpecForge DFlash: target_layer_ids index HF hidden_states[id + 1]
     ("dflash", {"architectures": ["DFlashDraftModel"], "dflash_config": {"target_layer_ids": [1, 3, 5],
