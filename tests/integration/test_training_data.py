@@ -225,9 +225,15 @@ def _specforge_features(strategy, dest):
     return feats, collate
 
 
-def test_specforge_eagle3_export_trains_in_specforge_as_written(run):
+@pytest.fixture(scope="module")
+def eagle3_export(run):
+    _, root, _, _ = run
+    return _export(root, "specforge-eagle3", root / "sf-eagle3")
+
+
+def test_specforge_eagle3_export_trains_in_specforge_as_written(run, eagle3_export):
     model, root, _, _ = run
-    rec, err = _export(root, "specforge-eagle3", root / "sf-eagle3")
+    rec, err = eagle3_export
     ids = rec["settings"]["run_config"]["model.aux_hidden_state_layer_ids"]
     assert ids == LAYERS and "specforge train --config" in err and "aux_hidden_state_layer_ids: [1, 3, 7]" in err
     ds = HiddenStatesDataset(root / "out-jsonl")
@@ -277,13 +283,18 @@ def test_specforge_dflash_export_trains_in_specforge_as_written(run):
     assert batch["hidden_states"].shape[-1] == 2 * 256
 
 
-def test_speculators_export_trains_in_speculators_as_written(run):
+@pytest.fixture(scope="module")
+def speculators_export(run):
+    _, root, _, _ = run
+    return (root / "speculators", *_export(root, "speculators", root / "speculators"))
+
+
+def test_speculators_export_trains_in_speculators_as_written(run, speculators_export):
     from speculators.train.data import ArrowDataset, CollateFn
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
     model, root, _, _ = run
-    dest = root / "speculators"
-    rec, err = _export(root, "speculators", dest)
+    dest, rec, err = speculators_export
     assert rec["target_layer_ids"] == [2, 4] and "--target-layer-ids 2 4" in err  # vLLM aux ids of layers 1, 3
     ds = HiddenStatesDataset(root / "out-jsonl")
     data = ArrowDataset(4096, str(dest), on_missing="raise")  # raise: never ask a vLLM server for states
@@ -315,3 +326,108 @@ def test_speculators_export_trains_in_speculators_as_written(run):
     bad = run_cli("export", str(root / "out-jsonl"), "--to", "speculators", str(root / "spec2"), "--layers", "1,3",
                   "--no-progress")
     assert bad.returncode == 2 and "the last exported layer is 3: pass --layers 1,3,7" in bad.stderr
+
+
+def test_one_step_of_speculators_own_eagle3_drafter_on_the_export(run, speculators_export):
+    """speculators' trainer needs a GPU (it moves the model to cuda:0); its pieces run on CPU:
+    its config resolution with the flags the export printed, its vocab mapping from our
+    token_freq.pt, its drafter, its dataset, collate and shift, its loss (eager, not the
+    Triton one) and one optimizer step: the loss is finite and every trainable weight moves."""
+    import argparse
+
+    from speculators.model import SpeculatorModel
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train import cli as train_cli
+    from speculators.train.config import TrainConfig
+    from speculators.train.config.resolution import resolve
+    from speculators.train.data import ArrowDataset, CollateFn
+
+    model, _, _, _ = run
+    dest, rec, _ = speculators_export
+    flags = ["--speculator-type", "eagle3", "--verifier-name-or-path", str(model), "--data-path", str(dest),
+             "--target-layer-ids", *map(str, rec["target_layer_ids"]), "--on-missing", "raise",
+             "--draft-vocab-size", "64", "--total-seq-len", "256", "--draft-attn-impl", "sdpa",
+             "--loss-implementation", "eager"]
+    args = argparse.Namespace(**resolve(TrainConfig, flags).flatten())
+    d2t, t2d, vocab = train_cli.parse_vocab_mappings(args)  # from dest/token_freq.pt
+    assert vocab == 64 and (dest / "d2t-64.npy").is_file()
+    cls = SpeculatorModel.registry["eagle3"]
+    draft = train_cli.build_draft_model(args, cls, t2d, d2t, vocab)
+    assert draft.target_layer_ids == rec["target_layer_ids"]
+    data = ArrowDataset(256, str(dest), on_missing="raise")
+    collate = CollateFn(256, 256, num_target_layers=len(draft.target_layer_ids), dtype=torch.float32,
+                        preprocess=shift_batch)
+    batch = {k: v for k, v in collate([data[i] for i in range(4)]).items() if k != "error_records"}
+    kwargs, _ = cls.get_trainer_kwargs(**vars(args))
+    trainable = {n: p for n, p in draft.named_parameters() if p.requires_grad}
+    before = {n: p.detach().clone() for n, p in trainable.items()}
+    opt = torch.optim.AdamW(trainable.values(), lr=1e-3)
+    draft.train()
+    _, loss, _ = draft(**batch, **kwargs)
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss) and loss.item() > 0
+    assert all(not torch.equal(before[n], p) for n, p in trainable.items())
+
+
+def test_one_step_of_specforge_own_eagle3_drafter_on_the_export(run, eagle3_export, tmp_path, monkeypatch):
+    """SpecForge's EAGLE-3 loss is a Triton kernel (GPU only); everything else runs on CPU: its
+    offline reader and normalizer over our export, its draft config generated from the
+    target, its vocab mapping built from our files (generate_vocab_mapping_file), its model
+    bundle (draft, EAGLE-3 TTT model, the frozen target head re-projecting our final state),
+    its EAGLE-3 strategy's loss and one optimizer step. Stubbed: only the Triton loss,
+    replaced by SpecForge's own reference implementation of it (core/loss.py _compute_loss)."""
+    import specforge.algorithms.eagle3.model as eagle3_model
+    from safetensors import safe_open
+    from specforge.algorithms.builtin import builtin_algorithm_registry
+    from specforge.config import Config
+    from specforge.core import loss as sf_loss
+    from specforge.data.preprocessing import generate_vocab_mapping_file
+    from specforge.runtime.contracts import TrainBatch
+    from specforge.runtime.data_plane.feature_store import load_feature_file
+    from specforge.training.assembly import build_model_bundle
+    from specforge.training.model_loading import resolve_draft_config
+    from specforge.training.strategies.base import Eagle3TrainStrategy
+
+    model, root, _, _ = run
+    dest = root / "sf-eagle3"
+    # SpecForge's target head reads a sharded checkpoint's index: the same weights, with one
+    target = tmp_path / "target"
+    target.mkdir()
+    for f in model.iterdir():
+        (target / f.name).symlink_to(f)
+    with safe_open(str(model / "model.safetensors"), "pt") as f:
+        index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in f.keys()}}
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    feats, collate = _specforge_features("eagle3", dest)
+    run_cfg = {"model": {"target_model_path": str(target), "aux_hidden_state_layer_ids":
+                         eagle3_export[0]["settings"]["run_config"]["model.aux_hidden_state_layer_ids"]},
+               "data": {"hidden_states_path": str(dest)},
+               "training": {"strategy": "eagle3", "attention_backend": "sdpa", "ttt_length": 2}}
+    algorithm = builtin_algorithm_registry().resolve("eagle3")
+    draft = resolve_draft_config(Config.model_validate(run_cfg), provider=algorithm.providers.model.draft_config)
+    draft.draft_vocab_size = 64
+    draft.to_json_file(str(tmp_path / "draft.json"))
+    files = sorted(dest.rglob("*.ckpt"))
+    raw = [load_feature_file(str(f)) for f in files]
+    mapping = generate_vocab_mapping_file({"input_ids": [r["input_ids"] for r in raw],
+                                           "loss_mask": [r["loss_mask"] for r in raw]},
+                                          target_vocab_size=draft.vocab_size, draft_vocab_size=64,
+                                          cache_dir=str(tmp_path))
+    run_cfg["model"].update(draft_model_config=str(tmp_path / "draft.json"), vocab_mapping_path=mapping)
+    bundle = build_model_bundle(Config.model_validate(run_cfg), algorithm=algorithm)
+    strategy = Eagle3TrainStrategy(bundle.model, target_head=bundle.target_head)
+    reference = sf_loss._compute_loss._torchdynamo_orig_callable  # the function under its torch.compile
+    monkeypatch.setattr(eagle3_model, "LogSoftmaxLoss", type("LogSoftmaxLoss", (), {"apply": staticmethod(reference)}))
+    batch = collate([feats[i] for i in range(8)])
+    assert batch["loss_mask"].sum() > 0
+    trainable = {n: p for n, p in strategy.trainable_module().named_parameters() if p.requires_grad}
+    before = {n: p.detach().clone() for n, p in trainable.items()}
+    opt = torch.optim.AdamW(trainable.values(), lr=1e-2)  # bf16 weights: a step 1e-3 would round away
+    out = strategy.forward_loss(TrainBatch(sample_ids=[str(i) for i in range(8)], strategy="eagle3",
+                                           tensors=dict(batch), metadata={"target_repr": "hidden_state"}))
+    out.loss.backward()
+    opt.step()
+    assert torch.isfinite(out.loss) and out.loss.item() > 0
+    assert all(not torch.equal(before[n], p) for n, p in trainable.items()), \
+        [n for n, p in trainable.items() if torch.equal(before[n], p)]
