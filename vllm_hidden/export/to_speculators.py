@@ -3,7 +3,12 @@ a `datasets` table (`save_to_disk`, torch format) with `input_ids`, `loss_mask`,
 per row, and `hidden_states/hs_{i}.safetensors` for row i with `hidden_states` [T, K, H] and
 `token_ids` [T] (which must equal the row's input_ids, dtype included, or the row is dropped).
 One row per sample: a multi-turn conversation is one row whose loss mask covers every
-assistant turn, as speculators' own preprocessing makes it.
+assistant turn. speculators' own preprocessing (data_generation/preprocessing.py
+_render_boundary_rows) fans a conversation out to one row per assistant turn, the conversation
+rendered through that turn with only that turn masked. Attention is causal, so a turn's rows
+in the whole conversation are those of its prefix: where the chat template renders a
+conversation's history as it rendered it turn by turn, the one row supervises the same tokens
+with the same states, at a fraction of the storage (a row per turn repeats every earlier turn).
 
 Its EAGLE-3 model takes the last of the K slots as the verifier's final layer BEFORE the norm
 (models/eagle3/core.py applies `verifier_norm` to it), so the last exported layer must be the
@@ -141,7 +146,8 @@ def export_speculators(src: str, dest: str | Path, *, layers: list[int] | None =
               "numbering": "target_layer_ids: vLLM EAGLE-3 aux ids (input of layer j = layer id j-1), without the "
                            "final layer, whose state (before the norm) is the last hidden-state slot",
               "final_layer_id": m.num_model_layers - 1, "hidden_size": m.hidden_size, "token_freq": TOKEN_FREQ,
-              "rows": "one per sample (a multi-turn conversation is one row, its loss mask over every assistant turn)",
+              "rows": "one per sample: a multi-turn conversation is one row, its loss mask over every assistant "
+                      "turn (speculators' own preprocessing makes a row per assistant turn; see the docs)",
               "settings": {"trainer": "speculators 0.9.0", "flags": trainer_flags(out, m.model, aux)}}
     finish(out, record)
     return {**record, "written": done.written, "resumed": resumed}
