@@ -4,9 +4,9 @@ as Parquet giving the same shards, and the hand-off to trainers: the collators, 
 export loaded by the trainer's OWN code (SpecForge 0.2.0's offline reader, normalizers and
 collators; speculators 0.9.0's ArrowDataset, CollateFn and vocab mapping), every value
 compared with HiddenStatesDataset and the layer each trainer believes it holds checked
-against HF. The layers come from drafter configs (--layers-from): a speculators EAGLE-3
-config for the main engine, a SpecForge/SGLang one for a second, each checked by parity.
-The library API drives both engines in one process, as the CLI does."""
+against HF. The layers come from a speculators EAGLE-3 drafter config (--layers-from),
+checked by parity (a SpecForge/SGLang config's are in test_warmup.py, a DFlash config's in
+test_truncate.py). One engine serves both inputs (the library API, as the CLI drives it)."""
 
 from __future__ import annotations
 
@@ -24,30 +24,23 @@ from tests.integration.helpers import HFReference, cli_env, rel_l2, run_cli, ver
 from vllm_hidden.data import DFlashCollator, Eagle3Collator, HiddenStatesDataset
 
 LAYERS = [1, 3, 7]  # of 8; the last one (before the final norm) for speculators' last slot
-SGLANG_LAYERS = [1, 3, 5]
 BOUND = 1e-2
 # speculators' EAGLE-3 config names vLLM aux ids without the final layer: [2, 4] = layer ids 1, 3 (+ 7)
 SPECULATORS_CONFIG = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
                       "speculators_config": {"algorithm": "eagle3"}, "eagle_aux_hidden_state_layer_ids": [2, 4]}
-# SpecForge's EAGLE-3 draft config: the same key under eagle_config, output-of-layer ids (SGLang adds 1)
-SGLANG_CONFIG = {"architectures": ["LlamaForCausalLMEagle3"],
-                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": SGLANG_LAYERS, "use_aux_hidden_state": True}}
 DRIVER = textwrap.dedent("""
     import json, sys
     from vllm_hidden.config import ExtractConfig
     from vllm_hidden.extract.job import extract_file, start_extractor
 
     if __name__ == "__main__":
-        model, runs, second = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
-        common = dict(model=model, final_state="post-norm", max_model_len=512, max_num_batched_tokens=64,
-                      dtype="bfloat16", engine_args=["--enforce-eager"], progress=False, max_shard_bytes=200_000)
-        cfg = ExtractConfig(input_path=runs[0][0], output_dir=runs[0][1], layers_from=runs[0][2], **common)
+        model, runs = sys.argv[1], json.loads(sys.argv[2])
+        cfg = ExtractConfig(model=model, input_path=runs[0][0], output_dir=runs[0][1], layers_from=runs[0][2],
+                            final_state="post-norm", max_model_len=512, max_num_batched_tokens=64, dtype="bfloat16",
+                            engine_args=["--enforce-eager"], progress=False, max_shard_bytes=200_000)
         with start_extractor(cfg) as ex:
             for inp, out, _ in runs:
                 print(json.dumps(extract_file(ex, inp, out).to_dict()), flush=True)
-        cfg = ExtractConfig(input_path=second[0], output_dir=second[1], layers_from=second[2], **common)
-        with start_extractor(cfg) as ex:
-            print(json.dumps(extract_file(ex, second[0], second[1]).to_dict()), flush=True)
 """)
 
 
@@ -76,14 +69,10 @@ def run(tiny_models, tmp_path_factory):
     pq.write_table(pa.table({k: [r.get(k) for r in recs] for k in keys}), root / "in.parquet", row_group_size=8)
     assert pq.ParquetFile(str(root / "in.parquet")).num_row_groups == 5
     (root / "speculators.json").write_text(json.dumps(SPECULATORS_CONFIG))
-    (root / "sglang").mkdir()
-    (root / "sglang" / "config.json").write_text(json.dumps(SGLANG_CONFIG))
-    (root / "in-small.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat_model.conversations(6, seed=2)))
     runs = [[str(root / p) for p in (i, o, "speculators.json")]
             for i, o in (("in.jsonl", "out-jsonl"), ("in.parquet", "out-parquet"))]
-    second = [str(root / "in-small.jsonl"), str(root / "out-sglang"), str(root / "sglang")]
-    r = subprocess.run([sys.executable, "-c", DRIVER, str(model), json.dumps(runs), json.dumps(second)],
-                       capture_output=True, text=True, timeout=900, env=cli_env())
+    r = subprocess.run([sys.executable, "-c", DRIVER, str(model), json.dumps(runs)], capture_output=True, text=True,
+                       timeout=900, env=cli_env())
     assert r.returncode == 0, r.stderr[-4000:]
     summaries = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     return model, root, recs, summaries
@@ -174,25 +163,6 @@ def test_collators_give_the_dflash_and_eagle3_shapes(run):
     assert torch.equal(two["hidden_states"][0, :, :256], d["hidden_states"][0, :, 512:])
     with pytest.raises(ValueError, match="layer id 5 is not in the output"):
         DFlashCollator(ds.layer_ids, use=[5])
-
-
-def test_layers_from_a_specforge_eagle3_config_are_the_outputs_of_those_layers(run):
-    """The same key that means aux ids at the top level (vLLM) means output-of-layer ids under
-    eagle_config (SGLang adds 1 before capturing): reading it as aux ids would store layers
-    0, 2, 4 here, which HF tells apart from 1, 3, 5."""
-    model, root, _, summaries = run
-    out = root / "out-sglang"
-    verify_checksums(out)
-    man = json.loads((out / "manifest.json").read_text())
-    assert man["layer_ids"] == SGLANG_LAYERS and man["layer_source"]["kind"] == "sglang-eagle3"
-    ds, ref = HiddenStatesDataset(out), HFReference(model)
-    assert len(ds) == summaries[2]["samples"] == 6
-    for i in range(len(ds)):
-        s = ds[i]
-        states = ref.states(s["token_ids"].tolist())
-        for k, lid in enumerate(SGLANG_LAYERS):
-            assert rel_l2(s["hidden_states"][:, k], states[lid]) <= BOUND, (s["id"], lid)
-            assert rel_l2(s["hidden_states"][:, k], states[lid - 1]) > 5 * BOUND, (s["id"], lid)  # can fail
 
 
 def _export(root, kind, dest, *args):

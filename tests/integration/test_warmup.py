@@ -37,9 +37,21 @@ def model(tiny_models):
     return tiny_models("qwen3_next", 4)
 
 
+# A SpecForge EAGLE-3 draft config: under eagle_config the ids are outputs of those layers (SGLang
+# adds 1 before capturing), where the same key at the top level would be vLLM aux ids (one less)
+SGLANG_LAYERS = [0, 1, 2]
+SGLANG_CONFIG = {"architectures": ["LlamaForCausalLMEagle3"],
+                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": SGLANG_LAYERS, "use_aux_hidden_state": True}}
+
+
 def test_warmup_then_extract_compiles_nothing(model, tmp_path):
+    """Warmup and extract take their layers from a SpecForge/SGLang EAGLE-3 config; the parity
+    check at the end is also the check of that config's meaning."""
     cache = tmp_path / "cache"
-    args = ["-m", str(model), "--layers", LAYERS, "--max-model-len", MAX_LEN, "--cache-dir", str(cache), *ENGINE]
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(SGLANG_CONFIG))
+    args = ["-m", str(model), "--layers-from", str(tmp_path / "draft"), "--max-model-len", MAX_LEN,
+            "--cache-dir", str(cache), *ENGINE]
 
     r = run_cli("warmup", *args)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -65,13 +77,14 @@ def test_warmup_then_extract_compiles_nothing(model, tmp_path):
     assert start["kernels_compiled"] == 0 and start["autotune_results_stored"] == 0, start
     assert "engine started WARM" in e.stdout + e.stderr and ", warm;" in e.stdout
     assert start["cache_dirs"]["VLLM_CACHE_ROOT"] == str(cache / "vllm")
-    assert (start["model_runner"] == "v1"
-            and json.loads((out / "manifest.json").read_text())["engine"]["model_runner"] == "v1")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert start["model_runner"] == "v1" and manifest["engine"]["model_runner"] == "v1"
+    assert manifest["layer_ids"] == SGLANG_LAYERS and manifest["layer_source"]["kind"] == "sglang-eagle3"
 
     # what a warm engine computes is still right
     ds = HiddenStatesDataset(out)
     ref = HFReference(model)
-    layer_ids = [int(x) for x in LAYERS.split(",")]
+    layer_ids = SGLANG_LAYERS
     assert len(ds) == len(prompts)
     for i in range(len(ds)):
         s = ds[i]
