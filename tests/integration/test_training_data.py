@@ -339,6 +339,21 @@ def test_one_step_of_speculators_own_eagle3_drafter_on_the_export(run, speculato
     assert torch.isfinite(loss) and loss.item() > 0
     assert all(not torch.equal(before[n], p) for n, p in trainable.items())
 
+    # The caveat docs/train-a-drafter.md states: speculators 0.9.0's EAGLE-3 re-norms the last slot
+    # with its draft's norm, x*w, while this verifier (Qwen3-Next, like Qwen3.5/3.6) computes
+    # x*(1+w). Our slot is right (the verifier's own form gives HF's normed state); the targets
+    # speculators builds from it are not. When this fails, speculators has fixed it: update the docs.
+    ref = HFReference(model)
+    s = HiddenStatesDataset(run[1] / "out-jsonl")[0]
+    ref.states(s["token_ids"].tolist())
+    last = data[0]["verifier_last_hidden_states"].float()
+    w = draft.verifier_norm.weight.detach().float()
+    assert torch.equal(w, ref.model.model.norm.weight.detach().float())  # the verifier's weight, loaded
+    unit = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + ref.model.config.rms_norm_eps)
+    assert rel_l2(unit * (1 + w), ref.post_norm) <= BOUND
+    with torch.no_grad():
+        assert rel_l2(draft.verifier_norm.float()(last), ref.post_norm) > 0.5
+
 
 def test_one_step_of_specforge_own_eagle3_drafter_on_the_export(run, eagle3_export, tmp_path, monkeypatch):
     """SpecForge's EAGLE-3 loss is a Triton kernel (GPU only); everything else runs on CPU: its
