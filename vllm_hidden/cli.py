@@ -25,8 +25,9 @@ def _fail(msg: str) -> None:
 Model = Annotated[str, typer.Option("--model", "-m", help="HF model directory or id.")]
 Layers = Annotated[Optional[str], typer.Option(help="Layer ids, output of decoder layer i (0-based), e.g. 1,16,31.")]
 AuxLayers = Annotated[Optional[str], typer.Option(help="vLLM/EAGLE-3 aux ids (input of layer j = layer id j-1).")]
-LayersFrom = Annotated[Optional[Path], typer.Option(help="Drafter config.json (DFlash target_layer_ids "
-                                                    "or EAGLE-3 aux ids).")]
+LayersFrom = Annotated[Optional[Path], typer.Option(help="Drafter config.json (or its directory): DFlash, "
+                                                    "SpecForge/SGLang, vLLM or speculators EAGLE-3, each read "
+                                                    "as its project means its ids.")]
 MaxModelLen = Annotated[Optional[int], typer.Option(help="Longest prompt accepted (tokens); "
                                                     "longer lines become error records.")]
 MaxBatched = Annotated[Optional[int], typer.Option(help="Tokens per scheduler step (also the capture buffer's rows).")]
@@ -184,8 +185,7 @@ def serve(
                                                   "requests may ask for a subset.")] = None,
     aux_layers: Annotated[Optional[str], typer.Option(help="vLLM/EAGLE-3 aux ids "
                                                       "(input of layer j = layer id j-1).")] = None,
-    layers_from: Annotated[Optional[Path], typer.Option(help="Drafter config.json (DFlash target_layer_ids "
-                                                        "or EAGLE-3 aux ids).")] = None,
+    layers_from: LayersFrom = None,
     max_hidden_tokens: Annotated[int, typer.Option(help="Most hidden-state rows (tokens) one response may carry; "
                                                    "more is HTTP 400.")] = ServeConfig.max_hidden_tokens,
     max_request_bytes: Annotated[int, typer.Option(help="Largest body of a request with hidden_states; "
