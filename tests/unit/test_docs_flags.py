@@ -86,8 +86,9 @@ def _run_json(code: str, *args: str) -> dict:
     raise AssertionError(f"reading flags failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
 
 
-_VLLM = f"""
-import json
+# One interpreter reads vLLM's parsers and then the trainers' (both import torch: once).
+_PARSERS = f"""
+import argparse, json
 from vllm.engine.arg_utils import EngineArgs
 from vllm.entrypoints.cli import serve as vserve
 from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -99,14 +100,40 @@ engine = EngineArgs.add_cli_args(FlexibleArgumentParser())
 # as vllm_hidden.engine.serving.run_vllm_serve builds it: vLLM's `serve` subcommand parser
 sub = FlexibleArgumentParser().add_subparsers(required=True, dest="subparser")
 serve = vserve.cmd_init()[0].subparser_init(sub)
-print({MARK!r} + json.dumps({{"engine": opts(engine), "serve": opts(serve)}}))
+out = {{"engine": opts(engine), "serve": opts(serve)}}
+
+class Parsed(Exception):
+    pass
+
+def grab(self, args=None, namespace=None):
+    raise Parsed(self)
+
+from speculators.train.config.resolution import build_parser  # what `speculators train` parses with
+out["speculators train"] = opts(build_parser())
+argparse.ArgumentParser.parse_args = argparse.ArgumentParser.parse_known_args = grab
+from specforge import cli  # `specforge train`: a subparser its main() builds
+try:
+    cli.main(["train"])
+except Parsed as e:
+    out["specforge train"] = opts(next(a for a in e.args[0]._actions
+                                       if isinstance(a, argparse._SubParsersAction)).choices["train"])
+print({MARK!r} + json.dumps(out))
 """
 
 
 @lru_cache(maxsize=None)
+def _parsers() -> dict[str, set[str]]:
+    return {k: set(v) for k, v in _run_json(_PARSERS).items()}
+
+
 def vllm_flags() -> dict[str, set[str]]:
     """vLLM's engine arguments (what `extract`/`warmup` pass on) and its `serve` options."""
-    return {k: set(v) for k, v in _run_json(_VLLM).items()}
+    return {k: _parsers()[k] for k in ("engine", "serve")}
+
+
+def trainer_flags() -> dict[str, set[str]]:
+    """`speculators train` and `specforge train` -> their options, from the installed trainers."""
+    return {k: _parsers()[k] for k in ("speculators train", "specforge train")}
 
 
 # Each script is run up to its first argument parse, which raises with the parser's options
@@ -132,37 +159,6 @@ for path in sys.argv[1:]:
         out[path] = e.args[0]
 print({MARK!r} + json.dumps(out))
 """
-
-
-_TRAINERS = f"""
-import argparse, json
-
-class Parsed(Exception):
-    pass
-
-def grab(self, args=None, namespace=None):
-    raise Parsed(self)
-
-def opts(p):
-    return sorted(s for a in p._actions for s in a.option_strings)
-
-argparse.ArgumentParser.parse_args = argparse.ArgumentParser.parse_known_args = grab
-from speculators.train.config.resolution import build_parser  # what `speculators train` parses with
-out = {{"speculators train": opts(build_parser())}}
-from specforge import cli  # `specforge train`: a subparser its main() builds
-try:
-    cli.main(["train"])
-except Parsed as e:
-    sub = next(a for a in e.args[0]._actions if isinstance(a, argparse._SubParsersAction))
-    out["specforge train"] = opts(sub.choices["train"])
-print({MARK!r} + json.dumps(out))
-"""
-
-
-@lru_cache(maxsize=None)
-def trainer_flags() -> dict[str, set[str]]:
-    """`speculators train` and `specforge train` -> their options, from the installed trainers."""
-    return {k: set(v) for k, v in _run_json(_TRAINERS).items()}
 
 
 def script_flags(paths: list[str]) -> dict[str, set[str] | None]:
