@@ -375,11 +375,11 @@ def export(
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     from vllm_hidden.export import export_output
-    from vllm_hidden.export.run import parse_layers
+    from vllm_hidden.layers import parse_id_list
 
     try:
-        record = export_output(output, to, dest, layers=parse_layers(layers), s3_endpoint_url=s3_endpoint_url,
-                               progress=progress)
+        ids = None if layers is None else parse_id_list(layers, "--layers")
+        record = export_output(output, to, dest, layers=ids, s3_endpoint_url=s3_endpoint_url, progress=progress)
     except (ValueError, ImportError, OSError) as e:
         _fail(str(e))
     _print_settings(record)

@@ -117,15 +117,13 @@ def drafter_layers(path: str | Path, num_layers: int) -> DrafterLayers:
     where = repr(str(p))
     last = num_layers - 1
 
-    def ids(holder: dict[str, Any], key: str) -> list[int]:
-        return parse_id_list(holder[key], key)
-
     if "speculators_model_type" in cfg or "speculators_config" in cfg:
         for key, kind in (("eagle_aux_hidden_state_layer_ids", "speculators-eagle3"),
                           ("aux_hidden_state_layer_ids", "speculators-dflash")):
             if cfg.get(key) is not None:
-                got = _aux_to_layer_ids(ids(cfg, key), where, key)
-                return DrafterLayers(kind=kind, key=key, config_ids=ids(cfg, key),
+                aux = parse_id_list(cfg[key], key)
+                got = _aux_to_layer_ids(aux, where, key)
+                return DrafterLayers(kind=kind, key=key, config_ids=aux,
                                      layer_ids=got + ([last] if last not in got else []))
     else:
         dflash = cfg.get("dflash_config")
@@ -140,7 +138,7 @@ def drafter_layers(path: str | Path, num_layers: int) -> DrafterLayers:
             return DrafterLayers(kind="sglang-eagle3", key=key, config_ids=got, layer_ids=list(got))
         if cfg.get("eagle_aux_hidden_state_layer_ids") is not None:
             key = "eagle_aux_hidden_state_layer_ids"
-            got = ids(cfg, key)
+            got = parse_id_list(cfg[key], key)
             return DrafterLayers(kind="vllm-eagle3", key=key, config_ids=got,
                                  layer_ids=_aux_to_layer_ids(got, where, key))
     raise ValueError(
@@ -211,6 +209,15 @@ def layer_source(num_layers: int, layers: str | Sequence[int] | None = None,
     if layers is not None:
         return {"option": "--layers"}
     return {"option": "default", "rule": f"DFlash's spread of {DEFAULT_NUM_LAYERS} layers over 1 .. N-3"}
+
+
+def positions(layer_ids: Sequence[int], use: Sequence[int], what: str, hint: str = "") -> list[int]:
+    """Where each of `use` (layer ids) sits among an output's `layer_ids` (its K axis)."""
+    have = list(layer_ids)
+    missing = [i for i in use if i not in have]
+    if missing:
+        raise ValueError(f"{what}: layer id {missing[0]} is not in the output (its layer ids are {have}){hint}")
+    return [have.index(i) for i in use]
 
 
 def to_aux_ids(layer_ids: Sequence[int]) -> list[int]:

@@ -17,15 +17,12 @@ from typing import Any
 
 import torch
 
+from vllm_hidden.layers import positions
+
 
 def _columns(layer_ids: Sequence[int], use: Sequence[int] | None, what: str) -> list[int] | None:
     """Positions of `use` (layer ids) among the output's `layer_ids`; None: all, in order."""
-    if use is None:
-        return None
-    missing = [i for i in use if i not in layer_ids]
-    if missing:
-        raise ValueError(f"{what}: layer id {missing[0]} is not in the output (its layer ids are {list(layer_ids)})")
-    return [list(layer_ids).index(i) for i in use]
+    return None if use is None else positions(layer_ids, use, what)
 
 
 def _mask(sample: dict[str, Any]) -> torch.Tensor:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_hidden.layers import positions
 from vllm_hidden.storage.files import fsync_dir
 from vllm_hidden.storage.journal import write_json_atomic
 
@@ -34,26 +35,14 @@ _READ_AHEAD = 4
 _WRITERS = 4
 
 
-def parse_layers(spec: str | Sequence[int] | None) -> list[int] | None:
-    """`--layers 1,16,31` of an export: the output's layer ids to write, in that order."""
-    if spec is None or not isinstance(spec, str):
-        return None if spec is None else list(spec)
-    try:
-        return [int(x) for x in spec.split(",")]
-    except ValueError:
-        raise ValueError(f"--layers must be comma-separated layer ids, got {spec!r}") from None
-
-
-def columns(layer_ids: Sequence[int], use: Sequence[int] | None) -> tuple[list[int], list[int]]:
+def columns(layer_ids: Sequence[int], use: Sequence[int] | None,
+            hint: str | None = None) -> tuple[list[int], list[int]]:
     """(layer ids written, their positions among the output's `layer_ids`); `use` None: all, in order."""
     ids = list(layer_ids) if use is None else list(use)
-    missing = [i for i in ids if i not in layer_ids]
-    if missing:
-        raise ValueError(f"--layers: layer id {missing[0]} is not in the output (its layer ids are "
-                         f"{list(layer_ids)}); extract with it, e.g. --layers {','.join(map(str, ids))}")
     if len(set(ids)) != len(ids):
         raise ValueError(f"--layers: a layer id is repeated in {ids}")
-    return ids, [list(layer_ids).index(i) for i in ids]
+    hint = f"; extract with it, e.g. --layers {','.join(map(str, ids))}" if hint is None else hint
+    return ids, positions(layer_ids, ids, "--layers", hint)
 
 
 def open_source(src: str, s3_endpoint_url: str | None) -> "HiddenStatesDataset":
@@ -115,7 +104,7 @@ def own(t: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(kw_only=True)
-class Progress:
+class Tally:
     samples: int = 0
     tokens: int = 0
     written: int = 0  # files written by this run (the rest were there: a resumed export)
@@ -127,10 +116,9 @@ def samples(ds: "HiddenStatesDataset", progress: bool, what: str) -> Iterator[tu
     n = len(ds)
     bar = None
     if progress:
-        from rich.progress import BarColumn, MofNCompleteColumn, TimeRemainingColumn
-        from rich.progress import Progress as Bar
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
-        bar = Bar("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+        bar = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
                   TimeRemainingColumn(), transient=False)
         task = bar.add_task(what, total=n)
         bar.start()

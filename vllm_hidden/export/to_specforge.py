@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from vllm_hidden.export.run import (
-    Progress,
+    Tally,
     Writers,
     columns,
     finish,
@@ -78,12 +78,7 @@ def _check(kind: str, ds: Any, use: list[int] | None) -> tuple[list[int], list[i
         use = sorted(m.layer_ids)
     if len(use) != 3:
         raise ValueError(f"--to specforge-eagle3: EAGLE-3 takes 3 layers, got --layers {','.join(map(str, use))}")
-    if any(i not in m.layer_ids for i in use):
-        missing = [i for i in use if i not in m.layer_ids]
-        raise ValueError(f"--layers: layer id {missing[0]} is not in the output (its layer ids are "
-                         f"{list(m.layer_ids)}); extract with --layers {','.join(map(str, use))} --final-state "
-                         "post-norm")
-    return columns(m.layer_ids, use)
+    return columns(m.layer_ids, use, f"; extract with --layers {','.join(map(str, use))} --final-state post-norm")
 
 
 def _eagle3(s: dict[str, Any], cols: list[int]) -> dict[str, torch.Tensor]:
@@ -125,7 +120,7 @@ def export_specforge(kind: str, src: str, dest: str | Path, *, layers: list[int]
     identity = {"kind": kind, **source_identity(src, ds), "layer_ids": ids}
     resumed = start(out, identity)
     make = _eagle3 if kind == "specforge-eagle3" else _dflash
-    done = Progress()
+    done = Tally()
     made: set[Path] = set()
     with Writers() as w:
         for i, s in samples(ds, progress, f"export {kind}"):

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from vllm_hidden.export.run import (
-    Progress,
+    Tally,
     Writers,
     columns,
     finish,
@@ -91,7 +91,7 @@ def export_speculators(src: str, dest: str | Path, *, layers: list[int] | None =
     hs_dir = out / "hidden_states"
     hs_dir.mkdir(exist_ok=True)
     freq: Counter[int] = Counter()
-    done = Progress()
+    done = Tally()
     # the table is streamed to an Arrow file in batches (never all rows in memory), then
     # memory-mapped by datasets and saved in its own layout; the file is beside the output,
     # not in it: datasets will not save a table over the file it maps
