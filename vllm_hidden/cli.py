@@ -101,9 +101,14 @@ def extract(
     input_columns: Annotated[Optional[str], typer.Option(help="Fields from differently named columns (keys), e.g. "
                                                          "'conversations=conv,id=uid'.")] = None,
     generate: Annotated[bool, typer.Option("--generate", help="The target writes each response (a conversation's "
-                                           "reply to its last user turn; text/token_ids continued) and the states of "
-                                           "prompt + response are captured in the same pass; "
+                                           "assistant turns, see --regenerate; text/token_ids continued) and the "
+                                           "states of prompt + responses are captured in the same pass; "
                                            "see generations.jsonl.")] = False,
+    regenerate: Annotated[Optional[str], typer.Option(help="--generate, conversations: all (every assistant turn, "
+                                                      "in order, each with the target's own earlier turns as "
+                                                      "context; written assistant turns and tool results are "
+                                                      "dropped) or last (only the reply to the last user turn; "
+                                                      "earlier turns as written). Default: all.")] = None,
     max_tokens: Annotated[Optional[int], typer.Option(help="--generate: most tokens per response (default 256); "
                                                       "prompt + response must fit --max-model-len.")] = None,
     temperature: Annotated[Optional[float], typer.Option(help="--generate: sampling temperature "
@@ -127,7 +132,8 @@ def extract(
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     sampling = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
-                "stop": stop or None, "ignore_eos": ignore_eos or None, "max_inflight_bytes": max_inflight_bytes}
+                "stop": stop or None, "ignore_eos": ignore_eos or None, "regenerate": regenerate,
+                "max_inflight_bytes": max_inflight_bytes}
     sampling = {k: v for k, v in sampling.items() if v is not None}
     if sampling and not generate:
         _fail(f"--{next(iter(sampling)).replace('_', '-')} goes with --generate")

@@ -109,6 +109,9 @@ class ShardConfig:
         return asdict(self)
 
 
+REGENERATE = ("all", "last")  # --regenerate
+
+
 @dataclass(frozen=True, kw_only=True)
 class GenerateConfig:
     """`extract --generate`: the target writes each response and its rows are captured as it
@@ -121,9 +124,14 @@ class GenerateConfig:
     seed: int | None = None  # run seed: each sample's seed is derived from it and the sample's id
     stop: tuple[str, ...] = ()  # stop strings (kept in the response, as the token that completes them is)
     ignore_eos: bool = False
+    # conversations: "all" regenerates every assistant turn in order (each with the target's own
+    # earlier turns as context); "last" only the reply to the last user turn
+    regenerate: str = "all"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
+        if self.regenerate not in REGENERATE:
+            raise ValueError(f"--regenerate must be one of {', '.join(REGENERATE)}, got {self.regenerate!r}")
         _positive_int("--max-tokens", self.max_tokens)
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):

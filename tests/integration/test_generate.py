@@ -46,17 +46,22 @@ MAX_LEN = 256  # prompt + response
 NEAR_TIE = 0.05  # float32 HF logits: a bf16 engine may pick the other of two tokens this close
 DRIVER = textwrap.dedent("""
     import json, sys
+    from dataclasses import replace
     from vllm_hidden.config import ExtractConfig, GenerateConfig
     from vllm_hidden.extract.job import extract_file, start_extractor
+    from vllm_hidden.extract.plan import plan_extract
 
     if __name__ == "__main__":
-        model, inp, out = sys.argv[1:4]
+        model, inp, out, out_last = sys.argv[1:5]
         cfg = ExtractConfig(model=model, input_path=inp, output_dir=out, layers="1,4,7", final_state="post-norm",
                             max_model_len=%d, max_num_batched_tokens=64, max_num_seqs=8, dtype="bfloat16",
                             progress=False, max_shard_bytes=400_000,
                             generate=GenerateConfig(max_tokens=%d, temperature=0.0))
-        with start_extractor(cfg) as ex:
+        with start_extractor(cfg) as ex:  # --regenerate all (the default), then last on the same engine
             print(json.dumps(extract_file(ex, inp, out).to_dict()), flush=True)
+            last = replace(cfg, output_dir=out_last, generate=replace(cfg.generate, regenerate="last"))
+            ex.reconfigure(last, plan_extract(last))
+            print(json.dumps(extract_file(ex, inp, out_last).to_dict()), flush=True)
 """ % (MAX_LEN, MAX_TOKENS))
 
 
@@ -99,16 +104,107 @@ def greedy(tiny_models, tmp_path_factory):
            {"id": "no-room", "token_ids": [40] * (MAX_LEN - MAX_TOKENS + 1)}]
     recs_in = recs[:7] + bad[:1] + recs[7:] + bad[1:]
     (root / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs_in))
-    out = root / "out"
-    r = subprocess.run([sys.executable, "-c", DRIVER, str(model), str(root / "in.jsonl"), str(out)],
+    out, out_last = root / "out", root / "out-last"
+    r = subprocess.run([sys.executable, "-c", DRIVER, str(model), str(root / "in.jsonl"), str(out), str(out_last)],
                        capture_output=True, text=True, timeout=900, env=cli_env())
     assert r.returncode == 0, r.stderr[-4000:]
-    summary = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")][-1]
-    return model, tok, out, recs, summary, set(gc["eos_token_id"])
+    summary, summary_last = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")][-2:]
+    return model, tok, (out, out_last), recs, (summary, summary_last), set(gc["eos_token_id"])
 
 
-def test_greedy_responses_rows_tokens_and_masks_match_hf(greedy):
-    model, tok, out, recs, summary, stops = greedy
+def _conversation_of(tok, rec, responses):
+    """The final token ids and loss mask of a conversation regenerated turn by turn, worked out
+    here from the responses as sampled: chat_model's independent rendering of the system and user
+    turns (assistant turns and tool results dropped), each response after the generation prompt
+    of its user turn, the template's end of turn after every response but the last (unless the
+    response sampled it). Also the messages as generations.jsonl should give them."""
+    asst, end = tok.convert_tokens_to_ids("<|assistant|>"), tok.convert_tokens_to_ids("<|end|>")
+    msgs = [m for m in chat_model.messages_of(rec) if m["role"] in ("system", "user")]
+    ids, mask, messages, k, keep = [], [], [], 0, (0, 0)
+    segs = chat_model._segments(msgs, rec.get("tools"))
+    sys_first = msgs[0]["role"] == "system"
+    head = segs[:1] if sys_first or rec.get("tools") else []  # the system prompt and tools
+    body = msgs[1:] if sys_first else msgs
+    assert len(segs) == len(head) + len(body)
+    for text, _ in head:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        mask = [0] * len(ids)
+    messages += msgs[:1] if sys_first else []
+    for m, (text, _) in zip(body, segs[len(head):]):
+        if m["role"] == "user" and k == len(responses):
+            break
+        seg = tok(text, add_special_tokens=False)["input_ids"]
+        ids, mask = ids + seg, mask + [0] * len(seg)
+        messages.append(m)
+        if m["role"] == "user":
+            r = responses[k]
+            ids, mask = ids + [asst] + r, mask + [0] + [1] * len(r)
+            messages.append({"role": "assistant", "content": tok.decode(r, skip_special_tokens=True)})
+            k += 1
+            keep = (len(ids), len(messages))  # the last response: as sampled
+            if r[-1] != end:
+                ids, mask = ids + [end], mask + [1]
+    n, n_msgs = keep
+    return ids[:n], mask[:n], messages[:n_msgs]
+
+
+def test_every_assistant_turn_regenerated_with_its_own_earlier_turns_matches_hf(greedy):
+    model, tok, (out, _), recs, (summary, _), stops = greedy
+    verify_checksums(out)
+    assert summary["samples"] == len(recs) and summary["errors"] == 2
+    gens = {}
+    for line in (out / "generations.jsonl").read_text().splitlines():
+        g = json.loads(line)
+        assert g["id"] not in gens
+        gens[g["id"]] = g
+    assert set(gens) == {r["id"] for r in recs}
+    ref = HFReference(model)
+    ds = HiddenStatesDataset(out)
+    reasons, near_ties, generated, several = set(), 0, 0, 0
+    for i in range(len(ds)):
+        s = ds[i]
+        rec = next(r for r in recs if r["id"] == s["id"])
+        g, ids = gens[s["id"]], s["token_ids"].tolist()
+        if "text" in rec or "token_ids" in rec:  # no turns: as --regenerate last
+            assert "turns" not in g and ids[: s["num_prompt_tokens"]] == _prompt_of(tok, rec)[0]
+            continue
+        users = sum(m["role"] == "user" for m in chat_model.messages_of(rec))
+        turns = g.get("turns") or [{"token_ids": g["response_token_ids"], "finish_reason": g["finish_reason"]}]
+        assert len(turns) == users and "stopped" not in g, s["id"]  # every user turn answered
+        several += users > 1
+        responses = [t["token_ids"] for t in turns]
+        want_ids, want_mask, messages = _conversation_of(tok, rec, responses)
+        assert ids == want_ids, s["id"]  # user turns verbatim, responses exactly as sampled
+        assert s["loss_mask"].int().tolist() == want_mask, s["id"]
+        assert g["messages"] == messages and g.get("tools") == rec.get("tools")
+        assert s["num_prompt_tokens"] == want_mask.index(1) == g["num_prompt_tokens"]
+        states = ref.states(ids)
+        for k, lid in enumerate(LAYERS):
+            assert rel_l2(s["hidden_states"][:, k], states[lid]) <= BOUND, (s["id"], lid)
+        assert rel_l2(s["final_hidden_states"], ref.post_norm) <= BOUND, s["id"]
+        starts = [t for t in range(1, len(ids)) if want_mask[t] and not want_mask[t - 1]]
+        for t0, r in zip(starts, responses):  # each response token is HF's greedy choice given all before it
+            for t in range(t0, t0 + len(r)):
+                best = int(ref.logits[t - 1].argmax())
+                generated += 1
+                if ids[t] != best:
+                    margin = float(ref.logits[t - 1][best] - ref.logits[t - 1][ids[t]])
+                    assert margin < NEAR_TIE, (s["id"], t, ids[t], best, margin)
+                    near_ties += 1
+        for t, r in zip(turns, responses):
+            cut = next((k + 1 for k, x in enumerate(r) if x in stops), None)
+            assert cut in (None, len(r)) and (cut is not None or len(r) == MAX_TOKENS), (s["id"], r)
+            assert t["finish_reason"] == ("stop" if cut else "length")
+            reasons.add(t["finish_reason"])
+    assert several >= 5 and reasons == {"stop", "length"}, (several, reasons)
+    assert near_ties <= generated // 20, (near_ties, generated)
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["generate"]["regenerate"] == "all"
+    assert summary["tokens"] == sum(len(ds[i]["token_ids"]) for i in range(len(ds)))
+
+
+def test_regenerate_last_greedy_responses_rows_tokens_and_masks_match_hf(greedy):
+    model, tok, (_, out), recs, (_, summary), stops = greedy
     verify_checksums(out)
     assert summary["samples"] == len(recs) and summary["errors"] == 2
     errors = {json.loads(x)["id"]: json.loads(x)["reason"] for x in (out / "errors.jsonl").read_text().splitlines()}

@@ -322,3 +322,37 @@ def test_generate_prompt_that_leaves_no_room_is_an_error_record(tmp_path, tok):
     got = list(reader(tmp_path, tok, [{"id": 1, "token_ids": list(range(10, 30))}], room=8, max_len=12))
     assert isinstance(got[0], BadLine)
     assert got[0].reason == "prompt has 20 tokens, which leaves no room for --max-tokens 8 within max_model_len 20"
+
+
+def test_regenerate_all_keeps_system_and_user_turns_and_joins_turns_as_the_template_writes_them(tmp_path, tok):
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "a b"},
+            {"role": "assistant", "content": "x", "tool_calls": [{"type": "function", "function": {"name": "lookup"}}]},
+            {"role": "tool", "content": "r"}, {"role": "assistant", "content": "y"},
+            {"role": "system", "content": "t"}, {"role": "user", "content": "c"}, {"role": "assistant", "content": "z"},
+            {"role": "user", "content": "d e"}]
+    recs = [{"id": "m", "messages": msgs, "tools": chat_model.TOOLS},
+            {"id": "one", "conversations": chat_model.to_sharegpt(msgs[:2] + msgs[4:5])}]
+    p, one = reader(tmp_path, tok, recs, room=4, regenerate="all")
+    kept = [m for m in msgs if m["role"] in ("system", "user")]
+    assert p.source == {"messages": kept, "tools": chat_model.TOOLS}
+    first, first_mask = chat_model.expected(tok, kept[:2], chat_model.TOOLS)
+    assert p.token_ids == first + tok.convert_tokens_to_ids(["<|assistant|>"]) and p.loss_spans == []
+    names = [tok.convert_ids_to_tokens(joint) for joint, _ in p.turns]
+    assert names == [["<|end|>", "<|system|>", "t", "<|end|>", "<|user|>", "c", "<|end|>", "<|assistant|>"],
+                     ["<|end|>", "<|user|>", "d", "e", "<|end|>", "<|assistant|>"]]
+    assert [closing for _, closing in p.turns] == [1, 1]
+    assert one.turns == () and one.source == {"messages": msgs[:2]}  # one user turn: one response
+    (last,) = reader(tmp_path, tok, recs[:1], room=4, regenerate="last")
+    assert last.turns == () and last.source["messages"] == msgs  # as written up to the last user turn
+    (masked,) = reader(tmp_path, tok, recs[:1], room=4, regenerate="all", loss_mask="all")
+    assert masked.loss_spans == [(0, len(masked.token_ids))] and masked.turns == p.turns
+
+
+def test_regenerate_all_refuses_a_template_that_ends_turns_otherwise_before_a_user_turn(tmp_path):
+    # the end of a turn written differently when a user turn follows than when it is the last
+    odd = chat_model.TEMPLATE.replace("{%- if m.tool_calls %} call", "{%- if not loop.last %} a{% endif %}"
+                                      "{%- if m.tool_calls %} call")
+    tok = chat_model.tokenizer(tmp_path, odd)
+    msgs = [{"role": "user", "content": "b"}, {"role": "user", "content": "c"}]
+    (p,) = reader(tmp_path, tok, [{"id": "x", "messages": msgs}], room=4, regenerate="all")
+    assert isinstance(p, BadLine) and "--regenerate last" in p.reason and "user turn 1" in p.reason

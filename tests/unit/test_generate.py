@@ -27,14 +27,15 @@ class Tok:
         return " ".join(f"w{i}" for i in ids if not (skip_special_tokens and i < 3))
 
 
-def _responses(**kw):
-    return Responses(GenerateConfig(**{"max_tokens": 4, **kw}), {EOS}, Tok())
+def _responses(max_prompt_len=None, loss_mask=None, **kw):
+    return Responses(GenerateConfig(**{"max_tokens": 4, **kw}), {EOS}, Tok(), max_prompt_len=max_prompt_len,
+                     loss_mask=loss_mask)
 
 
-def _start(r, prompt=(10, 11, 12), spans=((1, 2),), source=None, line=0):
+def _start(r, prompt=(10, 11, 12), spans=((1, 2),), source=None, line=0, turns=()):
     item = Prompt(line, f"id{line}", list(prompt), [tuple(s) for s in spans] if spans is not None else None,
-                  source if source is not None else {"messages": [{"role": "user", "content": "q"}]})
-    params = r.params(str(line), item, {"k": 1})
+                  source if source is not None else {"messages": [{"role": "user", "content": "q"}]}, turns)
+    params = r.first(item, {"k": 1}).params
     return item, params
 
 
@@ -42,7 +43,8 @@ def test_length_end_keeps_max_tokens_once_one_more_was_sampled():
     r = _responses()
     item, params = _start(r)
     assert params.max_tokens == 5 and params.ignore_eos  # one past the end, EOS decided here
-    assert params.extra_args["vllm_hidden_rows"] == 3 + 4 and params.extra_args["k"] == 1
+    assert params.extra_args["vllm_hidden_rows"] == 3 + 4 and params.extra_args["vllm_hidden_id"] == "id0"
+    assert params.skip_reading_prefix_cache and params.extra_args["k"] == 1
     assert r.update("0", [20, 21], False) is None
     assert r.update("0", [22, 23], False) is None  # 4 kept, but the 4th's row is not computed yet
     got = r.update("0", [24], True)
@@ -98,7 +100,8 @@ def test_an_engine_ending_early_keeps_what_has_rows_or_is_an_error_record():
     assert got.end["token_ids"][3:] == [20, 21] and not got.abort
     r = _responses(max_tokens=8)
     _start(r)
-    assert isinstance(r.update("0", [20], True), BadLine)
+    got = r.update("0", [20], True)
+    assert isinstance(got.bad, BadLine) and got.end["drop"] and not got.rows
 
 
 def test_sample_seeds_depend_on_run_seed_and_id_only():
@@ -141,8 +144,9 @@ def _gen_harness():
     return h
 
 
-def _end(rows, record="r\n"):
-    return {"rows": rows, "token_ids": list(range(rows)), "loss_spans": [[3, rows]], "num_prompt": 3, "record": record}
+def _end(rows, record="r\n", line=0, turn=0):
+    return {"line": line, "turn": turn, "rows": rows, "token_ids": list(range(rows)), "loss_spans": [[3, rows]],
+            "num_prompt": 3, "record": record}
 
 
 def test_generated_rows_wait_for_their_end_then_go_to_the_sink_as_kept():
@@ -152,7 +156,7 @@ def test_generated_rows_wait_for_their_end_then_go_to_the_sink_as_kept():
     for pos in range(3, 7):  # decode rows
         h.step([("r", 0, 20, pos, 1)])
     assert h.sink.added == []
-    h.asm.process(_record(ends={4: _end(6)}))  # 6 rows kept: the 7th is past the end
+    h.asm.process(_record(ends=[_end(6, line=4)]))  # 6 rows kept: the 7th is past the end
     (sid, ids, rows, kw), = h.sink.added
     assert sid == "s" and ids == list(range(6)) and torch.equal(rows, truth(0, 20)[:6])
     assert kw["num_prompt"] == 3 and kw["record"] == "r\n" and kw["line"] == 4
@@ -164,7 +168,7 @@ def test_generated_rows_wait_for_their_end_then_go_to_the_sink_as_kept():
 def test_an_end_known_before_its_last_rows_waits_for_them_and_a_recompute_overwrites():
     h = _gen_harness()
     h.step([("r", 0, 20, 0, 4)], new={"r": NewRequest("s", [1, 2, 3, 4], rows=8, line=0, generate=True)})
-    h.asm.process(_record(ends={0: _end(6)}))
+    h.asm.process(_record(ends=[_end(6)]))
     assert h.sink.added == []
     h.step([("r", 0, 20, 0, 4)])  # preempted and recomputed from position 0: same places
     h.step([("r", 0, 20, 4, 2)])
@@ -177,7 +181,7 @@ def test_a_request_finished_short_of_its_end_is_dropped_and_a_drop_end_frees_it(
            new={"a": NewRequest("s", [1, 2, 3], rows=8, line=0, generate=True),
                 "b": NewRequest("t", [1, 2, 3], rows=8, line=1, generate=True)})
     h.finish("a")
-    h.asm.process(_record(ends={0: _end(5), 1: {"drop": "bad"}}))
+    h.asm.process(_record(ends=[_end(5), {"line": 1, "turn": 0, "drop": "bad"}]))
     assert h.sink.added == [] and h.asm.dropped == ["a"] and h.asm.in_flight == 0
 
 
@@ -203,3 +207,78 @@ def test_generated_sample_in_the_shard_writer_keeps_its_prompt_length_and_record
         assert torch.equal(f.get_tensor("final_hidden_states"), rows[:, 2])
         assert f.get_tensor("loss_mask").tolist() == [0, 0, 1, 1, 1, 1]
         assert f.get_tensor("generations").numpy().tobytes() == b'{"id": "s"}\n'
+
+
+# --regenerate all: a conversation of three user turns. Each joint is the template's end of turn
+# (EOS here, one token) and the next user turn with the generation prompt.
+JOINTS = (([EOS, 60, 61, 62], 1), ([EOS, 70, 71], 1))
+USERS = {"messages": [{"role": "user", "content": f"q{k}"} for k in range(3)]}
+
+
+def _conversation(r):
+    return _start(r, turns=JOINTS, source=USERS, spans=())
+
+
+def test_turns_go_in_one_after_another_only_the_last_captured():
+    r = _responses(seed=7, max_prompt_len=100)
+    item, params = _conversation(r)
+    # not the last turn: nothing captured, the prefix cache may be read, no token past the end
+    assert params.extra_args is None and not getattr(params, "skip_reading_prefix_cache", False)
+    assert params.max_tokens == 4 and params.seed == sample_seed(7, "id0")
+    got = r.update("0", [20, 21, 22, 23], False)  # a length end: the template's end of turn is appended
+    assert got.end is None and got.rows == 0 and got.abort
+    nxt = got.next
+    assert nxt.rid == "0.1" and nxt.token_ids == [10, 11, 12, 20, 21, 22, 23, EOS, 60, 61, 62]
+    assert nxt.params.extra_args is None and nxt.params.seed == sample_seed(7, "id0", 1) != sample_seed(7, "id0")
+    got = r.update("0.1", [30, EOS], False)  # ends with the end of turn itself: not appended twice
+    last = got.next
+    assert last.token_ids == nxt.token_ids + [30, EOS, 70, 71]
+    ex = last.params.extra_args
+    assert ex["vllm_hidden_turn"] == 2 and ex["vllm_hidden_rows"] == len(last.token_ids) + 4
+    assert last.params.max_tokens == 5 and last.params.skip_reading_prefix_cache
+    assert r.update("0.2", [40, 41, 42, 43], False) is None  # the last kept token's row is not computed yet
+    got = r.update("0.2", [44], False)
+    p2 = len(last.token_ids)
+    end = got.end
+    assert got.rows == p2 + 4 == end["rows"] and got.generated == 4 + 2 + 4
+    assert end["token_ids"] == last.token_ids + [40, 41, 42, 43] and end["turn"] == 2 and end["num_prompt"] == 3
+    # every response and its end of turn, the last as sampled
+    assert end["loss_spans"] == [[3, 3 + 4 + 1], [11, 13], [p2, p2 + 4]]
+    rec = json.loads(end["record"])
+    assert [t["token_ids"] for t in rec["turns"]] == [[20, 21, 22, 23], [30, EOS], [40, 41, 42, 43]]
+    assert [t["finish_reason"] for t in rec["turns"]] == ["length", "stop", "length"]
+    assert [m["content"] for m in rec["messages"]] == ["q0", "w20 w21 w22 w23", "q1", "w30", "q2",
+                                                       "w40 w41 w42 w43"]
+    assert rec["response_token_ids"] == [40, 41, 42, 43] and rec["num_generated_tokens"] == 10
+    assert "stopped" not in rec
+
+
+@pytest.mark.parametrize("rule,want", [("last-assistant", lambda p2: [[p2, p2 + 1]]),
+                                       ("all", lambda p2: [[0, p2 + 1]])])
+def test_turn_masks_follow_the_rule(rule, want):
+    r = _responses(max_tokens=1, max_prompt_len=100, loss_mask=rule)
+    _conversation(r)
+    nxt = r.update("0", [20], False).next
+    last = r.update("0.1", [30], False).next
+    end = r.update("0.2", [40, 41], False).end
+    assert end["loss_spans"] == want(len(last.token_ids)) and nxt.rid == "0.1"
+
+
+def test_a_conversation_outgrowing_max_model_len_keeps_its_completed_turns():
+    # the next turn might not fit after a full response: this turn is captured
+    r = _responses(max_prompt_len=3 + 4 + 4 - 1)
+    _, params = _conversation(r)
+    assert params.extra_args["vllm_hidden_rows"] == 7 and params.max_tokens == 5
+    got = r.update("0", [20, 21, 22, 23, 24], False)  # full length: turn 2 does not fit
+    assert got.next is None and got.rows == 7 and got.end["token_ids"] == [10, 11, 12, 20, 21, 22, 23]
+    assert got.end["loss_spans"] == [[3, 7]]  # as sampled: no end of turn appended
+    rec = json.loads(got.end["record"])
+    assert "user turn 2" in rec["stopped"] and "11 tokens" in rec["stopped"] and len(rec["turns"]) == 1
+    assert "max_model_len 14" in rec["stopped"]
+    assert [m["content"] for m in rec["messages"]] == ["q0", "w20 w21 w22 w23"]
+    # a short response: turn 2 fits after all; the captured rows of turn 1 go, turn 2 is captured
+    r = _responses(max_prompt_len=3 + 4 + 4 - 1)
+    _conversation(r)
+    got = r.update("0", [20, EOS, 30], False)
+    assert got.end == {"line": 0, "turn": 0, "drop": "continued"} and got.rows == 0
+    assert got.next.token_ids == [10, 11, 12, 20, EOS, 60, 61, 62] and got.next.params.extra_args["vllm_hidden_turn"] == 1

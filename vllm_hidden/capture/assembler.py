@@ -59,7 +59,7 @@ class Assembler:
         self.sink = sink
         self._pending: dict[str, NewRequest] = {}
         self._partial: dict[str, _Partial] = {}
-        self._by_line: dict[int, str] = {}  # --generate: input line -> the engine's request id
+        self._by_line: dict[tuple[int, int], str] = {}  # --generate: (input line, turn) -> the engine's request id
         self.dropped: list[str] = []
         self.wait_copy_s = 0.0  # waiting for D2H copies to land
 
@@ -68,9 +68,9 @@ class Assembler:
             self._pending.update(rec.new)
             for rid, req in rec.new.items():
                 if req.generate:
-                    self._by_line[req.line] = rid
-            for line, end in rec.ends.items():
-                rid = self._by_line.pop(line, None)
+                    self._by_line[req.line, req.turn] = rid
+            for end in rec.ends:
+                rid = self._by_line.pop((end["line"], end.get("turn", 0)), None)
                 if rid is not None:
                     self._end(rid, end)
             for rid in rec.finished:
@@ -122,7 +122,7 @@ class Assembler:
 
     def _end(self, rid: str, end: dict[str, Any]) -> None:
         """--generate: the driver knows where request `rid`'s response ended."""
-        if "drop" in end:  # the driver made it an error record: its rows go
+        if "drop" in end:  # an error record, or a turn whose rows a later turn computes again: its rows go
             self._pending.pop(rid, None)
             self._partial.pop(rid, None)
             return

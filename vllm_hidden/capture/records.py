@@ -36,6 +36,7 @@ class NewRequest:
     # extract --generate: room for `rows` (prompt + max tokens) in a buffer of its own; the
     # sample goes to the sink when the driver says where its response ends (`StepRecord.ends`)
     generate: bool = False
+    turn: int = 0  # --regenerate all: which of the conversation's responses this request writes
 
     @property
     def until_finished(self) -> bool:
@@ -49,10 +50,11 @@ class StepRecord:
     segments: list[Segment]
     new: dict[str, NewRequest] = field(default_factory=dict)
     finished: frozenset[str] = frozenset()
-    # extract --generate: input line -> where its response ended, once the driver knows: "rows" to
-    # keep (prompt + response), "token_ids" (all of them), "loss_spans", "num_prompt", "record"
-    # (the engine's request ids are not the driver's: vLLM adds a suffix to each)
-    ends: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # extract --generate: where responses ended, once the driver knows, each named by its "line" and
+    # "turn" (the engine's request ids are not the driver's: vLLM adds a suffix to each): "rows" to
+    # keep (prompt + response), "token_ids" (all of them), "loss_spans", "num_prompt", "record"; or
+    # "drop" (a reason): its rows go
+    ends: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -19,10 +19,13 @@ TRUNCATABLE_LOAD_FORMATS = frozenset({"auto", "safetensors", "pt", "npcache", "f
 
 def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: CaptureConfig | None = None, *,
                 dtype: str = "auto", max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
-                tp: int = 1, generate_tokens: int = 0):
+                tp: int = 1, generate_tokens: int = 0, prefix_cache: bool = False):
     """vLLM EngineArgs from vLLM's own CLI parser (so every engine flag passes through), set up
     for prefill-only work; with `capture`, the vllm-hidden capture path is switched on (and
-    with `capture.layers_run`, the model is cut to that many decoder layers where it can be)."""
+    with `capture.layers_run`, the model is cut to that many decoder layers where it can be).
+    `prefix_cache` (--regenerate all): vLLM's prefix caching on unless the flags turn it off, so
+    that a conversation's next turn need not compute its earlier ones again; captured requests
+    never read it (engine.compat), so no row they store is skipped."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -32,10 +35,13 @@ def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: C
     except SystemExit:
         raise ValueError(f"invalid engine arguments: {' '.join(cli_args)!r}") from None
     args = EngineArgs.from_cli_args(ns)
-    if args.enable_prefix_caching:
+    if prefix_cache:
+        args.enable_prefix_caching = args.enable_prefix_caching is not False
+    elif args.enable_prefix_caching:
         raise ValueError("--enable-prefix-caching: cached prompt tokens are not recomputed, so their "
                          "hidden states would be missing; extract runs with prefix caching off")
-    args.enable_prefix_caching = False
+    else:
+        args.enable_prefix_caching = False
     args.skip_tokenizer_init = True  # we tokenize (and validate) before the engine
     # room for the one sampled (discarded) token; --generate: for the response and one token past it
     args.max_model_len = max_prompt_len + 1 + generate_tokens

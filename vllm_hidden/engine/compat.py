@@ -165,17 +165,18 @@ def prefill_sampling_params(extra_args: dict):
                           **_no_prefix_cache_reads(SamplingParams))
 
 
-def generate_sampling_params(extra_args: dict, *, max_tokens: int, temperature: float, top_p: float, top_k: int,
-                             seed: int | None):
+def generate_sampling_params(extra_args: dict | None, *, max_tokens: int, temperature: float, top_p: float,
+                             top_k: int, seed: int | None):
     """A response sampled as asked, EOS not stopping it (the driver decides where it ends and
     stops it one token later, so that the last kept token's row is computed too), new tokens
-    only in each output, no detokenizing, no prefix-cache reads."""
+    only in each output, no detokenizing, no prefix-cache reads. Without `extra_args` (a turn
+    whose rows a later turn computes again, nothing captured) it may read the prefix cache."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                           ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.DELTA,
-                          extra_args=extra_args, **_no_prefix_cache_reads(SamplingParams))
+                          extra_args=extra_args, **(_no_prefix_cache_reads(SamplingParams) if extra_args else {}))
 
 
 def check_seeded_generation(args) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,14 +130,17 @@ class _Run:
                 break
             rid = str(item.line)
             params, rows = self._request(rid, item, {REQUEST_KEY: item.id, LINE_KEY: item.line})
-            try:
-                self.engine.add_request(rid, {"prompt_token_ids": item.token_ids}, params)
-            except ValueError as e:  # the engine's own validation
-                self.res.rejected.append(BadLine(item.line, item.id, f"rejected by the engine: {e}"))
-                self._forget(rid)
-                continue
-            self.inflight[rid] = rows
-            self.tokens_inflight += rows
+            self._submit(rid, item, item.token_ids, params, rows)
+
+    def _submit(self, rid: str, item, token_ids: list[int], params, rows: int) -> None:
+        try:
+            self.engine.add_request(rid, {"prompt_token_ids": token_ids}, params)
+        except ValueError as e:  # the engine's own validation
+            self.res.rejected.append(BadLine(item.line, item.id, f"rejected by the engine: {e}"))
+            self._forget(rid)
+            return
+        self.inflight[rid] = rows
+        self.tokens_inflight += rows
 
     def run(self, on_progress) -> EngineResult:
         from vllm_hidden.engine import compat
@@ -231,7 +235,8 @@ class _PrefillRun(_Run):
 
 class _GenerateRun(_Run):
     """Each request: a response sampled by the engine (engine.generate says where it ends, one
-    token later it is aborted); the worker writes a sample once it has its end."""
+    token later it is aborted); the worker writes a sample once it has its end. A conversation's
+    later turns (--regenerate all) go in as their previous turn ends, ahead of new prompts."""
 
     generated_unknown = -1
 
@@ -240,12 +245,19 @@ class _GenerateRun(_Run):
         # responses hold their rows for hundreds of steps: memory, not step-filling, sets the window
         super().__init__(ex, feed, shard_cfg, ex.generate_window(shard_cfg.final_state))
         self.responses = responses
-        self.max_new = ex.cfg.generate.max_tokens
-        self.ends: dict[int, dict[str, Any]] = {}  # input line -> its end, not yet sent to the worker
+        self.ends: list[dict[str, Any]] = []  # ends not yet sent to the worker
         self.next_ends = 0.0
+        self.turns: deque = deque()  # requests of conversations' next turns
 
     def _request(self, rid: str, item, extra: dict[str, Any]):
-        return self.responses.params(rid, item, extra), len(item.token_ids) + self.max_new
+        req = self.responses.first(item, {})
+        return req.params, req.rows
+
+    def _fill(self, max_inflight: int) -> None:
+        while self.turns:  # each takes the place of its conversation's previous turn
+            req = self.turns.popleft()
+            self._submit(req.rid, req.item, req.token_ids, req.params, req.rows)
+        super()._fill(max_inflight)
 
     def _begin(self, t: float) -> None:
         self.next_ends = t + STATUS_EVERY_S
@@ -258,7 +270,7 @@ class _GenerateRun(_Run):
             self._send_ends()
 
     def _send_ends(self) -> None:
-        self.engine.collective_rpc("vllm_hidden_generated", args=(dict(self.ends),))
+        self.engine.collective_rpc("vllm_hidden_generated", args=(list(self.ends),))
         self.ends.clear()
 
     def _collect(self, outputs) -> None:
@@ -270,15 +282,17 @@ class _GenerateRun(_Run):
             if got is None:
                 continue
             self.tokens_inflight -= self.inflight.pop(o.request_id)
-            if isinstance(got, BadLine):
-                res.rejected.append(got)
-                self.ends[got.line] = {"drop": got.reason}  # its rows go
-                continue
+            if got.bad is not None:
+                res.rejected.append(got.bad)
             if got.abort:
                 aborts.append(got.rid)
-            self.ends[got.line] = got.end
-            self._done(got.rows)
-            res.generated_tokens += got.generated
+            if got.end is not None:  # where its sample ends, or that its rows go
+                self.ends.append(got.end)
+            if got.next is not None:
+                self.turns.append(got.next)
+            if got.rows:  # the sample is complete
+                self._done(got.rows)
+                res.generated_tokens += got.generated
         if aborts:
             self.engine.abort_request(aborts)
         # one RPC for many samples; the worker writes a sample only once it knows its end

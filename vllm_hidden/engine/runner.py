@@ -36,6 +36,7 @@ REQUEST_KEY = "vllm_hidden_id"
 LINE_KEY = "vllm_hidden_line"  # its input line, named in the sink's error reports
 LOSS_KEY = "vllm_hidden_loss"  # its loss mask as [start, end) token spans of ones
 GEN_KEY = "vllm_hidden_rows"  # --generate: rows to reserve (prompt + max tokens); the driver says where it ends
+TURN_KEY = "vllm_hidden_turn"  # --regenerate all: which response of the conversation
 
 
 class Capture:
@@ -139,7 +140,7 @@ class Capture:
             "stats": stats,
         }
 
-    def generated(self, ends: dict[int, dict[str, Any]]) -> None:
+    def generated(self, ends: list[dict[str, Any]]) -> None:
         """--generate: where these requests' responses ended (the driver's word, in the order of
         the steps: every row it speaks of was captured before this call came)."""
         if self.thread is not None and self.sink_kind == "shards" and ends:
@@ -171,7 +172,8 @@ class Capture:
             rows = extra.get(GEN_KEY)
             if rows is not None:
                 rows = max(len(prompt), min(int(rows), self.max_model_len))
-                return NewRequest(extra[REQUEST_KEY], prompt, rows, line=extra.get(LINE_KEY), generate=True)
+                return NewRequest(extra[REQUEST_KEY], prompt, rows, line=extra.get(LINE_KEY), generate=True,
+                                  turn=int(extra.get(TURN_KEY, 0)))
             return NewRequest(extra[REQUEST_KEY], prompt, line=extra.get(LINE_KEY), loss_spans=extra.get(LOSS_KEY))
         spec = extra.get(WORKER_KEY)
         if not isinstance(spec, dict) or not prompt or self.sink_kind == "shards":

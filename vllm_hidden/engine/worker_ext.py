@@ -21,7 +21,7 @@ class HiddenStatesWorkerExtension:
     def vllm_hidden_close(self) -> dict[str, Any] | None:
         return self._vllm_hidden().close()
 
-    def vllm_hidden_generated(self, ends: dict[int, dict[str, Any]]) -> None:
+    def vllm_hidden_generated(self, ends: list[dict[str, Any]]) -> None:
         self._vllm_hidden().generated(ends)
 
     def vllm_hidden_status(self) -> dict[str, Any] | None:

@@ -48,7 +48,7 @@ class ReaderFeed:
 
 
 def pack(p: Prompt) -> tuple[Any, ...]:
-    return (p.line, p.id, p.token_ids, p.loss_spans, p.source)
+    return (p.line, p.id, p.token_ids, p.loss_spans, p.source, p.turns)
 
 
 class QueueFeed:

@@ -129,4 +129,5 @@ def prompt_reader(cfg: ExtractConfig, plan: Plan, input_path: str | None = None)
                         max_prompt_len=plan.max_prompt_len,
                         tokenizer_loader=lambda: AutoTokenizer.from_pretrained(cfg.model),
                         loss_mask=cfg.loss_mask, columns=parse_columns(cfg.input_columns),
-                        room=cfg.generate.max_tokens if cfg.generate is not None else None)
+                        room=cfg.generate.max_tokens if cfg.generate is not None else None,
+                        regenerate=cfg.generate.regenerate if cfg.generate is not None else "last")

@@ -134,6 +134,34 @@ class ChatEncoder:
             return ids, (None if rule == "none" else [(0, len(ids))] if rule == "all" and ids else [])
         return self._with_spans(messages, tools, turns, full, True)
 
+    def encode_turns(self, messages: list[dict[str, Any]], tools: Any,
+                     rule: str) -> tuple[list[int], list[tuple[int, int]] | None, list[tuple[list[int], int]]]:
+        """--regenerate all: `messages` (system and user turns only, at least one user turn) as
+        the first response's prompt (rendered up to the first user turn with the generation
+        prompt; spans as `encode_prompt`), and for each later user turn the tokens that go
+        between the previous response and the next one: the template's end of an assistant turn
+        (its first `closing` tokens), the turns up to that user turn and the generation prompt.
+        Both are read off renderings where each response is a marker, so they are what the
+        template writes after a response within the conversation."""
+        users = [j for j, m in enumerate(messages) if m["role"] == "user"]
+        ids, spans = self.encode_prompt(messages[: users[0] + 1], tools, rule)
+        joints = []
+        conv: list[dict[str, Any]] = list(messages[: users[0] + 1])
+        for a, b in zip(users, users[1:]):
+            conv += [{"role": "assistant", "content": _SLOT}]
+            closing = self.render(conv, tools, False)
+            conv += messages[a + 1 : b + 1]
+            text = self.render(conv, tools, True)
+            closing = closing[closing.rindex(_SLOT) + len(_SLOT):] if _SLOT in closing else None
+            after = text[text.rindex(_SLOT) + len(_SLOT):] if _SLOT in text else None
+            if closing is None or after is None or not after.startswith(closing):
+                raise ValueError(f"--regenerate all: the chat template does not write the end of an assistant turn "
+                                 f"before user turn {b} as it ends a conversation's last turn, so the turns cannot "
+                                 "be joined as tokens; use --regenerate last")
+            head = self._ids(closing, offsets=False)[0] if closing else []
+            joints.append((head + self._ids(after[len(closing):], offsets=False)[0], len(head)))
+        return ids, spans, joints
+
     @staticmethod
     def _check_tools(tools: Any) -> None:
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):

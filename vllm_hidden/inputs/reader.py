@@ -38,6 +38,10 @@ class Prompt:
     # --generate: what the response answers, for generations.jsonl ({"messages", "tools"} of the
     # prompt's turns, or {"text"}; {} for token_ids)
     source: dict[str, Any] | None = None
+    # --regenerate all, a conversation of several user turns: per later user turn, the tokens that
+    # go between the previous response and the next (`ChatEncoder.encode_turns`) and how many of
+    # them are the template's end of an assistant turn
+    turns: tuple[tuple[list[int], int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,11 +92,14 @@ class PromptReader:
         loss_mask: str | None = None,
         columns: dict[str, str] | None = None,
         room: int | None = None,
+        regenerate: str = "last",
     ) -> None:
         """`room`: --generate's --max-tokens. A record is then the prompt of a response: a
         conversation up to its last user turn with the generation prompt (a final reply is
         replaced), text or token_ids as they are; its mask covers earlier assistant turns (rule
-        assistant), all of it (all) or none of it, and the response is masked by the extractor."""
+        assistant), all of it (all) or none of it, and the response is masked by the extractor.
+        `regenerate` "all": a conversation keeps its system and user turns only; the prompt is
+        the first response's, and the later user turns ride along as `Prompt.turns`."""
         if loss_mask is not None and loss_mask not in MASK_RULES:
             raise ValueError(f"--loss-mask must be one of {', '.join(MASK_RULES)}, got {loss_mask!r}")
         self.path = Path(path)
@@ -101,6 +108,7 @@ class PromptReader:
         self.loss_mask = loss_mask
         self.columns = dict(columns or {})
         self.room = room
+        self.regenerate = regenerate
         self._loader = tokenizer_loader
         self._tok: Any = None
         self._chat: ChatEncoder | str | None = None
@@ -143,6 +151,7 @@ class PromptReader:
         return self._record(i, parse_json(raw))
 
     def _record(self, i: int, obj: dict[str, Any] | str) -> Prompt | BadLine:
+        turns: tuple[tuple[list[int], int], ...] = ()
         if isinstance(obj, str):
             return BadLine(i, i, obj)
         sid = obj.get("id", i)
@@ -150,6 +159,9 @@ class PromptReader:
             return BadLine(i, i, f"id must be a string or an integer, got {sid!r}")
         try:
             ids, spans, source = self._encode(obj)
+            if source is not None and "turns" in source:
+                source = dict(source)
+                turns = tuple(source.pop("turns"))
         except ValueError as e:
             return BadLine(i, sid, str(e))
         except Exception as e:  # noqa: BLE001 - e.g. a tokenizer refusing a lone surrogate: this record, not the run
@@ -161,7 +173,7 @@ class PromptReader:
         if sid in self._seen:
             return BadLine(i, sid, f"duplicate id {sid!r}")
         self._seen.add(sid)
-        return Prompt(i, sid, ids, spans, source)
+        return Prompt(i, sid, ids, spans, source, turns)
 
     def _too_long(self, n: int) -> str:
         if self.room is None:
@@ -214,11 +226,18 @@ class PromptReader:
             users = [j for j, m in enumerate(msgs) if m["role"] == "user"]
             if not users:
                 raise ValueError("--generate: the conversation has no user turn to respond to")
-            msgs = msgs[: users[-1] + 1]
             tools = _tools(obj.get("tools"))
-            ids, spans = self._chat_encoder().encode_prompt(msgs, tools, rule or "assistant")
+            if self.regenerate == "all":  # the target writes every assistant turn: only what it answers is kept
+                msgs = [m for m in msgs if m["role"] in ("system", "developer", "user")]
+                ids, spans, joints = self._chat_encoder().encode_turns(msgs, tools, rule or "assistant")
+                for joint, _ in joints:
+                    self._check_vocab(joint)
+            else:
+                msgs, joints = msgs[: users[-1] + 1], []
+                ids, spans = self._chat_encoder().encode_prompt(msgs, tools, rule or "assistant")
             self._check_vocab(ids)
-            return ids, spans, {"messages": msgs, **({"tools": tools} if tools is not None else {})}
+            return ids, spans, {"messages": msgs, **({"tools": tools} if tools is not None else {}),
+                                **({"turns": joints} if joints else {})}
         if kind == "token_ids":
             ids = self._check_ids(val)
             source: dict[str, Any] = {}
