@@ -4,15 +4,20 @@ one pass (`vllm-hidden extract --generate`), on the same prompts and engine sett
 
     # GPU host, Qwen3.6-27B text dims (random weights), the W-chat workload's prompts, 256 tokens each:
     python scripts/bench_generate.py --qwen36-27b --max-tokens 256
+    # multi-turn: each W-chat prompt split into 3 user turns, every turn regenerated, 128 tokens each
+    python scripts/bench_generate.py --qwen36-27b --turns 3 --max-tokens 128
     # CPU, tiny random Qwen3-Next:
     python scripts/bench_generate.py --workload small --max-tokens 32
 
 Cases, each in its own process (peak RSS of its process tree sampled):
   generate   plain vLLM: greedy, --ignore-eos, max_tokens as given, nothing captured; writes
-             prompt + response as token_ids lines for the second pass
-  extract    one engine with capture: first `extract --generate` (one pass, same sampling), then,
-             with the same engine and settings, prefill-only `extract` over the generate case's
-             prompt + response lines (the two-pass pipeline's second pass)
+             prompt + response as token_ids lines for the second pass. --turns N: conversations
+             regenerated turn by turn (each turn as soon as its previous one ends, joined as
+             extract joins them), the final conversations written for the second pass
+  extract    one engine with capture: first `extract --generate` (one pass, same sampling; with
+             --turns, --regenerate all over the conversations), then, with the same engine and
+             settings, prefill-only `extract` over the generate case's lines (the two-pass
+             pipeline's second pass)
 Reported: each wall time (first request in .. last sample durable), two-pass = generate +
 second pass, the speed-up of one pass over two, the capture cost of one pass against plain
 generation alone, the one pass's peak host RSS against its stated bound, and every output
@@ -25,6 +30,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -55,6 +61,129 @@ def run_generate(spec: dict, save) -> dict:
                peak_rss_bytes_during_run=rss.peak)
     save(res)
     return res
+
+
+def chat_workload(model: str, ps: list[list[int]], turns: int, path: Path) -> None:
+    """Conversations of `turns` user turns each: prompt i's length in words, split evenly, the
+    words drawn from the model's tokenizer (one token each; one is written, with the markers of
+    vllm_hidden.demo's chat template as special tokens, if the model has none)."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from vllm_hidden.demo import write_tokenizer
+
+    if not (Path(model) / "tokenizer.json").exists():
+        from transformers import AutoConfig
+
+        write_tokenizer(Path(model), AutoConfig.from_pretrained(model).get_text_config().vocab_size, 0)
+    tok = AutoTokenizer.from_pretrained(model)
+    markers = ["<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+    if not set(markers) <= set(tok.all_special_tokens):
+        tok.add_special_tokens({"additional_special_tokens": markers})
+        tok.save_pretrained(model)
+    words = sorted(w for w in tok.get_vocab() if w.isalpha())
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        for i, p in enumerate(ps):
+            n = max(1, len(p) // turns)
+            msgs = []
+            for _ in range(turns):
+                msgs += [{"role": "user", "content": " ".join(rng.choice(words) for _ in range(n))},
+                         {"role": "assistant", "content": "a written reply"}]  # regenerated, so never read
+            f.write(json.dumps({"id": i, "messages": msgs}) + "\n")
+
+
+def conversations_of(spec: dict) -> list:
+    """The conversations' first prompts and joints, as extract reads them (--regenerate all)."""
+    from transformers import AutoTokenizer
+
+    from vllm_hidden.inputs import PromptReader
+
+    tok = AutoTokenizer.from_pretrained(spec["model"])
+    reader = PromptReader(spec["input"], vocab_size=1 << 30, max_prompt_len=spec["max_model_len"] - spec["max_tokens"],
+                          tokenizer_loader=lambda: tok, room=spec["max_tokens"], regenerate="all")
+    return list(reader)
+
+
+def run_generate_turns(spec: dict, save) -> dict:
+    """Plain vLLM, conversation by conversation turn by turn: each next turn goes in as soon as
+    its previous one ends (at most 2 x max_num_seqs conversations at once, as extract)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    convs = conversations_of(spec)
+    engine, init = benchlib.start_engine([spec["model"], *spec["engine_args"]], spec["max_model_len"] + 1,
+                                         generate=True)
+    sp = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False,
+                        output_kind=RequestOutputKind.FINAL_ONLY)
+    res = {"engine_init_seconds": init}
+    final: dict[int, list[int]] = {}
+    state = {}  # conversation -> (its token ids so far, its turn)
+    pending = list(range(len(convs)))[::-1]
+    max_inflight = 2 * engine.vllm_config.scheduler_config.max_num_seqs
+    gen = 0
+    try:
+        with RssPeak() as rss:
+            t0 = time.perf_counter()
+            while pending or state:
+                while pending and len(state) < max_inflight:
+                    i = pending.pop()
+                    state[i] = (convs[i].token_ids, 0)
+                    engine.add_request(f"{i}.0", {"prompt_token_ids": convs[i].token_ids}, sp)
+                for o in engine.step():
+                    if not o.finished:
+                        continue
+                    i = int(o.request_id.split(".")[0])
+                    ids, k = state.pop(i)
+                    r = list(o.outputs[0].token_ids)
+                    gen += len(r)
+                    if k == len(convs[i].turns):
+                        final[i] = ids + r
+                        continue
+                    joint, closing = convs[i].turns[k]
+                    ids = ids + r + joint[int(closing > 0 and r[-1] == joint[0]):]
+                    state[i] = (ids, k + 1)
+                    engine.add_request(f"{i}.{k + 1}", {"prompt_token_ids": ids}, sp)
+            dt = time.perf_counter() - t0
+    finally:
+        engine.engine_core.shutdown()
+    finals = [final[i] for i in range(len(convs))]
+    benchlib.write_prompts(spec["second_pass_input"], finals)
+    Path(spec["responses"]).write_text(json.dumps(finals))
+    res.update(seconds=dt, generated_tokens=gen, samples=len(finals), generated_tokens_per_s=round(gen / dt, 1),
+               peak_rss_bytes_during_run=rss.peak)
+    save(res)
+    return res
+
+
+def verify_turns(out: Path, spec: dict) -> tuple[dict, dict]:
+    """Every conversation once, every turn regenerated with max_tokens tokens, its first prompt as
+    extract reads it, its rows as many as its tokens, generations.jsonl agreeing; checksums, finite."""
+    from vllm_hidden.data import HiddenStatesDataset
+
+    convs = conversations_of(spec)
+    ds = HiddenStatesDataset(out)
+    gens = {}
+    for line in (out / "generations.jsonl").read_text().splitlines():
+        g = json.loads(line)
+        gens[g["id"]] = g
+    seen, ok, finals = set(), True, {}
+    for i in range(len(ds)):
+        s = ds[i]
+        sid, ids, p = s["id"], s["token_ids"].tolist(), s["num_prompt_tokens"]
+        c, g = convs[sid], gens[sid]
+        turns = g.get("turns") or [{"token_ids": g["response_token_ids"]}]
+        ok = ok and sid not in seen and p == len(c.token_ids) and ids[:p] == c.token_ids
+        ok = ok and len(turns) == len(c.turns) + 1 and all(len(t["token_ids"]) == spec["max_tokens"] for t in turns)
+        ok = ok and ids[-spec["max_tokens"]:] == turns[-1]["token_ids"] and s["hidden_states"].shape[0] == len(ids)
+        seen.add(sid)
+        finals[sid] = ids
+    v = benchlib.verify_extract(out, [[]] * len(convs))
+    v.pop("token_ids_match")
+    v.update(all_samples_present_once=seen == set(range(len(convs))) and len(gens) == len(convs),
+             prompts_turns_and_generations_match=ok)
+    return v, finals
 
 
 def verify_generated(out: Path, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -92,7 +221,8 @@ def run_extract(spec: dict, save) -> dict:
     out = Path(spec["out_dir"])
     shutil.rmtree(out, ignore_errors=True)
     prompts = json.loads(Path(spec["prompts"]).read_text())
-    gen = GenerateConfig(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
+    gen = GenerateConfig(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True,
+                         regenerate="all" if spec["turns"] > 1 else "last")
     cfg = ExtractConfig(model=spec["model"], input_path=spec["input"], output_dir=str(out / "one-pass"),
                         layers=spec["layers"], max_model_len=spec["max_model_len"], progress=False,
                         engine_args=spec["engine_args"], generate=gen)
@@ -105,7 +235,11 @@ def run_extract(spec: dict, save) -> dict:
         res["inflight_bound_bytes"] = window * len(ex.layer_ids) * ex.info.hidden_size * 2
         with RssPeak() as rss:
             s = extract_file(ex, spec["input"], str(out / "one-pass")).to_dict()
-        v, responses = verify_generated(out / "one-pass", prompts, spec["max_tokens"])
+        if spec["turns"] > 1:
+            v, finals = verify_turns(out / "one-pass", spec)
+            responses = [finals.get(i) for i in range(len(prompts))]
+        else:
+            v, responses = verify_generated(out / "one-pass", prompts, spec["max_tokens"])
         plain = json.loads(Path(spec["responses"]).read_text()) if Path(spec["responses"]).exists() else None
         res["one_pass"] = {"seconds": s["seconds"], "tokens": s["tokens"], "generated_tokens": s["generated_tokens"],
                            "flush_seconds": s["flush_seconds"], "peak_rss_bytes_during_run": rss.peak,
@@ -134,13 +268,18 @@ def run_extract(spec: dict, save) -> dict:
 
 def child(spec_path: str) -> None:
     spec, save = benchlib.child_spec(spec_path)
+    if spec["case"] == "generate" and spec["turns"] > 1:
+        run_generate_turns(spec, save)
+        return
     {"generate": run_generate, "extract": run_extract}[spec["case"]](spec, save)
 
 
 def main() -> None:
     ap = benchlib.model_parser(__doc__)
     ap.add_argument("--workload", default="w-chat", help=f"one of {sorted(benchlib.WORKLOADS)}")
-    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=256, help="per response (per turn with --turns)")
+    ap.add_argument("--turns", type=int, default=1, help="user turns per conversation (>1: conversations, "
+                    "every turn regenerated)")
     ap.add_argument("--cases", default="generate,extract")
     ap.add_argument("--layers", default=None, help="layer ids (default: the DFlash default for the model)")
     ap.add_argument("--max-model-len", type=int, default=4096, help="prompt + response (as extract --generate)")
@@ -167,15 +306,20 @@ def main() -> None:
     ps = benchlib.make_prompts(benchlib.WORKLOADS[a.workload], text.vocab_size)
     prompts, inp = work / f"gen-{a.workload}.prompts.json", work / f"gen-{a.workload}.jsonl"
     prompts.write_text(json.dumps(ps))
-    benchlib.write_prompts(inp, ps)
+    if a.turns > 1:
+        inp = work / f"gen-{a.workload}-{a.turns}-turns.jsonl"
+        chat_workload(model, ps, a.turns, inp)
+    else:
+        benchlib.write_prompts(inp, ps)
     common = {"model": model, "engine_args": engine, "max_model_len": a.max_model_len,  # prompt + response
-              "max_tokens": a.max_tokens, "layers": ",".join(map(str, layer_ids)), "prompts": str(prompts),
+              "max_tokens": a.max_tokens, "turns": a.turns, "layers": ",".join(map(str, layer_ids)),
+              "prompts": str(prompts),
               "input": str(inp), "second_pass_input": str(work / "gen-second-pass.jsonl"),
               "responses": str(work / "gen-responses.json"), "out_dir": str(work / "gen-out")}
     path = benchlib.result_path(a.result, f"{'gpu' if a.qwen36_27b else 'cpu'}-generate-{benchlib.stamp()}.json")
     result = {"command": benchlib.command_line(__file__), **benchlib.engine_provenance(__file__),
               "model": model_desc, "layer_ids": layer_ids, "engine_args": engine, "max_model_len": a.max_model_len,
-              "max_tokens": a.max_tokens, "sampling": "greedy, ignore_eos",
+              "max_tokens": a.max_tokens, "turns": a.turns, "sampling": "greedy, ignore_eos",
               "workload": {**benchlib.WORKLOADS[a.workload], "name": a.workload, "seed": 0,
                            "prompt_tokens": sum(map(len, ps))},
               "cases": {}}

@@ -221,8 +221,9 @@ class CpuSampler(_Sampler):
 
 
 # -- an engine in this process -------------------------------------------------------------------------
-def start_engine(args: list[str], max_len: int):
-    """A plain vLLM engine with extract's settings and runner; returns (engine, init seconds)."""
+def start_engine(args: list[str], max_len: int, generate: bool = False):
+    """A plain vLLM engine with extract's settings and runner; returns (engine, init seconds).
+    `generate`: as extract --generate's (--enable-prefix-caching allowed)."""
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from vllm_hidden.engine import compat
@@ -230,7 +231,7 @@ def start_engine(args: list[str], max_len: int):
 
     compat.spawn_on_cuda()  # the model runner is vLLM's choice, as for extract
     t0 = time.perf_counter()
-    engine = LLMEngine.from_engine_args(engine_args(args[0], args[1:], max_len))
+    engine = LLMEngine.from_engine_args(engine_args(args[0], args[1:], max_len, prefix_cache=generate))
     return engine, time.perf_counter() - t0
 
 

@@ -52,11 +52,11 @@ def tokenizer(tmp_path: Path, template: str = TEMPLATE):
     """A tokenizer alone (no model), for unit tests."""
     from transformers import AutoTokenizer
 
-    from vllm_hidden.demo import _write_tokenizer
+    from vllm_hidden.demo import write_tokenizer
 
     path = tmp_path / "tok"
     path.mkdir(exist_ok=True)
-    _write_tokenizer(path, 512, 0)
+    write_tokenizer(path, 512, 0)
     add_chat_template(path, template)
     return AutoTokenizer.from_pretrained(str(path))
 

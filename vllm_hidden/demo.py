@@ -18,7 +18,7 @@ CHAT_TEMPLATE = (
 _SPECIAL = ["<unk>", "<s>", "</s>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
 
 
-def _write_tokenizer(path: Path, vocab_size: int, seed: int) -> None:
+def write_tokenizer(path: Path, vocab_size: int, seed: int) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -121,7 +121,7 @@ def make_tiny_model(
             if p.dim() >= 2:
                 p.normal_(0.0, 1.0 if "embed" in name else 0.04)
     model.to(torch.bfloat16).save_pretrained(str(path))
-    _write_tokenizer(path, vocab_size, seed)
+    write_tokenizer(path, vocab_size, seed)
     stamp.write_text(json.dumps(spec))
     return path
 
@@ -257,6 +257,6 @@ def make_qwen35_model(path: str | Path, num_layers: int = 4, vocab_size: int = 4
     del model
     if device == "cuda":
         torch.cuda.empty_cache()  # leave the GPU to the engine started next
-    _write_tokenizer(path, vocab_size, seed)
+    write_tokenizer(path, vocab_size, seed)
     stamp.write_text(json.dumps(spec))
     return path

@@ -97,3 +97,73 @@ def test_gpu_generate_rows_and_tokens_match_hf(tmp_path):
             json.dump({"worst_rel_l2": worst, "response_rows_worst_rel_l2": worst_response, "layers": LAYERS,
                        "final_state_worst_rel_l2": worst_final, "generated_tokens_checked": checked,
                        "near_tie_differences": near_ties, "extract": s.to_dict()}, f)
+
+
+def test_gpu_regenerate_all_turns_rows_and_tokens_match_hf(tmp_path):
+    """Conversations of three user turns, every turn regenerated (--regenerate all) with the
+    prefix cache on (uncaptured turns read it: vLLM's align mode on the Gated DeltaNet layers):
+    the final conversation's rows against HF over its token ids, every response token HF's
+    greedy choice given all before it (the target's own earlier turns among them)."""
+    from transformers import AutoTokenizer
+
+    from vllm_hidden.config import ExtractConfig, GenerateConfig
+    from vllm_hidden.data import HiddenStatesDataset
+    from vllm_hidden.demo import make_qwen35_model
+    from vllm_hidden.extract import run_extract
+
+    model = make_qwen35_model(tmp_path / "qwen3_5-4", num_layers=len(LAYERS), vocab_size=VOCAB)
+    words = sorted(w for w in AutoTokenizer.from_pretrained(str(model)).get_vocab() if w.isalpha())
+    rng = random.Random(2)
+    with open(tmp_path / "in.jsonl", "w") as f:
+        for i in range(16):
+            msgs = []
+            for _ in range(3):
+                n = int(min(300, max(2, rng.lognormvariate(4.0, 1.0))))
+                msgs += [{"role": "user", "content": " ".join(rng.choice(words) for _ in range(n))},
+                         {"role": "assistant", "content": "x"}]
+            f.write(json.dumps({"id": f"c{i}", "messages": msgs}) + "\n")
+    out = tmp_path / "out"
+    s = run_extract(ExtractConfig(model=str(model), input_path=str(tmp_path / "in.jsonl"), output_dir=str(out),
+                                  layers=",".join(map(str, LAYERS)), max_model_len=MAX_LEN,
+                                  max_num_batched_tokens=512, dtype="bfloat16", progress=False,
+                                  engine_args=[*ENGINE, "--enable-prefix-caching"], final_state="post-norm",
+                                  generate=GenerateConfig(max_tokens=MAX_TOKENS, temperature=0.0, regenerate="all")))
+    assert s.samples == 16 and s.errors == 0
+    gens = {json.loads(x)["id"]: json.loads(x) for x in (out / "generations.jsonl").read_text().splitlines()}
+    hf = Qwen35Reference(model)
+    ds = HiddenStatesDataset(out)
+    worst, worst_final, checked, near_ties = [0.0] * len(LAYERS), 0.0, 0, 0
+    for i in range(len(ds)):
+        smp = ds[i]
+        ids, turns = smp["token_ids"].tolist(), gens[smp["id"]]["turns"]
+        assert len(turns) == 3 and "stopped" not in gens[smp["id"]]
+        mask = smp["loss_mask"].tolist()
+        starts = [t for t in range(1, len(ids)) if mask[t] and not mask[t - 1]]
+        assert len(starts) == 3 and starts[0] == smp["num_prompt_tokens"]
+        r, states = hf.run(ids)
+        got = smp["hidden_states"].cuda().float()
+        for k, layer in enumerate(LAYERS):
+            err = _rel(got[:, k], states[layer + 1])
+            worst[k] = max(worst[k], err)
+            assert err <= BOUND, (smp["id"], layer, err)
+        err = _rel(smp["final_hidden_states"].cuda().float(), r.hidden_states[-1][0])
+        worst_final = max(worst_final, err)
+        assert err <= BOUND, (smp["id"], "final state", err)
+        logits = r.logits[0]
+        for t0, turn in zip(starts, turns):
+            assert ids[t0 : t0 + len(turn["token_ids"])] == turn["token_ids"]
+            for t in range(t0, t0 + len(turn["token_ids"])):
+                top2 = logits[t - 1].topk(2)
+                checked += 1
+                if ids[t] != int(top2.indices[0]):
+                    margin = float(top2.values[0] - logits[t - 1][ids[t]])
+                    assert margin < NEAR_TIE, (smp["id"], t, ids[t], int(top2.indices[0]), margin)
+                    near_ties += 1
+        del r
+    print(f"regenerate all: worst rel L2 per layer {worst}, final state {worst_final}; {checked} generated tokens "
+          f"checked, {near_ties} near-tie differences from HF's greedy choice")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "gpu-regenerate-all-parity.json"), "w") as f:
+            json.dump({"worst_rel_l2": worst, "layers": LAYERS, "final_state_worst_rel_l2": worst_final,
+                       "generated_tokens_checked": checked, "near_tie_differences": near_ties,
+                       "extract": s.to_dict()}, f)

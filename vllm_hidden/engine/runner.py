@@ -192,6 +192,9 @@ class Capture:
     def on_step(self, scheduler_output: Any) -> None:
         if not self.writer_rank:
             return
+        preempted = getattr(scheduler_output, "preempted_req_ids", None)
+        if preempted:  # their rows are computed again later (and placed over the same positions)
+            self._stats.preempted += len(preempted)
         tracked = self._tracked  # req id -> rows wanted (positions below it are captured)
         new: dict[str, NewRequest] = {}
         start: dict[str, int] = {}
@@ -284,15 +287,16 @@ class _StepStats:
     (backpressure from the host side) and time launching the gather + copy; and the rows of
     the last few steps (what the end of a run has to write: see engine.scheduler)."""
 
-    __slots__ = ("acquire_wait_s", "last_rows", "rows", "steps", "submit_s")
+    __slots__ = ("acquire_wait_s", "last_rows", "preempted", "rows", "steps", "submit_s")
 
     def __init__(self) -> None:
-        self.steps = self.rows = 0
+        self.steps = self.rows = self.preempted = 0
         self.last_rows: deque[int] = deque(maxlen=8)
         self.acquire_wait_s = self.submit_s = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "rows": self.rows, "last_step_rows": self.last_rows[-1] if self.last_rows else 0,
+        return {"steps": self.steps, "rows": self.rows, "preempted": self.preempted,
+                "last_step_rows": self.last_rows[-1] if self.last_rows else 0,
                 "last_steps_rows": list(self.last_rows),
                 "engine_acquire_wait_s": round(self.acquire_wait_s, 3), "engine_submit_s": round(self.submit_s, 3)}
 
