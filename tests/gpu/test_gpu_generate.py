@@ -125,7 +125,8 @@ def test_gpu_regenerate_all_turns_rows_and_tokens_match_hf(tmp_path):
     out = tmp_path / "out"
     s = run_extract(ExtractConfig(model=str(model), input_path=str(tmp_path / "in.jsonl"), output_dir=str(out),
                                   layers=",".join(map(str, LAYERS)), max_model_len=MAX_LEN,
-                                  max_num_batched_tokens=512, dtype="bfloat16", progress=False,
+                                  # align mode: a step holds at least one (784-token) block
+                                  max_num_batched_tokens=1024, dtype="bfloat16", progress=False,
                                   engine_args=[*ENGINE, "--enable-prefix-caching"], final_state="post-norm",
                                   generate=GenerateConfig(max_tokens=MAX_TOKENS, temperature=0.0, regenerate="all")))
     assert s.samples == 16 and s.errors == 0
