@@ -34,6 +34,19 @@ def _rel(got, ref):
     return ((got - ref).norm() / ref.norm()).item()
 
 
+def _near_ties(logits, ids, positions, sid) -> int:
+    """Tokens at `positions` that are not HF's greedy choice given all before them (token t was
+    sampled from row t - 1); each must be a near tie. Returns how many there were."""
+    n = 0
+    for t in positions:
+        top2 = logits[t - 1].topk(2)
+        if ids[t] != int(top2.indices[0]):
+            margin = float(top2.values[0] - logits[t - 1][ids[t]])
+            assert margin < NEAR_TIE, (sid, t, ids[t], int(top2.indices[0]), margin)
+            n += 1
+    return n
+
+
 def test_gpu_generate_rows_and_tokens_match_hf(tmp_path):
     from vllm_hidden.config import ExtractConfig, GenerateConfig
     from vllm_hidden.data import HiddenStatesDataset
@@ -81,14 +94,8 @@ def test_gpu_generate_rows_and_tokens_match_hf(tmp_path):
         err = _rel(smp["final_hidden_states"].cuda().float(), r.hidden_states[-1][0])
         worst_final = max(worst_final, err)
         assert err <= BOUND, (smp["id"], "final state", err)
-        logits = r.logits[0]
-        for t in range(p, len(ids)):  # token t was sampled from row t-1
-            top2 = logits[t - 1].topk(2)
-            checked += 1
-            if ids[t] != int(top2.indices[0]):
-                margin = float(top2.values[0] - logits[t - 1][ids[t]])
-                assert margin < NEAR_TIE, (smp["id"], t, ids[t], int(top2.indices[0]), margin)
-                near_ties += 1
+        near_ties += _near_ties(r.logits[0], ids, range(p, len(ids)), smp["id"])
+        checked += len(ids) - p
         del r
     print(f"generate worst rel L2 per layer {worst} (response rows {worst_response}), final state {worst_final}; "
           f"{checked} generated tokens checked, {near_ties} near-tie differences from HF's greedy choice")
@@ -150,16 +157,11 @@ def test_gpu_regenerate_all_turns_rows_and_tokens_match_hf(tmp_path):
         err = _rel(smp["final_hidden_states"].cuda().float(), r.hidden_states[-1][0])
         worst_final = max(worst_final, err)
         assert err <= BOUND, (smp["id"], "final state", err)
-        logits = r.logits[0]
         for t0, turn in zip(starts, turns):
-            assert ids[t0 : t0 + len(turn["token_ids"])] == turn["token_ids"]
-            for t in range(t0, t0 + len(turn["token_ids"])):
-                top2 = logits[t - 1].topk(2)
-                checked += 1
-                if ids[t] != int(top2.indices[0]):
-                    margin = float(top2.values[0] - logits[t - 1][ids[t]])
-                    assert margin < NEAR_TIE, (smp["id"], t, ids[t], int(top2.indices[0]), margin)
-                    near_ties += 1
+            n = len(turn["token_ids"])
+            assert ids[t0 : t0 + n] == turn["token_ids"]
+            near_ties += _near_ties(r.logits[0], ids, range(t0, t0 + n), smp["id"])
+            checked += n
         del r
     print(f"regenerate all: worst rel L2 per layer {worst}, final state {worst_final}; {checked} generated tokens "
           f"checked, {near_ties} near-tie differences from HF's greedy choice")

