@@ -63,6 +63,11 @@ def run_generate(spec: dict, save) -> dict:
     return res
 
 
+def generations(out: Path) -> dict:
+    """An output's generations.jsonl lines by sample id."""
+    return {g["id"]: g for g in map(json.loads, (out / "generations.jsonl").read_text().splitlines())}
+
+
 def chat_workload(model: str, ps: list[list[int]], turns: int, path: Path) -> None:
     """Conversations of `turns` user turns each: prompt i's length in words, split evenly, the
     words drawn from the model's tokenizer (one token each; one is written, with the markers of
@@ -168,10 +173,7 @@ def verify_turns(out: Path, spec: dict) -> tuple[dict, dict]:
 
     convs = conversations_of(spec)
     ds = HiddenStatesDataset(out)
-    gens = {}
-    for line in (out / "generations.jsonl").read_text().splitlines():
-        g = json.loads(line)
-        gens[g["id"]] = g
+    gens = generations(out)
     seen, ok, finals = set(), True, {}
     for i in range(len(ds)):
         s = ds[i]
@@ -198,10 +200,7 @@ def verify_generated(out: Path, prompts: list[list[int]], max_tokens: int) -> di
     from vllm_hidden.data import HiddenStatesDataset
 
     ds = HiddenStatesDataset(out)
-    gens = {}
-    for line in (out / "generations.jsonl").read_text().splitlines():
-        g = json.loads(line)
-        gens[g["id"]] = g
+    gens = generations(out)
     seen, ok, responses = set(), True, {}
     for i in range(len(ds)):
         s = ds[i]

@@ -35,7 +35,7 @@ def _responses(max_prompt_len=None, loss_mask=None, **kw):
 def _start(r, prompt=(10, 11, 12), spans=((1, 2),), source=None, line=0, turns=()):
     item = Prompt(line, f"id{line}", list(prompt), [tuple(s) for s in spans] if spans is not None else None,
                   source if source is not None else {"messages": [{"role": "user", "content": "q"}]}, turns)
-    params = r.first(item, {"k": 1}).params
+    params = r.first(item).params
     return item, params
 
 
@@ -44,7 +44,7 @@ def test_length_end_keeps_max_tokens_once_one_more_was_sampled():
     item, params = _start(r)
     assert params.max_tokens == 5 and params.ignore_eos  # one past the end, EOS decided here
     assert params.extra_args["vllm_hidden_rows"] == 3 + 4 and params.extra_args["vllm_hidden_id"] == "id0"
-    assert params.skip_reading_prefix_cache and params.extra_args["k"] == 1
+    assert params.skip_reading_prefix_cache and params.extra_args["vllm_hidden_line"] == 0
     assert r.update("0", [20, 21], False) is None
     assert r.update("0", [22, 23], False) is None  # 4 kept, but the 4th's row is not computed yet
     got = r.update("0", [24], True)

@@ -132,25 +132,26 @@ class Responses:
         self.max_prompt_len = max_prompt_len if max_prompt_len is not None else float("inf")
         self.rule = loss_mask or "assistant"  # a conversation's (the only input with turns)
 
-    def first(self, item: Prompt, extra: dict[str, Any]) -> Request:
-        """The request of a sample's first (or only) response; `extra`: its capture keys."""
-        return self._request(_Conversation(item, list(item.token_ids)), extra)
+    def first(self, item: Prompt) -> Request:
+        """The request of a sample's first (or only) response."""
+        return self._request(_Conversation(item, list(item.token_ids)))
 
-    def _request(self, conv: _Conversation, extra: dict[str, Any]) -> Request:
+    def _request(self, conv: _Conversation) -> Request:
         from vllm_hidden.engine import compat
         from vllm_hidden.engine.runner import GEN_KEY, LINE_KEY, REQUEST_KEY, TURN_KEY
 
         g, item, p = self.gen, conv.item, len(conv.ids)
         # captured: the last turn, or one after which the next might not fit (then it may be the last)
         captured = conv.last or p + g.max_tokens + len(item.turns[conv.turn][0]) > self.max_prompt_len
+        extra = None
         if captured:
-            extra = {**extra, REQUEST_KEY: item.id, LINE_KEY: item.line, GEN_KEY: p + g.max_tokens}
+            extra = {REQUEST_KEY: item.id, LINE_KEY: item.line, GEN_KEY: p + g.max_tokens}
             if conv.turn:
                 extra[TURN_KEY] = conv.turn
         rid = str(item.line) if conv.turn == 0 else f"{item.line}.{conv.turn}"
         self._live[rid] = _Response(conv, captured)
         params = compat.generate_sampling_params(
-            extra if captured else None, max_tokens=g.max_tokens + captured, temperature=g.temperature,
+            extra, max_tokens=g.max_tokens + captured, temperature=g.temperature,
             top_p=g.top_p, top_k=g.top_k, seed=sample_seed(g.seed, item.id, conv.turn) if g.seed is not None else None)
         return Request(rid, item, conv.ids, params, p + g.max_tokens)
 
@@ -212,7 +213,7 @@ class Responses:
             conv.spans.append([p, p + keep + closing - skip])
             if len(ids) <= self.max_prompt_len:
                 conv.ids, conv.turn = ids, conv.turn + 1
-                nxt = self._request(conv, {})
+                nxt = self._request(conv)
                 drop = {"line": item.line, "turn": conv.turn - 1, "drop": "continued"} if r.captured else None
                 return Ended(rid, item.line, drop, abort, 0, 0, nxt)
             conv.spans.pop()  # the conversation ends here: its last turn has the end it was sampled with
@@ -222,11 +223,11 @@ class Responses:
             if not r.captured:
                 raise RuntimeError(f"sample {item.id!r}: turn {conv.turn} was not captured but ends the conversation")
         conv.spans.append([p, p + keep])
-        rows = p + keep
-        return Ended(rid, item.line, self._end(conv, response, rows, r.reason, stopped), abort, rows,
-                     sum(len(t["token_ids"]) for t in conv.done))
+        rows, generated = p + keep, sum(len(t["token_ids"]) for t in conv.done)
+        return Ended(rid, item.line, self._end(conv, response, rows, generated, r.reason, stopped), abort, rows,
+                     generated)
 
-    def _end(self, conv: _Conversation, response: list[int], rows: int, reason: str,
+    def _end(self, conv: _Conversation, response: list[int], rows: int, generated: int, reason: str,
              stopped: str | None) -> dict[str, Any]:
         """The worker's word on a finished sample: what it keeps, and its generations.jsonl record."""
         item, p0 = conv.item, len(conv.item.token_ids)
@@ -241,8 +242,7 @@ class Responses:
         if "messages" in src:
             src["messages"] = _with_responses(src["messages"], conv.done, bool(item.turns))
         record = {"id": item.id, **src, "response": text, "finish_reason": reason, "num_prompt_tokens": p0,
-                  "num_generated_tokens": sum(len(t["token_ids"]) for t in conv.done),
-                  "response_token_ids": response}
+                  "num_generated_tokens": generated, "response_token_ids": response}
         if item.turns:
             record["turns"] = conv.done
             if stopped is not None:

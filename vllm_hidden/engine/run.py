@@ -250,7 +250,7 @@ class _GenerateRun(_Run):
         self.turns: deque = deque()  # requests of conversations' next turns
 
     def _request(self, rid: str, item, extra: dict[str, Any]):
-        req = self.responses.first(item, {})
+        req = self.responses.first(item)  # its capture keys are the responses' to give (or not)
         return req.params, req.rows
 
     def _fill(self, max_inflight: int) -> None:

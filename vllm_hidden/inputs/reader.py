@@ -151,17 +151,13 @@ class PromptReader:
         return self._record(i, parse_json(raw))
 
     def _record(self, i: int, obj: dict[str, Any] | str) -> Prompt | BadLine:
-        turns: tuple[tuple[list[int], int], ...] = ()
         if isinstance(obj, str):
             return BadLine(i, i, obj)
         sid = obj.get("id", i)
         if not isinstance(sid, (int, str)) or isinstance(sid, bool):
             return BadLine(i, i, f"id must be a string or an integer, got {sid!r}")
         try:
-            ids, spans, source = self._encode(obj)
-            if source is not None and "turns" in source:
-                source = dict(source)
-                turns = tuple(source.pop("turns"))
+            ids, spans, source, turns = self._encode(obj)
         except ValueError as e:
             return BadLine(i, sid, str(e))
         except Exception as e:  # noqa: BLE001 - e.g. a tokenizer refusing a lone surrogate: this record, not the run
@@ -181,7 +177,9 @@ class PromptReader:
         return (f"prompt has {n} tokens, which leaves no room for --max-tokens {self.room} within max_model_len "
                 f"{self.max_prompt_len + self.room}")
 
-    def _encode(self, obj: dict[str, Any]) -> tuple[list[int], list[tuple[int, int]] | None, dict[str, Any] | None]:
+    def _encode(self, obj: dict[str, Any]) -> tuple[list[int], list[tuple[int, int]] | None, dict[str, Any] | None,
+                                                    tuple[tuple[list[int], int], ...]]:
+        """(token ids, loss spans, --generate's source, later turns: `Prompt`'s fields)."""
         keys = [k for k in KINDS if k in obj]
         if len(keys) != 1:
             raise ValueError(f"need exactly one of {', '.join(KINDS)}; got {keys or 'none'}")
@@ -198,18 +196,18 @@ class PromptReader:
         if kind == "token_ids":
             ids = self._check_ids(val)
             if rule == "given":
-                return ids, spans_from_mask(obj["loss_mask"], len(ids)), None
+                return ids, spans_from_mask(obj["loss_mask"], len(ids)), None, ()
         elif kind == "text":
             ids = self._text_ids(val)
         else:
             msgs = normalize_conversations(val) if kind == "conversations" else check_messages(val)
             if not msgs:
-                return [], None, None
+                return [], None, None, ()
             ids, spans = self._chat_encoder().encode(msgs, _tools(obj.get("tools")), rule)
             self._check_vocab(ids)
-            return ids, spans, None
+            return ids, spans, None, ()
         self._check_vocab(ids)
-        return ids, ([(0, len(ids))] if rule == "all" and ids else None), None
+        return ids, ([(0, len(ids))] if rule == "all" and ids else None), None, ()
 
     def _text_ids(self, val: Any) -> list[int]:
         if not isinstance(val, str):
@@ -217,7 +215,8 @@ class PromptReader:
         return list(self.tokenizer()(val)["input_ids"]) if val else []
 
     def _encode_prompt(self, obj: dict[str, Any], kind: str,
-                       val: Any) -> tuple[list[int], list[tuple[int, int]] | None, dict[str, Any]]:
+                       val: Any) -> tuple[list[int], list[tuple[int, int]] | None, dict[str, Any],
+                                          tuple[tuple[list[int], int], ...]]:
         """--generate: the record as the prompt of a response (see __init__)."""
         rule = self.loss_mask
         self.kinds[kind] += 1
@@ -236,8 +235,7 @@ class PromptReader:
                 msgs, joints = msgs[: users[-1] + 1], []
                 ids, spans = self._chat_encoder().encode_prompt(msgs, tools, rule or "assistant")
             self._check_vocab(ids)
-            return ids, spans, {"messages": msgs, **({"tools": tools} if tools is not None else {}),
-                                **({"turns": joints} if joints else {})}
+            return ids, spans, {"messages": msgs, **({"tools": tools} if tools is not None else {})}, tuple(joints)
         if kind == "token_ids":
             ids = self._check_ids(val)
             source: dict[str, Any] = {}
@@ -246,11 +244,11 @@ class PromptReader:
             source = {"text": val}
         self._check_vocab(ids)
         if rule == "none":
-            return ids, None, source
+            return ids, None, source, ()
         if rule == "all":
-            return ids, [(0, len(ids))] if ids else [], source
+            return ids, [(0, len(ids))] if ids else [], source, ()
         # the default, assistant and last-assistant: the response only (and a token_ids line's own mask)
-        return ids, (spans_from_mask(obj["loss_mask"], len(ids)) if "loss_mask" in obj else []), source
+        return ids, (spans_from_mask(obj["loss_mask"], len(ids)) if "loss_mask" in obj else []), source, ()
 
     def _check_ids(self, val: Any) -> list[int]:
         if not isinstance(val, list):
