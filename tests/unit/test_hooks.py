@@ -91,9 +91,9 @@ def test_an_instance_hook_wraps_that_object_only():
 
     r, other = Runner(), Runner()
     row = hooks.ROWS["runner.v1.execute_model"]
-    assert hooks._replace(r, row, lambda so: calls.append(("capture", so)))
-    assert not hooks._replace(r, row, lambda so: calls.append(("again", so)))
+    assert hooks._replace(r, row, lambda so: calls.append(("clear", so)), lambda so: calls.append(("capture", so)))
+    assert not hooks._replace(r, row, lambda so: calls.append(("again", so)), lambda so: calls.append(("again", so)))
     r.execute_model(1)
-    r.execute_model(2, dummy_run=True)  # V2's dummy runs: nothing to capture
+    r.execute_model(2, dummy_run=True)  # V2's dummy runs: nothing to clear or capture
     other.execute_model(3)
-    assert calls == [("vllm", 1), ("capture", 1), ("vllm", 2), ("vllm", 3)]
+    assert calls == [("clear", 1), ("vllm", 1), ("capture", 1), ("vllm", 2), ("vllm", 3)]

@@ -143,10 +143,13 @@ def _drop_cut_layers(original):
     return get_all_weights
 
 
-def _capture_each_step(original, on_step: Callable[[Any], None]):
+def _capture_each_step(original, before: Callable[[Any], None], on_step: Callable[[Any], None]):
     def execute_model(scheduler_output, *args, **kwargs):
+        real = not kwargs.get("dummy_run")  # V2's profile, warm-up-size and DP-padding runs: no requests
+        if real:
+            before(scheduler_output)
         out = original(scheduler_output, *args, **kwargs)
-        if not kwargs.get("dummy_run"):  # V2's profile, warm-up-size and DP-padding runs: no requests
+        if real:
             on_step(scheduler_output)
         return out
 
@@ -171,10 +174,13 @@ def _route_capture_requests(original, lookup: Callable[[Any], Any]):
 _RUNNER_STEP: dict[str, Any] = {
     "attr": "execute_model", "kind": "instance", "wrap": _capture_each_step,
     "installed_by": "capture install (at model load)",
-    "does": "after vLLM's step: capture's gather and copy of the step's rows (Capture.on_step); V2's dummy runs "
+    "does": "before vLLM's step: the state slots of requests starting at token 0 zeroed (engine.state_slots); "
+            "after it: capture's gather and copy of the step's rows (Capture.on_step); V2's dummy runs "
             "(profile, warm-up sizes, DP padding) pass through",
-    "why": "the step's aux outputs are in execute_model_state only until the next step; replaced on the one runner "
-           "capture installs on, so that vLLM's class is untouched"}
+    "why": "the step's aux outputs are in execute_model_state only until the next step, and a fresh request's "
+           "recurrent state must be clear before its first step (vLLM 0.26 runs a one-token first chunk as a "
+           "decode from its slot); replaced on the one runner capture installs on, so that vLLM's class is "
+           "untouched"}
 _RUNNER_AUX_FLAG: dict[str, Any] = {
     "attr": "use_aux_hidden_state_outputs", "kind": "field", "installed_by": "capture install (at model load)",
     "does": "set True, with the model's aux layers set to ours",
@@ -341,7 +347,7 @@ def _install_capture(runner: Any, cfg: Any):
     check_instance(runner, (step, aux_flag))
     cap = install_capture(runner, cfg)
     setattr(runner, aux_flag.attr, True)
-    _replace(runner, step, cap.on_step)
+    _replace(runner, step, cap.fresh.clear, cap.on_step)
     return cap
 
 

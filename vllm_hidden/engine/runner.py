@@ -27,6 +27,7 @@ from vllm_hidden.config import CaptureConfig, ShardConfig
 from vllm_hidden.engine import compat
 from vllm_hidden.engine.caches import StartProbe, describe
 from vllm_hidden.engine.serving import WORKER_KEY
+from vllm_hidden.engine.state_slots import FreshStateSlots
 from vllm_hidden.storage.shards import ShardWriter
 
 log = logging.getLogger("vllm_hidden")
@@ -60,6 +61,7 @@ class Capture:
         self._stats = _StepStats()
         self.start_probe: StartProbe | None = StartProbe()
         self.start_report: dict[str, Any] | None = None
+        self.fresh = FreshStateSlots(runner)  # on every rank: each holds its own part of the states
 
     def _new_transfer(self, columns: int, fp8: bool = False) -> StepTransfer:
         r = self.runner
