@@ -337,14 +337,18 @@ def _when(t: float | None) -> str:
     return datetime.datetime.fromtimestamp(t).isoformat(timespec="seconds") if t else "?"
 
 
-@app.command(help="Summarize an extract output and verify every shard (size, BLAKE3, header, index). "
-             "Exits 1 if anything is wrong or the run is incomplete.")
+@app.command(help="Summarize an extract output and verify every shard (size, BLAKE3, header, index); show its "
+             "per-layer statistics and flag a layer that is all zero, constant, has NaN/Inf rows, or whose std jumps "
+             "10x against every stored layer within 4 ids. Exits 1 if anything is wrong or the run is incomplete; "
+             "flags are warnings unless --strict.")
 def inspect(
     output: Annotated[str, typer.Argument(help="Extract output directory or s3://bucket/prefix.")],
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     s3_endpoint_url: Annotated[Optional[str], typer.Option(help="S3 endpoint (default: boto3's chain).")] = None,
+    strict: Annotated[bool, typer.Option("--strict", help="Exit 1 when a layer's statistics are flagged, "
+                                         "too.")] = False,
 ) -> None:
-    from vllm_hidden.storage.verify import verify_output
+    from vllm_hidden.storage.verify import stats_table, verify_output
 
     try:
         r = verify_output(output, s3_endpoint_url=s3_endpoint_url)
@@ -352,16 +356,57 @@ def inspect(
         _fail(str(e))
     if json_out:
         typer.echo(json.dumps({"path": r.path, "complete": r.complete, "ok": r.ok, **r.summary,
-                               "problems": r.problems}))
+                               "problems": r.problems, "layer_stats": r.layer_stats,
+                               "layer_stats_shards": r.layer_stats_shards, "flags": r.flags}))
     else:
         s = r.summary
         typer.echo(f"{r.path}: {'complete' if r.complete else 'INCOMPLETE'} — {s['samples']} samples, {s['tokens']} "
                    f"tokens in {s['shards']} shards ({s['bytes'] / 1e9:.2f} GB); model {s['model']}; layers "
                    f"{s['layer_ids']}; hidden {s['hidden_size']}"
                    + (f"; {s['errors']} bad input lines" if s.get("errors") else ""))
+        for line in stats_table(r):
+            typer.echo(line)
+        for f in r.flags:
+            typer.secho(f"  flag: {'final state' if f['layer'] == 'final' else 'layer ' + f['layer']}: "
+                        f"{f['flag']}: {f['detail']}", fg=typer.colors.YELLOW, err=True)
         for p in r.problems:
             typer.secho(f"  problem: {p}", fg=typer.colors.RED, err=True)
+        if r.flags:
+            typer.echo(f"{len(r.flags)} flag(s) in the layer statistics"
+                       + (" (--strict: an error)" if strict else " (warnings; --strict fails on them)"))
         typer.echo("all shards verified" if r.ok else f"{len(r.problems)} problem(s)")
+    raise typer.Exit(0 if r.ok and not (strict and r.flags) else 1)
+
+
+@app.command(help="Recompute a few samples' stored layers (and final state) with HF Transformers in float32 and "
+             "compare, within a bound set by HF's own rounding error in the output's dtype (widened for fp8 "
+             "storage). Exits 1 if a layer is off (naming the worst sample and layer), 2 on bad input.")
+def check(
+    output: Annotated[str, typer.Argument(help="Extract output directory or s3://bucket/prefix.")],
+    model: Annotated[str, typer.Option("--model", "-m", help="HF model directory or id the output was "
+                                       "extracted from.")],
+    samples: Annotated[int, typer.Option(help="Samples to recompute, spread over the shards (all if fewer).")] = 8,
+    seed: Annotated[int, typer.Option(help="Which samples: the same seed picks the same ones.")] = 0,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
+    device: Annotated[str, typer.Option(help="cpu or cuda (HF's forwards; cuda: float32 weights on one "
+                                        "GPU).")] = "cpu",
+    s3_endpoint_url: Annotated[Optional[str], typer.Option(help="S3 endpoint (default: boto3's chain).")] = None,
+) -> None:
+    import sys
+
+    from vllm_hidden.check import check_output
+
+    try:
+        r = check_output(output, model, samples=samples, seed=seed, device=device, s3_endpoint_url=s3_endpoint_url,
+                         progress=not json_out and sys.stderr.isatty())
+    except (ValueError, ImportError, OSError) as e:
+        _fail(str(e))
+    if json_out:
+        typer.echo(json.dumps(r.to_dict()))
+    else:
+        lines = r.table()
+        typer.echo("\n".join(lines[:-1]))
+        typer.secho(lines[-1], fg=None if r.ok else typer.colors.RED)
     raise typer.Exit(0 if r.ok else 1)
 
 

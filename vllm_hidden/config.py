@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -69,6 +70,16 @@ DEFAULT_WRITER_THREADS = 4
 DEFAULT_S3_RETRY_S = 120.0
 
 
+LAYER_STATS_ENV = "VLLM_HIDDEN_LAYER_STATS"  # "0": shards without per-layer statistics
+
+
+def _layer_stats_default() -> bool:
+    value = os.environ.get(LAYER_STATS_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{LAYER_STATS_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 @dataclass(frozen=True, kw_only=True)
 class ShardConfig:
     """Where and how the worker writes shards."""
@@ -86,9 +97,14 @@ class ShardConfig:
     loss_mask: bool = False  # also `loss_mask` [R] uint8, from each sample's spans
     generate: bool = False  # samples carry their prompt length and generation record (`generations` [B] uint8)
     fp8: bool = False  # values stored as float8 e4m3 with float32 scales per (token, layer)
+    # per-layer statistics of the written rows (format.stats); off only to measure their cost:
+    # VLLM_HIDDEN_LAYER_STATS=0, read when the config is made (the driver's, handed to workers)
+    layer_stats: bool = field(default_factory=_layer_stats_default)
 
     def __post_init__(self) -> None:
         _non_negative("upload_retry_s", self.upload_retry_s)
+        if not isinstance(self.layer_stats, bool):
+            raise ValueError(f"layer_stats must be a bool, got {self.layer_stats!r}")
         if self.upload_uri is not None and not self.upload_uri.startswith("s3://"):
             raise ValueError(f"upload_uri must be s3://bucket/prefix, got {self.upload_uri!r}")
         if isinstance(self.upload_pending, bool) or not isinstance(self.upload_pending, int) or self.upload_pending < 1:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from transformers import AutoTokenizer
 
 from tests.integration.helpers import HFReference, last_json, rel_l2, run_cli, verify_checksums
 from vllm_hidden.data import HiddenStatesDataset
+from vllm_hidden.demo import make_tiny_model
 
 MAX_LEN = 512
 VOCAB = 1024
@@ -75,6 +77,13 @@ def check_output(out, model_dir, good, bad, layer_ids):
     assert len(ds) == len(good) and ds.layer_ids == layer_ids
     ref = HFReference(model_dir)
     worst = {lid: 0.0 for lid in layer_ids}
+    read = {}  # column -> [sum, sum of squares, absmax] of the states read back
+
+    def add(name, x):
+        x = x.double()
+        t = read.setdefault(name, [0.0, 0.0, 0.0])
+        t[0], t[1], t[2] = t[0] + float(x.sum()), t[1] + float((x * x).sum()), max(t[2], float(x.abs().max()))
+
     seen = set()
     for i in range(len(ds)):
         s = ds[i]
@@ -86,6 +95,7 @@ def check_output(out, model_dir, good, bad, layer_ids):
         assert hs.dtype == torch.bfloat16 and hs.shape == (len(good[sid]), len(layer_ids), 256)
         states = ref.states(good[sid])
         for k, lid in enumerate(layer_ids):
+            add(str(lid), hs[:, k])
             err = rel_l2(hs[:, k], states[lid])
             worst[lid] = max(worst[lid], err)
             assert err <= BOUND, f"sample {sid!r} layer {lid}: rel L2 {err:.4f}"
@@ -93,6 +103,7 @@ def check_output(out, model_dir, good, bad, layer_ids):
             other = states[lid + 1] if lid + 1 < len(states) else states[lid - 1]
             assert rel_l2(hs[:, k], other) > 5 * BOUND, f"sample {sid!r} layer {lid} matches a neighbour"
         if ds.manifest.final_state == "post-norm":
+            add("final", s["final_hidden_states"])
             err = rel_l2(s["final_hidden_states"], ref.post_norm)
             worst["final"] = max(worst.get("final", 0.0), err)
             assert err <= BOUND, f"sample {sid!r} final state: rel L2 {err:.4f}"
@@ -100,6 +111,15 @@ def check_output(out, model_dir, good, bad, layer_ids):
         else:
             assert "final_hidden_states" not in s
     assert seen == set(good)
+    # the writer's per-layer statistics describe exactly the rows stored
+    stats, n = man["layer_stats"], man["num_tokens"] * 256
+    assert list(stats) == list(read), (list(stats), list(read))
+    for name, (total, squares, absmax) in read.items():
+        mean = total / n
+        std = max(squares / n - mean * mean, 0.0) ** 0.5
+        v = stats[name]
+        assert v["rows"] == man["num_tokens"] and v["absmax"] == absmax and v["nonfinite_rows"] == 0, (name, v)
+        assert abs(v["mean"] - mean) <= 1e-3 * max(abs(mean), std) and abs(v["std"] - std) <= 1e-3 * std, (name, v)
     print(f"parity worst rel L2 per layer: {worst}")
     return worst
 
@@ -156,6 +176,39 @@ def test_the_end_of_a_run_tapers(compiled):
 def test_extract_matches_hf_compiled_chunked(arch, compiled):
     model, _, out, good, bad = compiled(arch)
     check_output(out, model, good, bad, LAYERS)
+
+
+def test_check_recomputes_the_output_with_hf(compiled, tmp_path):
+    """`vllm-hidden check` on the compiled run (every layer, the final state): it passes, its
+    per-layer worst errors are the ones this suite computes for the samples it names, and
+    against a model with other weights it fails naming a layer."""
+    model, _, out, _, _ = compiled("qwen3_next")
+    r = run_cli("check", str(out), "--model", str(model), "--samples", "6", "--json")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    d = last_json(r)
+    assert d["verdict"] == "pass" and len(d["samples"]) == 6 and "final_state" in d, d
+    assert sorted(map(int, d["layers"])) == sorted(LAYERS), d["layers"]
+    cols = {**d["layers"], "final": d["final_state"]}
+    print("check (rel L2, HF rounding, bound):", {k: (c["rel_l2"], c["hf_rounding"], c["bound"])
+                                                  for k, c in cols.items()})
+    ds = HiddenStatesDataset(out)
+    at = {ds[i]["id"]: i for i in range(len(ds))}
+    ref = HFReference(model)
+    worst = {lid: 0.0 for lid in LAYERS} | {"final": 0.0}
+    for sid in d["samples"]:
+        s = ds[at[sid]]
+        states = ref.states(s["token_ids"].tolist())
+        for k, lid in enumerate(ds.layer_ids):
+            worst[lid] = max(worst[lid], rel_l2(s["hidden_states"][:, k], states[lid]))
+        worst["final"] = max(worst["final"], rel_l2(s["final_hidden_states"], ref.post_norm))
+    for lid in LAYERS:
+        assert abs(d["layers"][str(lid)]["rel_l2"] - worst[lid]) <= 1e-4, (lid, d["layers"][str(lid)], worst[lid])
+    assert abs(d["final_state"]["rel_l2"] - worst["final"]) <= 1e-4, (d["final_state"], worst["final"])
+
+    other = make_tiny_model(tmp_path / "other", arch="qwen3_next", num_layers=8, seed=1)
+    r = run_cli("check", str(out), "--model", str(other), "--samples", "1")
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    assert re.search(r"^fail: .*(layer \d|the final state).* vs bound", r.stdout.splitlines()[-1]), r.stdout
 
 
 def test_eager_matches_compiled_and_hf_every_layer(compiled):

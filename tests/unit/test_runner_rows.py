@@ -149,7 +149,7 @@ def _step(runner, reqs: dict[str, int], new: list, cached: dict[str, int], count
 def _new(rid: str, prompt_len: int, sample: str | None):
     extra = {REQUEST_KEY: sample} if sample else None
     return SimpleNamespace(req_id=rid, num_computed_tokens=0, prompt_token_ids=list(range(1, prompt_len + 1)),
-                           sampling_params=SimpleNamespace(extra_args=extra))
+                           sampling_params=SimpleNamespace(extra_args=extra), block_ids=([rid],))
 
 
 class _Aux(torch.nn.Module):
@@ -179,6 +179,7 @@ def test_v2_hook_installs_after_load_and_assembles_samples_across_sorted_chunked
         pipeline_parallel_size=1, prefill_context_parallel_size=1))
     r.use_aux_hidden_state_outputs = False
     r.pcp_manager = None
+    r.kv_cache_config = SimpleNamespace(kv_cache_groups=[])  # no recurrent state to clear (engine.state_slots)
     r.get_model = lambda: model
     calls = []
     r.execute_model = lambda so, *a, **kw: calls.append(kw)

@@ -41,11 +41,11 @@ class FreshStateSlots:
         layers (first dimension: the block/slot id). Found once, after the caches exist."""
         from vllm.v1.kv_cache_interface import MambaSpec
 
-        layers = self.runner.vllm_config.compilation_config.static_forward_context
         groups = []
         for g, group in enumerate(self.runner.kv_cache_config.kv_cache_groups):
             if not isinstance(group.kv_cache_spec, MambaSpec):
                 continue
+            layers = self.runner.vllm_config.compilation_config.static_forward_context
             tensors = [t for name in group.layer_names for t in _states(layers[name]) if t.numel()]
             if tensors:
                 groups.append((g, tensors))

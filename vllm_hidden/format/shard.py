@@ -5,7 +5,8 @@ A shard holds `hidden_states` [R, K, H], then (--final-state) `final_hidden_stat
 `token_ids` [R] int64, (a loss mask) `loss_mask` [R] uint8, (--generate) `generations` [B]
 uint8: its samples' generations.jsonl lines, in index order. Its metadata holds the format
 tag, the layer ids, the per-sample index (`samples`: [id, first row, tokens(, prompt
-tokens)] each) and the per-sample checksums. Rows the index does not list are zeros.
+tokens)] each), the per-sample checksums and (`format.stats`) the per-layer statistics of
+its rows. Rows the index does not list are zeros.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import blake3
 
 from vllm_hidden.format.header import Header, Tensor, parse_header
 from vllm_hidden.format.quant import FP8_MAX
+from vllm_hidden.format.stats import STATS, check_record
 
 FORMAT = "vllm-hidden/1"
 
@@ -70,17 +72,22 @@ HEADER_FIXED = 4096  # header bytes besides the sample index (tensor entries, fo
 MAX_HEADER_ROOM = 1 << 20
 
 
-def header_room(rows_per_shard: int) -> int:
+def header_room(rows_per_shard: int, stats_bytes: int = 0) -> int:
     """The room a writer reserves for a shard's header before its rows, so rows can be written
     at their final offsets before the index is known (~32 B of index and 37 of checksum per
-    sample, for up to one sample per row); a shard rolls early if its index would overflow."""
-    room = HEADER_FIXED + (32 + 37) * min(rows_per_shard, 1 << 15)
-    return min(room + (-room % 8), MAX_HEADER_ROOM)
+    sample, for up to one sample per row, + `stats_bytes` for its statistics); a shard rolls
+    early if its index would overflow."""
+    room = HEADER_FIXED + stats_bytes + (32 + 37) * min(rows_per_shard, 1 << 15)
+    return min(room + (-room % 8), MAX_HEADER_ROOM + stats_bytes)
 
 
-def shard_metadata(layer_ids: list[int], index: list[list[Any]], digests: list[str]) -> dict[str, str]:
-    return {"format": FORMAT, LAYER_IDS: json.dumps(layer_ids), INDEX: json.dumps(index),
+def shard_metadata(layer_ids: list[int], index: list[list[Any]], digests: list[str],
+                   stats: dict[str, Any] | None = None) -> dict[str, str]:
+    meta = {"format": FORMAT, LAYER_IDS: json.dumps(layer_ids), INDEX: json.dumps(index),
             SAMPLE_CHECKSUMS: json.dumps(digests)}
+    if stats is not None:
+        meta[STATS] = json.dumps(stats, separators=(",", ":"))
+    return meta
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,9 +99,18 @@ class ShardInfo:
     blake3: str
     num_samples: int
     num_tokens: int
+    # its per-layer statistics (format.stats); None: written without them. Derived from the
+    # rows, so not part of what makes two records equal (S3 object metadata has no room for it)
+    stats: dict[str, dict[str, Any]] | None = field(default=None, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ShardInfo":
+        """A record as to_dict wrote it; one written before statistics has none."""
+        return cls(file=d["file"], bytes=d["bytes"], blake3=d["blake3"], num_samples=d["num_samples"],
+                   num_tokens=d["num_tokens"], stats=d.get("stats"))
 
 
 def shard_file(index: int, prefix: str = "shard") -> str:
@@ -115,6 +131,7 @@ class ShardHeader:
     digests: list[str] | None  # None: an output written before per-sample checksums
     tensors: dict[str, Tensor]
     data_start: int
+    stats: dict[str, dict[str, Any]] | None = None  # its per-layer statistics (None: written without them)
 
     @classmethod
     def read(cls, read: Callable[[int, int], bytes], size: int | None, where: str) -> "ShardHeader":
@@ -139,7 +156,8 @@ class ShardHeader:
         for name, rank in ((HIDDEN, 3), (TOKENS, 1)):
             if name not in h.tensors or len(h.tensors[name].shape) != rank:
                 raise ValueError(f"no {name} tensor of rank {rank}")
-        return cls(index=index, digests=digests, tensors=h.tensors, data_start=h.data_start)
+        stats = check_record(json.loads(h.metadata[STATS])) if STATS in h.metadata else None
+        return cls(index=index, digests=digests, tensors=h.tensors, data_start=h.data_start, stats=stats)
 
     @property
     def rows(self) -> dict[str, Tensor]:

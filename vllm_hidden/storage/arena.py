@@ -32,6 +32,7 @@ from vllm_hidden.format.shard import (
     sample_digest,
     shard_metadata,
 )
+from vllm_hidden.format.stats import ColumnStats
 
 # an arena's tensors: values [R, K, H], final state [R, H] | None, their statistics [R, K] and [R] | None
 Buffers = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor, "torch.Tensor | None"]
@@ -141,7 +142,7 @@ class Arena:
     """One shard in the making: its rows in memory, its temporary file, its pending writes."""
 
     __slots__ = ("bufs", "buf", "final", "stat", "final_stat", "rows", "slots", "pending", "sealed", "pooled", "tmp",
-                 "fd", "index_bytes", "batch", "batch_bytes", "writes", "unsynced")
+                 "fd", "index_bytes", "batch", "batch_bytes", "writes", "unsynced", "stats")
 
     def __init__(self, bufs: Buffers, pooled: bool, tmp: Path) -> None:
         self.bufs = bufs
@@ -158,6 +159,7 @@ class Arena:
         self.batch_bytes = 0
         self.writes: list[Future] = []
         self.unsynced = 0
+        self.stats: ColumnStats | None = None  # its written rows' statistics, summed by the writer threads
 
     def add(self, sample_id: Any, token_ids: torch.Tensor, entry_bytes: int, line: int | None = None,
             loss_spans: list[list[int]] | None = None, num_prompt: int | None = None,
@@ -187,10 +189,11 @@ def sample_checksum(s: SampleSlot, *, fp8: bool, loss_mask: bool, generate: bool
 
 
 def layout(a: Arena, done: list[SampleSlot], layer_ids: list[int], *, room: int, fp8: bool, loss_mask: bool,
-           generate: bool) -> tuple[bytes, list[tuple[str, torch.Tensor]], dict[str, Any], int]:
+           generate: bool, stats: dict[str, Any] | None = None) -> tuple[bytes, list[tuple[str, torch.Tensor]],
+                                                                           dict[str, Any], int]:
     """The file around the streamed-out rows of `done` (the committed slots): the padded
-    header (`room` bytes), the tensors after `hidden_states` in file order, their header
-    entries, and the tensor data's size."""
+    header (`room` bytes, with the shard's statistics `stats` if any), the tensors after
+    `hidden_states` in file order, their header entries, and the tensor data's size."""
     rows = a.rows
     tokens = torch.zeros(rows, dtype=torch.int64)
     mask = torch.zeros(rows, dtype=torch.uint8) if loss_mask else None
@@ -205,5 +208,5 @@ def layout(a: Arena, done: list[SampleSlot], layer_ids: list[int], *, room: int,
     tail = [(name, t) for name, t in tail if t is not None]
     entries, end = st.entries([(HIDDEN, a.buf.dtype, [rows, *a.buf.shape[1:]]),
                                *((name, t.dtype, t.shape) for name, t in tail)])
-    meta = shard_metadata(layer_ids, [s.entry(generate) for s in done], [s.digest for s in done])
+    meta = shard_metadata(layer_ids, [s.entry(generate) for s in done], [s.digest for s in done], stats)
     return st.build_header(entries, meta, room=room), tail, entries, end

@@ -67,7 +67,7 @@ def read_journal(out_dir: str | os.PathLike[str]) -> list[ShardInfo]:
             continue
         try:
             d = json.loads(line)
-            shards.append(ShardInfo(**{k: d[k] for k in ShardInfo.__dataclass_fields__}))
+            shards.append(ShardInfo.from_dict(d))
         except (ValueError, KeyError, TypeError) as e:
             if i == len(lines) - 1:  # torn final append: that shard was never reported done
                 break

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_hidden.format.shard import FORMAT, SAMPLE_CHECKSUM, ShardInfo
+from vllm_hidden.format.stats import aggregate
 
 MANIFEST = "manifest.json"
 ERRORS = "errors.jsonl"
@@ -48,7 +49,19 @@ class Manifest:
     # how each shard's per-sample checksums are made (files.SAMPLE_CHECKSUM); None: an older
     # output without them (the reader then checks whole shards, as it did then)
     sample_checksum: str | None = SAMPLE_CHECKSUM
+    # per stored column (layer id as a string, then "final" with --final-state): rows, mean,
+    # std, absmax, zero_rows, nonfinite_rows over every shard's statistics (format.stats).
+    # Left None, it is summed from the shards' records; None after that: no shard has any
+    layer_stats: dict[str, dict[str, Any]] | None = None
+    # shards the statistics cover, when some have none (an output resumed across versions, or
+    # written with VLLM_HIDDEN_LAYER_STATS=0 for part of it); None: all of them
+    layer_stats_shards: int | None = None
     format: str = FORMAT
+
+    def __post_init__(self) -> None:
+        if self.layer_stats is None:
+            self.layer_stats, covered = aggregate([s.stats for s in self.shards], self.hidden_size)
+            self.layer_stats_shards = covered if 0 < covered < len(self.shards) else None
 
     @property
     def num_samples(self) -> int:
@@ -91,7 +104,7 @@ class Manifest:
             if "blake3" not in s:
                 raise ValueError(f"shard entry {s.get('file')!r} has no blake3 checksum (written by an older "
                                  f"vllm-hidden, keys {sorted(s)}); re-run the extract with this version")
-            shards.append(ShardInfo(**{k: s[k] for k in ShardInfo.__dataclass_fields__}))
+            shards.append(ShardInfo.from_dict(s))
         kw["shards"] = shards
         kw.setdefault("sample_checksum", None)  # written before there were any
         return cls(**kw)

@@ -27,10 +27,11 @@ from typing import Any
 from vllm_hidden.config import DEFAULT_S3_RETRY_S, ShardConfig
 from vllm_hidden.format.shard import GENERATIONS as GENERATIONS_TENSOR
 from vllm_hidden.format.shard import ShardInfo, shard_number
+from vllm_hidden.format.stats import aggregate
 from vllm_hidden.storage.files import shard_header
 from vllm_hidden.storage.journal import RUN, ResumeState, prepare_resume, read_journal, write_json_atomic
 from vllm_hidden.storage.manifest import ERRORS, GENERATIONS, MANIFEST, Manifest
-from vllm_hidden.storage.s3 import S3Location, is_s3, read_done_ids
+from vllm_hidden.storage.s3 import S3Location, is_s3, read_uploaded
 
 log = logging.getLogger("vllm_hidden")
 
@@ -154,8 +155,8 @@ class Output:
             aborted = loc.abort_stale_uploads()  # every part: the listing is by key prefix
             for part in s3_parts(loc):
                 sub = loc.sub(part)
-                shards = sub.shard_infos()
-                state = ResumeState(shards=shards, done_ids=read_done_ids(sub, shards))
+                shards, done_ids = read_uploaded(sub, sub.shard_infos())
+                state = ResumeState(shards=shards, done_ids=done_ids)
                 state.next_index = max((shard_number(s.file) for s in shards), default=-1) + 1
                 self.state.add(part, state, loc.uri)
             for name in (MANIFEST, ERRORS):  # rewritten by this run
@@ -196,6 +197,13 @@ class Output:
         relative to the output root."""
         self.close_errors()
         shards = sorted([*self.state.shards, *new_shards], key=lambda s: s.file)
+        # the samples an earlier attempt refused as non-finite were tried again by this one:
+        # only this attempt's count of them stands
+        earlier = {s.file for s in self.state.shards}
+        stats, covered = aggregate([s.stats for s in shards], manifest["hidden_size"],
+                                   stale=[s.file in earlier for s in shards])
+        manifest.setdefault("layer_stats", stats)
+        manifest.setdefault("layer_stats_shards", covered if 0 < covered < len(shards) else None)
         gens = manifest.get("generate") is not None
         if gens:  # every sample's record, from its shard: durable with it, gathered once all are
             write_generations(self.local / GENERATIONS, shards, self.local if self.loc is None else self.loc)

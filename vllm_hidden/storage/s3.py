@@ -5,7 +5,8 @@ files, instance roles; `AWS_ENDPOINT_URL`), or `--s3-endpoint-url`.
 
 On S3 a shard object exists only once its upload completed (multipart uploads are atomic),
 and carries its BLAKE3 and counts as object metadata: the objects under the prefix are the
-durable record a resumed run starts from.
+durable record a resumed run starts from. Its per-layer statistics do not fit in object
+metadata (2 KB): a resume reads them from the shard's header, with its index.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -298,12 +300,21 @@ class S3Uploader:
         return sorted(self.uploaded, key=lambda s: s.file)
 
 
-def read_done_ids(loc: S3Location, shards: list[ShardInfo]) -> set[Any]:
-    """Sample ids in the uploaded shards (their safetensors headers, ranged GETs)."""
+def read_uploaded(loc: S3Location, shards: list[ShardInfo]) -> tuple[list[ShardInfo], set[Any]]:
+    """The uploaded shards with their statistics, and the sample ids they hold: from their
+    safetensors headers (ranged GETs)."""
     done: set[Any] = set()
+    out = []
     for s in shards:
-        for entry in loc.shard_header(s).index:
+        header = loc.shard_header(s)
+        for entry in header.index:
             if entry[0] in done:
                 raise ValueError(f"sample id {entry[0]!r} is in two shards under {loc.uri}; the output is damaged")
             done.add(entry[0])
-    return done
+        out.append(s if s.stats is not None or header.stats is None else replace(s, stats=header.stats))
+    return out, done
+
+
+def read_done_ids(loc: S3Location, shards: list[ShardInfo]) -> set[Any]:
+    """Sample ids in the uploaded shards (their safetensors headers, ranged GETs)."""
+    return read_uploaded(loc, shards)[1]

@@ -8,6 +8,10 @@ header (index, shapes) and token ids are left to write, then the commit (`commit
 BLAKE3 from memory, rename), then the journal records it. So the end of a run waits for the
 last few samples, not for a whole shard. What a shard holds is `format.shard`.
 
+The writer threads also sum each written sample's per-layer statistics into its arena
+(`format.stats`), from the rows while they are in memory; the shard's header and record carry
+them.
+
 The pool of arenas bounds host memory: when every arena is full or being finished,
 `reserve` blocks, the assembler stops taking steps, and the engine waits on the capture
 ring (backpressure instead of growth).
@@ -20,6 +24,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +32,7 @@ import torch
 
 from vllm_hidden.config import ShardConfig
 from vllm_hidden.format import quant
+from vllm_hidden.format import stats as layer_stats
 from vllm_hidden.format.header import DTYPE_NAMES
 from vllm_hidden.format.shard import HEADER_FIXED, ShardInfo, entry_header_bytes, header_room, index_entry, shard_file
 from vllm_hidden.storage.arena import Arena, Buffers, SampleSlot, layout, new_buffers, pwrite_all, raw, sample_checksum
@@ -68,7 +74,11 @@ class ShardWriter:
         if self.fp8:  # + their scales
             extra += 4 * (len(self.layer_ids) + cfg.final_state)
         self.rows_per_shard = max(1, cfg.max_shard_bytes // (self.row_bytes + extra))
-        self.header_room = header_room(self.rows_per_shard)
+        self.columns = layer_stats.column_names(self.layer_ids, cfg.final_state) if cfg.layer_stats else None
+        # header bytes besides the index: the fixed part, and room for the statistics
+        self.header_fixed = HEADER_FIXED + (layer_stats.header_bytes(len(self.columns)) if self.columns else 0)
+        self.header_room = header_room(self.rows_per_shard, self.header_fixed - HEADER_FIXED)
+        self._row_sums = threading.local()  # each writer thread's scratch for the statistics
         # one arena being filled + one per writer thread; more only when every other arena
         # waits for a sample still in prefill (chunked prompts), never while one is finishing
         self.max_arenas = cfg.writer_threads + 1
@@ -96,6 +106,7 @@ class ShardWriter:
         self._error: BaseException | None = None
         self._closed = False
         self._write_s = 0.0  # summed over writer threads
+        self._stats_s = 0.0  # of which making the statistics
         self._reserve_wait_s = 0.0  # assembler blocked on a free arena (backpressure)
         self._close_s = 0.0
         self._unwritten = 0  # bytes of committed rows handed to the writer threads, not yet written
@@ -127,6 +138,8 @@ class ShardWriter:
     def _new_arena(self, bufs: Buffers, pooled: bool) -> Arena:
         self._seq += 1
         a = Arena(bufs, pooled, self.dir / f".{self.cfg.prefix}-{os.getpid()}-{self._seq}.tmp")
+        if self.columns is not None:
+            a.stats = layer_stats.ColumnStats(len(self.columns))
         self._open.append(a)
         return a
 
@@ -152,14 +165,15 @@ class ShardWriter:
                              f"(this output {'stores one' if self.cfg.generate else 'is prefill only'})")
         a = self._current
         entry = entry_header_bytes(index_entry(sample_id, a.rows if a is not None else 0, n, num_prompt))
-        if HEADER_FIXED + entry > self.header_room:
+        if self.header_fixed + entry > self.header_room:
             raise ValueError(f"sample id {str(sample_id)[:80]!r}... is too long to index ({entry} bytes)")
         if n > self.rows_per_shard:  # larger than a shard: a shard of its own
             big = self._new_arena(self._new_buffer(n), pooled=False)
             slot = big.add(sample_id, tok, entry, line, loss_spans, num_prompt, record)
             big.sealed = True
             return slot
-        if a is None or a.rows + n > self.rows_per_shard or HEADER_FIXED + a.index_bytes + entry > self.header_room:
+        if (a is None or a.rows + n > self.rows_per_shard
+                or self.header_fixed + a.index_bytes + entry > self.header_room):
             self._current = None
             if a is not None:
                 self._seal(a)
@@ -248,10 +262,20 @@ class ShardWriter:
                 self._unwritten += size
             a.writes.append(self._pool.submit(self._write_rows, a, batch, size))
 
+    def _sums(self) -> layer_stats.RowSums:
+        """This writer thread's scratch for the statistics (kept: a fresh one per batch would
+        page-fault its way in each time)."""
+        sums = getattr(self._row_sums, "sums", None)
+        if sums is None:
+            sums = self._row_sums.sums = layer_stats.RowSums(self.row_shape[0] * self.row_shape[1], self.fp8)
+        return sums
+
     def _write_rows(self, a: Arena, batch: list[SampleSlot], size: int) -> None:
         t0 = time.perf_counter()
+        stats_s = 0.0
         try:
             nbytes = 0
+            acc = layer_stats.ColumnStats(len(self.columns)) if a.stats is not None else None
             for s in batch:
                 if s.src is not None or not s.placed:  # deferred: its statistics are made here
                     if s.src is not None:
@@ -271,7 +295,13 @@ class ShardWriter:
                 pwrite_all(a.fd, mv, offset)
                 write_behind(a.fd, offset, len(mv))
                 nbytes += len(mv)
+                if acc is not None:
+                    t1 = time.perf_counter()
+                    acc.add_sample(self._sums(), s.buf, s.stat, s.final, s.final_stat)
+                    stats_s += time.perf_counter() - t1
             with self._cv:
+                if acc is not None:
+                    a.stats.merge(acc)
                 a.unsynced += nbytes
                 sync = a.unsynced >= _SYNC_EVERY
                 if sync:
@@ -281,10 +311,15 @@ class ShardWriter:
         finally:
             with self._cv:
                 self._write_s += time.perf_counter() - t0
+                self._stats_s += stats_s
                 self._unwritten -= size
 
     def _refuse(self, s: SampleSlot, why: str) -> None:
-        """Never written: its rows stay zeros (file and memory), the index skips it."""
+        """Never written: its rows stay zeros (file and memory), the index skips it; its
+        non-finite rows are counted in the statistics first."""
+        with self._cv:
+            if s.arena.stats is not None:
+                s.arena.stats.add_not_finite(s.stat, s.final_stat)
         s.zero()
         s.state = SampleSlot.NOT_FINITE
         with self._cv:
@@ -316,10 +351,13 @@ class ShardWriter:
                 w.result()
             done = a.committed()
             if index >= 0 and done:  # else nothing to keep (every sample dropped or not finite)
+                stats = a.stats.record(self.columns) if a.stats is not None else None
                 head, tail, entries, end = layout(a, done, self.layer_ids, room=self.header_room, fp8=self.fp8,
-                                                  loss_mask=self.cfg.loss_mask, generate=self.cfg.generate)
+                                                  loss_mask=self.cfg.loss_mask, generate=self.cfg.generate,
+                                                  stats=stats)
                 info = commit_shard(a, done, head, tail, entries, end, self.dir, shard_file(index, self.cfg.prefix),
                                     phases)
+                info = replace(info, stats=stats)
                 t1 = time.perf_counter()
                 self._journal.record(info)  # ...durable: its samples count as done
                 phases["rename_s"] += time.perf_counter() - t1
@@ -354,7 +392,8 @@ class ShardWriter:
     def stats(self) -> dict[str, Any]:
         with self._cv:
             d = {"writer_threads": self.cfg.writer_threads, "arenas": self._allocated,
-                 "writer_busy_s": round(self._write_s, 3), "arena_wait_s": round(self._reserve_wait_s, 3),
+                 "writer_busy_s": round(self._write_s, 3), "writer_stats_s": round(self._stats_s, 3),
+                 "arena_wait_s": round(self._reserve_wait_s, 3),
                  "writer_close_s": round(self._close_s, 4), "close_unwritten_bytes": self._close_unwritten,
                  "writer_close_phases": {k: round(v, 4) for k, v in sorted(self._tail.items())}}
         if self._uploader is not None:

@@ -1,5 +1,6 @@
 """Check an extract output: every shard present with its recorded size and BLAKE3, a valid
-safetensors header, and an index that agrees with the manifest (`vllm-hidden inspect`)."""
+safetensors header, and an index that agrees with the manifest (`vllm-hidden inspect`); and
+its per-layer statistics, with what looks wrong in them (`format.stats.flags`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_hidden.format.shard import ShardInfo
+from vllm_hidden.format.stats import aggregate, flags
 from vllm_hidden.storage.files import file_checksum, hasher, shard_header
 from vllm_hidden.storage.journal import JOURNAL, RUN
 from vllm_hidden.storage.manifest import MANIFEST, Manifest
@@ -24,6 +26,11 @@ class Report:
     summary: dict[str, Any]
     shards: list[ShardInfo]
     problems: list[str] = field(default_factory=list)
+    # the manifest's layer_stats (or, for a run that stopped, summed over the shards recorded so
+    # far); None: written without statistics
+    layer_stats: dict[str, dict[str, Any]] | None = None
+    layer_stats_shards: int | None = None  # shards they cover, when some have none
+    flags: list[dict[str, str]] = field(default_factory=list)  # warnings: `inspect --strict` fails on them
 
     @property
     def ok(self) -> bool:
@@ -49,42 +56,49 @@ def _from_run(run: dict[str, Any], shards: list[ShardInfo]) -> tuple[dict[str, A
     return summary, shards, len(run["layer_ids"]) if run.get("layer_ids") else None
 
 
-def _check_shard(root: Path, s: ShardInfo, layers: int | None) -> list[str]:
+# a shard's check: its problems, and the statistics its header holds (None: none, or unreadable)
+Checked = tuple[list[str], "dict[str, Any] | None"]
+
+
+def _check_shard(root: Path, s: ShardInfo, layers: int | None) -> Checked:
     p = root / s.file
     if not p.is_file():
-        return [f"{s.file}: missing"]
+        return [f"{s.file}: missing"], None
     size = p.stat().st_size
     if size != s.bytes:
-        return [f"{s.file}: {size} bytes, recorded {s.bytes}"]
+        return [f"{s.file}: {size} bytes, recorded {s.bytes}"], None
     out = []
     if file_checksum(p) != s.blake3:
         out.append(f"{s.file}: BLAKE3 does not match the recorded {s.blake3[:16]}... (corrupted)")
-    return out + _header_problems(root, s, layers)
+    probs, stats = _header_problems(root, s, layers)
+    return out + probs, stats
 
 
-def _check_s3_shard(loc, s: ShardInfo, layers: int | None) -> list[str]:
+def _check_s3_shard(loc, s: ShardInfo, layers: int | None) -> Checked:
     try:
         obj = loc.client.get_object(Bucket=loc.bucket, Key=loc.key(s.file))
     except Exception as e:  # noqa: BLE001 - reported, not raised
-        return [f"{s.file}: cannot read it ({e})"]
+        return [f"{s.file}: cannot read it ({e})"], None
     h, size = hasher(), 0
     for chunk in obj["Body"].iter_chunks(8 << 20):
         h.update(chunk)
         size += len(chunk)
     if size != s.bytes:
-        return [f"{s.file}: {size} bytes, recorded {s.bytes}"]
+        return [f"{s.file}: {size} bytes, recorded {s.bytes}"], None
     out = ([] if h.hexdigest() == s.blake3
            else [f"{s.file}: BLAKE3 does not match the recorded {s.blake3[:16]}... (corrupted)"])
-    return out + _header_problems(loc, s, layers)
+    probs, stats = _header_problems(loc, s, layers)
+    return out + probs, stats
 
 
-def _header_problems(where, s: ShardInfo, layers: int | None) -> list[str]:
-    """What its header says that disagrees with its record or with itself (format.shard)."""
+def _header_problems(where, s: ShardInfo, layers: int | None) -> Checked:
+    """What its header says that disagrees with its record or with itself (format.shard), and
+    the statistics it holds."""
     try:
         header = shard_header(where, s)
     except Exception as e:  # noqa: BLE001 - reported, not raised
-        return [f"{s.file}: not a readable shard ({e})"]
-    return header.problems(s, layers)
+        return [f"{s.file}: not a readable shard ({e})"], None
+    return header.problems(s, layers), header.stats
 
 
 def _verify_s3(uri: str, endpoint_url: str | None, threads: int) -> Report:
@@ -93,15 +107,17 @@ def _verify_s3(uri: str, endpoint_url: str | None, threads: int) -> Report:
     loc = S3Location(uri, endpoint_url)
     names = set(loc.names())
     if MANIFEST in names:
-        summary, shards, layers = _from_manifest(Manifest.from_dict(loc.get_json(MANIFEST)))
+        m = Manifest.from_dict(loc.get_json(MANIFEST))
+        summary, shards, layers = _from_manifest(m)
         complete = True
     elif RUN in names:
+        m = None
         summary, shards, layers = _from_run(loc.get_json(RUN), uploaded_shards(loc))
         complete = False
     else:
         raise ValueError(f"{uri!r} has neither {MANIFEST} nor {RUN}: not a vllm-hidden output")
     return _report(loc.uri, complete, summary, shards, lambda s: _check_s3_shard(loc, s, layers), threads,
-                   f"{len(shards)} shards uploaded")
+                   f"{len(shards)} shards uploaded", m)
 
 
 def verify_output(path: str | os.PathLike[str], threads: int = 8, s3_endpoint_url: str | None = None) -> Report:
@@ -111,23 +127,53 @@ def verify_output(path: str | os.PathLike[str], threads: int = 8, s3_endpoint_ur
     if not root.is_dir():
         raise ValueError(f"no such output directory {str(path)!r}")
     if (root / MANIFEST).is_file():
-        summary, shards, layers = _from_manifest(Manifest.read(root))
+        m = Manifest.read(root)
+        summary, shards, layers = _from_manifest(m)
         complete = True
     elif (root / RUN).is_file():
+        m = None
         summary, shards, layers = _from_run(json.loads((root / RUN).read_text()), durable_shards(root))
         complete = False
     else:
         raise ValueError(f"{str(path)!r} has neither {MANIFEST} nor {RUN}: not a vllm-hidden output")
     return _report(str(root), complete, summary, shards, lambda s: _check_shard(root, s, layers), threads,
-                   f"the run stopped; {JOURNAL} lists {len(shards)} durable shards")
+                   f"the run stopped; {JOURNAL} lists {len(shards)} durable shards", m)
 
 
 def _report(path: str, complete: bool, summary: dict[str, Any], shards: list[ShardInfo], check, threads: int,
-            where: str) -> Report:
+            where: str, manifest: Manifest | None) -> Report:
     report = Report(path=path, complete=complete, summary=summary, shards=shards)
+    in_headers = []
     with ThreadPoolExecutor(threads) as pool:
-        for probs in pool.map(check, shards):
+        for probs, stats in pool.map(check, shards):
             report.problems.extend(probs)
+            in_headers.append(stats)
+    if manifest is not None:
+        report.layer_stats, report.layer_stats_shards = manifest.layer_stats, manifest.layer_stats_shards
+    elif summary.get("hidden_size"):  # a run that stopped: the shards so far (their records, or on S3 headers)
+        stats, covered = aggregate([s.stats if s.stats is not None else h for s, h in zip(shards, in_headers)],
+                                   summary["hidden_size"])
+        report.layer_stats, report.layer_stats_shards = stats, covered if 0 < covered < len(shards) else None
+    report.flags = flags(report.layer_stats)
     if not complete:
         report.problems.append(f"incomplete: no {MANIFEST} ({where}); `vllm-hidden extract --resume` finishes it")
     return report
+
+
+def stats_table(r: Report) -> list[str]:
+    """`inspect`'s lines for the statistics: a row per stored layer (and the final state)."""
+    if r.layer_stats is None:
+        return ["no statistics (written without per-layer statistics)"]
+
+    def num(x: float | None) -> str:
+        return "-" if x is None else f"{x:.4g}"
+
+    lines = [f"{'layer':>6} {'rows':>12} {'mean':>11} {'std':>11} {'absmax':>11} {'zero rows':>10} "
+             f"{'non-finite rows':>16}"]
+    for name, v in r.layer_stats.items():
+        lines.append(f"{name:>6} {v['rows']:>12} {num(v['mean']):>11} {num(v['std']):>11} {num(v['absmax']):>11} "
+                     f"{v['zero_rows']:>10} {v['nonfinite_rows']:>16}")
+    if r.layer_stats_shards is not None:
+        lines.append(f"(statistics of {r.layer_stats_shards} of {len(r.shards)} shards: the others were written "
+                     "without them)")
+    return lines
