@@ -22,6 +22,8 @@ case and runs every workload):
                  after the deepest captured layer, its default)
   extract-eagle3 extract of EAGLE-3's layers (ids 1, N/2-1, N-4: aux 2,32,61 at 64 layers), cut
   extract-fp8    extract with --storage-dtype fp8 (quantized on the device: half the bytes)
+  extract-stats  extract, each workload four times on one engine: per-layer statistics on, off, on,
+                 off (VLLM_HIDDEN_LAYER_STATS), for what the statistics cost
 Every output is verified after its clock stops: every sample present with its token ids,
 no NaN/inf, and (extract) every shard's checksum. Results: one JSON under benchmarks/results/
 (command, versions, git revision, per case and workload: tok/s, samples/s, ratio to plain,
@@ -41,7 +43,7 @@ import benchlib
 from benchlib import WORKLOADS, RssPeak
 
 CASES = ("plain", "extract", "extract-shm", "upstream", "extract-tuned", "extract-final", "extract-full",
-         "extract-eagle3", "extract-fp8")
+         "extract-eagle3", "extract-fp8", "extract-stats")
 # Qwen3.6-27B: FLOP per prefill token (2 x params + attention at these lengths), and the
 # H200's measured dense bf16 peak
 GFLOP_PER_TOKEN_27B = 48.7
@@ -70,8 +72,8 @@ def run_plain(args: list[str], max_len: int, workloads: dict[str, list[list[int]
 
 def run_extract(args: list[str], max_len: int, workloads: dict[str, list[list[int]]], out_root: Path,
                 inputs: dict[str, Path], layers: str | None, writer_threads: int | None, save,
-                **options) -> dict:
-    from vllm_hidden.config import ExtractConfig
+                stats_ab: int | None = None, **options) -> dict:
+    from vllm_hidden.config import LAYER_STATS_ENV, ExtractConfig
     from vllm_hidden.extract.job import extract_file, start_extractor
 
     shutil.rmtree(out_root, ignore_errors=True)
@@ -87,15 +89,29 @@ def run_extract(args: list[str], max_len: int, workloads: dict[str, list[list[in
         res["model_runner"] = ex.start_report.get("model_runner")
         save(res)
         for name, prompts in workloads.items():
-            with RssPeak() as rss:
-                s = extract_file(ex, str(inputs[name]), str(out_root / name)).to_dict()
-            v = benchlib.verify_extract(out_root / name, prompts)
-            res["workloads"][name] = {"seconds": s["seconds"], "flush_seconds": s["flush_seconds"],
-                                      "peak_rss_bytes_during_run": rss.peak, "capture_stats": s["capture_stats"],
-                                      "verified": v}
+            runs = []
+            for stats in (None,) if stats_ab is None else ("1", "0") * stats_ab:
+                if stats is not None:  # read when the run's shard config is made, in this process
+                    os.environ[LAYER_STATS_ENV] = stats
+                with RssPeak() as rss:
+                    s = extract_file(ex, str(inputs[name]), str(out_root / name)).to_dict()
+                v = benchlib.verify_extract(out_root / name, prompts)
+                runs.append({"seconds": s["seconds"], "flush_seconds": s["flush_seconds"],
+                             "peak_rss_bytes_during_run": rss.peak, "capture_stats": s["capture_stats"],
+                             "verified": v, "layer_stats": stats != "0"})
+                shutil.rmtree(out_root / name)  # keep the disk for the next run
+            res["workloads"][name] = runs[0] if stats_ab is None else _stats_ab(runs)
             save(res)
-            shutil.rmtree(out_root / name)  # keep the disk for the next workload
     return res
+
+
+def _stats_ab(runs: list[dict]) -> dict:
+    """Alternating runs with statistics on and off: the best of each, and every run."""
+    on = min((r for r in runs if r["layer_stats"]), key=lambda r: r["seconds"])
+    off = min((r for r in runs if not r["layer_stats"]), key=lambda r: r["seconds"])
+    return {**on, "seconds_without_stats": off["seconds"], "stats_cost": round(on["seconds"] / off["seconds"] - 1, 4),
+            "runs": [{k: r[k] for k in ("seconds", "flush_seconds", "layer_stats")}
+                     | {k: r["capture_stats"].get(k) for k in ("writer_busy_s", "writer_stats_s")} for r in runs]}
 
 
 def run_upstream(args: list[str], max_len: int, workloads: dict[str, list[list[int]]], out_root: Path,
@@ -165,9 +181,10 @@ def child(spec_path: str) -> None:
 
     if case == "plain":
         run_plain(args, max_len, workloads, save)
-    elif case in ("extract", "extract-tuned", "extract-final", "extract-full", "extract-eagle3", "extract-fp8"):
+    elif case in ("extract", "extract-tuned", "extract-final", "extract-full", "extract-eagle3", "extract-fp8",
+                  "extract-stats"):
         options = {"extract-final": {"final_state": "post-norm"}, "extract-full": {"full_model": True},
-                   "extract-fp8": {"storage_dtype": "fp8"}}.get(case, {})
+                   "extract-fp8": {"storage_dtype": "fp8"}, "extract-stats": {"stats_ab": 2}}.get(case, {})
         layers = spec["layers"]
         if case == "extract-eagle3":  # SpecForge's EAGLE-3 layers: 1, N/2 - 1, N - 4
             n = spec["num_layers"]
