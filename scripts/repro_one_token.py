@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--work-dir", default="/tmp/repro-one-token")
     ap.add_argument("--blocks", type=int, default=24, help="--num-gpu-blocks-override")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--gdn-prefill-backend", default=None, help="e.g. triton where FlashInfer is not installed")
     ap.add_argument("--result", default=None, help="write the findings as JSON here")
     args = ap.parse_args()
     model = args.model
@@ -40,9 +41,13 @@ def main() -> None:
     import vllm
     from vllm import LLM, SamplingParams
 
+    # a Qwen3.5/3.6 checkpoint is multimodal: its text model alone (as vllm-hidden serves it)
+    text_only = {"language_model_only": True} if "ConditionalGeneration" in json.dumps(
+        json.load(open(os.path.join(model, "config.json"))).get("architectures")) else {}
     llm = LLM(model=model, dtype="bfloat16", max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=4,
               num_gpu_blocks_override=args.blocks, gpu_memory_utilization=0.5, enforce_eager=args.enforce_eager,
-              enable_prefix_caching=False, seed=0)
+              enable_prefix_caching=False, seed=0, **text_only,
+              **({"gdn_prefill_backend": args.gdn_prefill_backend} if args.gdn_prefill_backend else {}))
     sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=20)
     rng = random.Random(0)
     vocab = llm.get_tokenizer().vocab_size if args.model else 4096

@@ -20,6 +20,7 @@ from tests.gpu.reference import Qwen35Reference
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 BOUND = 1e-2
+REPEAT = 5e-3  # a repeat vs its first occurrence (both also within BOUND of HF)
 LAYERS = [0, 1, 2, 3]
 VOCAB = 4096
 BATCHED = 512
@@ -77,14 +78,16 @@ def test_gpu_fresh_requests_get_a_clear_state(tmp_path):
             err = _rel(got["hidden_states"][:, k].cuda().float(), states[layer + 1])
             worst[kind] = max(worst.get(kind, 0.0), err)
             assert err <= BOUND, (sid, layer, err)
+    # a repeat against its first occurrence, per layer: a stale state is 0.1-0.26 off; what is left is
+    # bf16 noise of the batch it ran in (a one-token row alone or beside a prefill takes other kernels)
     repeats = {}
     for sid in good:
         if sid.startswith("one-") and not sid.startswith("one-1-"):
-            first = rows["one-1-" + sid.split("-")[2]]["hidden_states"]
-            again = rows[sid]["hidden_states"]
-            repeats[sid] = {"bitwise_equal": bool(torch.equal(first, again)), "rel_l2": _rel(again.float(),
-                                                                                            first.float())}
-            assert repeats[sid]["rel_l2"] <= 1e-3, (sid, repeats[sid])
+            first = rows["one-1-" + sid.split("-")[2]]["hidden_states"].float()
+            again = rows[sid]["hidden_states"].float()
+            repeats[sid] = {"bitwise_equal": bool(torch.equal(first, again)),
+                            "rel_l2_per_layer": [_rel(again[:, k], first[:, k]) for k in range(len(LAYERS))]}
+            assert max(repeats[sid]["rel_l2_per_layer"]) <= REPEAT, (sid, repeats[sid])
     print(f"fresh state: worst rel L2 vs HF by kind {worst}; repeats vs first occurrence {repeats}")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "gpu-fresh-state.json"), "w") as f:
