@@ -13,8 +13,6 @@ import os
 import random
 from pathlib import Path
 
-import torch
-
 from tests.integration.helpers import HFReference, rel_l2, run_cli, write_prompts
 from vllm_hidden.data import HiddenStatesDataset
 
@@ -50,5 +48,5 @@ def test_one_token_prompts_after_recycled_slots_match_hf(tiny_models, tmp_path, 
             assert err <= BOUND, f"sample {s['id']!r} layer {layer}: rel L2 {err:.4f}"
         rows[s["id"]] = s["hidden_states"]
     assert len(rows) == len(prompts)
-    for i in range(2, 6):  # a repeat is its first occurrence, bit for bit
-        assert torch.equal(rows[f"one{i}"], rows[f"one{i % 2}"]), f"one{i}"
+    for i in range(2, 6):  # a repeat is its first occurrence (a stale state is 0.08 or more off)
+        assert rel_l2(rows[f"one{i}"], rows[f"one{i % 2}"]) <= 1e-3, f"one{i}"
