@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from tests.gpu.reference import Qwen35Reference
+from tests.integration.helpers import rel_l2 as _rel
+from tests.integration.helpers import write_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -42,14 +44,7 @@ def _prompts(path):
     for i in range(4):
         good[f"a-{i}"] = [rng.randrange(VOCAB) for _ in range(BATCHED - 1)]
         good[f"b-{i}"] = [rng.randrange(VOCAB) for _ in range(300)]
-    with open(path, "w") as f:
-        for sid, ids in good.items():
-            f.write(json.dumps({"id": sid, "token_ids": ids}) + "\n")
-    return good
-
-
-def _rel(got, ref):
-    return ((got - ref).norm() / ref.norm()).item()
+    return write_prompts(path, good)
 
 
 def test_gpu_fresh_requests_get_a_clear_state(tmp_path):
