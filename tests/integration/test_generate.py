@@ -213,6 +213,9 @@ def test_every_assistant_turn_regenerated_with_its_own_earlier_turns_matches_hf(
     man = json.loads((out / "manifest.json").read_text())
     assert man["generate"]["regenerate"] == "all"
     assert summary["tokens"] == sum(len(ds[i]["token_ids"]) for i in range(len(ds)))
+    # a user's check of a --generate output: prompt and generated rows against HF
+    r = run_cli("check", str(out), "--model", str(model), "--samples", "4", "--json")
+    assert r.returncode == 0 and last_json(r)["verdict"] == "pass", r.stdout[-3000:] + r.stderr[-3000:]
 
 
 def test_regenerate_last_greedy_responses_rows_tokens_and_masks_match_hf(greedy):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.integration.helpers import HFReference, check_dataset, random_prompts, run_cli, write_prompts
+from tests.integration.helpers import HFReference, check_dataset, last_json, random_prompts, run_cli, write_prompts
 from vllm_hidden.data import HiddenStatesDataset
 
 NUM_LAYERS = 8
@@ -93,3 +93,8 @@ def test_cut_hybrid_loads_a_full_checkpoint_and_gives_the_whole_models_states(mo
             assert ((got - want).norm() / want.norm()).item() < 0.04, (s["id"], k)
     r = run_cli("inspect", str(outs["fp8"]))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    # a user's check of an fp8 output: within the bound widened by e4m3's own error
+    r = run_cli("check", str(outs["fp8"]), "--model", str(model), "--samples", "4", "--json")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = last_json(r)
+    assert report["verdict"] == "pass" and all(c["fp8_error"] > 0.01 for c in report["layers"].values()), report
