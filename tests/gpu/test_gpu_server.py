@@ -217,42 +217,24 @@ def _off(checks: list) -> list:
 
 
 def _repeated_one_token(what: str) -> bool:
-    """The checks of a 1-token prompt sent a second and third time (the known vLLM defect)."""
+    """The checks of a 1-token prompt sent a second and third time."""
     return ": prompt 1 " in what and not what.endswith("#0")
 
 
 def test_gpu_server_states_match_hf_and_load(served):
-    """Every response's states match HF within BOUND, except a 1-token prompt's repeats (their
-    own test, below); the first time a 1-token prompt is sent it matches too."""
+    """Every response's states match HF within BOUND."""
     checks = served["checks"]
-    first_one_token = [c for c in checks if ": prompt 1 " in c[0] and c[0].endswith("#0")]
-    assert len(first_one_token) == len(SERVER_COUNTS), [c[0] for c in checks]
-    assert _off(first_one_token) == []
-    failed = _off([c for c in checks if not _repeated_one_token(c[0])])
-    assert failed == [], failed
+    assert _off(checks) == []
     assert all(r["fetch_equals_inline"] for r in served["repeats"] if r["prompt"] > 1), served["repeats"]
 
 
-class StaleOneTokenState(AssertionError):
-    """The known vLLM defect, as seen on 0.26 (GPU): a 1-token prompt sent again right after the
-    same one comes back 0.10-0.26 rel. L2 off HF (a stale state slot); its first occurrence is
-    exact, and prompts of 2+ tokens repeat bit-identically."""
-
-
-@pytest.mark.xfail(strict=True, raises=StaleOneTokenState,
-                   reason="vLLM defect: a 1-token prompt sent again after the same one reuses a stale state slot "
-                          "(0.10-0.26 rel. L2 off HF on vLLM 0.26; the first occurrence is exact)")
 def test_gpu_server_repeated_one_token_prompts_match_hf(served):
-    """Expected to fail with StaleOneTokenState until vLLM is fixed; then it passes, which
-    strict xfail reports as a failure (XPASS): drop the mark. Any other failure (the defect
-    reaching other responses, or 2+ token prompts no longer repeating bit-identically) is a
-    plain AssertionError, which the mark does not expect: it fails too."""
+    """vLLM 0.26 runs a new request's one-token first chunk as a GDN decode from a recycled state
+    slot: a 1-token prompt sent again came back 0.10-0.26 rel. L2 off HF (its first occurrence
+    exact). The server's engine clears fresh requests' state slots (engine.state_slots), so every
+    sending matches HF; prompts of 2+ tokens still repeat bit-identically."""
     checks = served["checks"]
     repeated = [c for c in checks if _repeated_one_token(c[0])]
     assert len(repeated) == 2 * len(SERVER_COUNTS), [c[0] for c in checks]  # the second and third sending
-    assert _off([c for c in checks if not _repeated_one_token(c[0])]) == []  # confined to these
+    assert _off(repeated) == []
     assert all(r["inline_twice_equal"] for r in served["repeats"] if r["prompt"] > 1), served["repeats"]
-    off = _off(repeated)
-    if off:
-        raise StaleOneTokenState(f"a 1-token prompt sent again after the same one gets states off HF by "
-                                 f"{max(e for *_, e in off)} rel. L2: {off[:4]}")
