@@ -24,6 +24,13 @@ case and runs every workload):
   extract-fp8    extract with --storage-dtype fp8 (quantized on the device: half the bytes)
   extract-stats  extract, each workload four times on one engine: per-layer statistics on, off, on,
                  off (VLLM_HIDDEN_LAYER_STATS), for what the statistics cost
+  plain-fp8w     plain with FP8 weights: vLLM's online quantization (--quantization fp8, one scale per
+                 weight tensor) of the bf16 checkpoint
+  extract-fp8w   extract (cut after the deepest captured layer, bf16 states) with the same FP8 weights
+  plain-fp8b / extract-fp8b  the same from an FP8 checkpoint laid out as Qwen's FP8 releases (128 x 128
+                 weight blocks; --qwen36-27b only: its config with `quantization_config`, random weights)
+Every case also reports, from its engine's log, the model's memory ("Model loading took") and the
+GEMM kernels vLLM selected.
 Every output is verified after its clock stops: every sample present with its token ids,
 no NaN/inf, and (extract) every shard's checksum. Results: one JSON under benchmarks/results/
 (command, versions, git revision, per case and workload: tok/s, samples/s, ratio to plain,
@@ -43,7 +50,9 @@ import benchlib
 from benchlib import WORKLOADS, RssPeak
 
 CASES = ("plain", "extract", "extract-shm", "upstream", "extract-tuned", "extract-final", "extract-full",
-         "extract-eagle3", "extract-fp8", "extract-stats")
+         "extract-eagle3", "extract-fp8", "extract-stats", "plain-fp8w", "extract-fp8w", "plain-fp8b",
+         "extract-fp8b")
+FP8_WEIGHTS = ["--quantization", "fp8"]  # vLLM 0.26's name for online per-tensor FP8
 # Qwen3.6-27B: FLOP per prefill token (2 x params + attention at these lengths), and the
 # H200's measured dense bf16 peak
 GFLOP_PER_TOKEN_27B = 48.7
@@ -178,18 +187,25 @@ def child(spec_path: str) -> None:
     inputs = {n: Path(p) for n, p in spec["inputs"].items()}
     args = [spec["model"], *spec["engine_args"]]
     max_len = spec["max_model_len"]
+    if case.endswith("-fp8w"):
+        args += FP8_WEIGHTS
+    elif case.endswith("-fp8b"):
+        if not spec.get("model_fp8b"):
+            raise ValueError(f"case {case!r} needs --qwen36-27b (an FP8 checkpoint's config with random weights)")
+        args = [spec["model_fp8b"], *spec["engine_args"]]
+    base = case.removesuffix("-fp8w").removesuffix("-fp8b")
 
-    if case == "plain":
+    if base == "plain":
         run_plain(args, max_len, workloads, save)
-    elif case in ("extract", "extract-tuned", "extract-final", "extract-full", "extract-eagle3", "extract-fp8",
+    elif base in ("extract", "extract-tuned", "extract-final", "extract-full", "extract-eagle3", "extract-fp8",
                   "extract-stats"):
         options = {"extract-final": {"final_state": "post-norm"}, "extract-full": {"full_model": True},
-                   "extract-fp8": {"storage_dtype": "fp8"}, "extract-stats": {"stats_ab": 2}}.get(case, {})
+                   "extract-fp8": {"storage_dtype": "fp8"}, "extract-stats": {"stats_ab": 2}}.get(base, {})
         layers = spec["layers"]
-        if case == "extract-eagle3":  # SpecForge's EAGLE-3 layers: 1, N/2 - 1, N - 4
+        if base == "extract-eagle3":  # SpecForge's EAGLE-3 layers: 1, N/2 - 1, N - 4
             n = spec["num_layers"]
             layers = ",".join(map(str, sorted({1, n // 2 - 1, n - 4})))
-        run_extract([*args, *(spec["tuned_args"] if case == "extract-tuned" else [])], max_len, workloads,
+        run_extract([*args, *(spec["tuned_args"] if base == "extract-tuned" else [])], max_len, workloads,
                     Path(spec["out_dir"]) / case, inputs, layers, spec["writer_threads"], save, **options)
     elif case == "extract-shm":
         run_extract(args, max_len, workloads, Path(spec["shm_dir"]) / case, inputs, spec["layers"],
@@ -213,10 +229,15 @@ def summarize(result: dict) -> None:
             if result.get("gflop_per_token"):
                 w["mfu"] = round(w["tokens_per_s"] * result["gflop_per_token"] * 1e9 / (PEAK_TFLOPS_H200 * 1e12), 4)
     plain = result["cases"].get("plain", {}).get("workloads", {})
-    for r in result["cases"].values():
+    for case, r in result["cases"].items():
         for name, w in r.get("workloads", {}).items():
             if name in plain:
                 w["ratio_to_plain"] = round(w["tokens_per_s"] / plain[name]["tokens_per_s"], 4)
+            # FP8-weight cases also against plain vLLM with the same weights
+            same = result["cases"].get("plain-" + case.rsplit("-", 1)[1], {}) if case.endswith(("-fp8w", "-fp8b")) \
+                else {}
+            if case.startswith("extract") and name in same.get("workloads", {}):
+                w["ratio_to_plain_fp8"] = round(w["tokens_per_s"] / same["workloads"][name]["tokens_per_s"], 4)
 
 
 def main() -> None:
@@ -255,6 +276,11 @@ def main() -> None:
     from vllm_hidden.layers import resolve_layer_ids
 
     model, engine, model_desc = benchlib.pick_model(a, work)
+    model_fp8b = None
+    if a.qwen36_27b and any(c.endswith("-fp8b") for c in cases):
+        from vllm_hidden.demo import write_qwen36_27b_config
+
+        model_fp8b = str(write_qwen36_27b_config(work / "qwen36-27b-fp8b", fp8_blocks=True))
     text = AutoConfig.from_pretrained(model).get_text_config()
     layer_ids = resolve_layer_ids(text.num_hidden_layers, a.layers, None, None)
 
@@ -282,14 +308,14 @@ def main() -> None:
     for case in cases:
         spec = {"case": case, "model": model, "engine_args": engine, "tuned_args": a.tuned_arg,
                 "max_model_len": a.max_model_len, "layers": ",".join(map(str, layer_ids)), "layer_ids": layer_ids,
-                "num_layers": text.num_hidden_layers,
+                "num_layers": text.num_hidden_layers, "model_fp8b": model_fp8b,
                 "prompts": prompts, "inputs": inputs, "out_dir": str(work / "out"), "shm_dir": a.shm_dir,
                 "writer_threads": a.writer_threads, "result": str(work / f"result-{case}.json")}
         print(f"bench: case {case} ...", flush=True)
         result["cases"][case] = benchlib.run_case(spec, work, __file__)
         summarize(result)
         benchlib.write_json(path, result)  # after every case: a later failure keeps the rest
-        short = {n: {k: w.get(k) for k in ("tokens_per_s", "ratio_to_plain", "mfu")}
+        short = {n: {k: w.get(k) for k in ("tokens_per_s", "ratio_to_plain", "ratio_to_plain_fp8", "mfu")}
                  for n, w in result["cases"][case].get("workloads", {}).items()}
         print(f"bench: {case}: {json.dumps(short)} {result['cases'][case].get('error', '')}", flush=True)
         if result["cases"][case].pop("interrupted", False):

@@ -15,6 +15,7 @@ import math
 import os
 import platform
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -327,7 +328,10 @@ def run_case(spec: dict, work: Path, script: str) -> dict:
     spec_path = work / f"spec-{spec['case']}.json"
     spec_path.write_text(json.dumps(spec))
     Path(spec["result"]).unlink(missing_ok=True)
-    proc = subprocess.Popen([sys.executable, script, "--child", str(spec_path)])
+    log_path = work / f"log-{spec['case']}.txt"
+    with open(log_path, "w") as log:  # the child has its own copy of the file
+        proc = subprocess.Popen([sys.executable, script, "--child", str(spec_path)], stdout=log,
+                                stderr=subprocess.STDOUT)
     interrupted = False
     with RssPeak(proc.pid, 0.2) as rss:
         try:
@@ -342,11 +346,22 @@ def run_case(spec: dict, work: Path, script: str) -> dict:
                     except psutil.Error:
                         pass
     res = json.loads(Path(spec["result"]).read_text()) if Path(spec["result"]).exists() else {}
+    text = log_path.read_text(errors="replace")
+    res["engine_log"] = {"file": log_path.name, **engine_log_facts(text)}
     if rc != 0:
         res["error"] = f"case process exited with {rc}; workloads listed were measured before that"
+        print("\n".join(text.splitlines()[-60:]), flush=True)
     res["peak_rss_bytes"] = rss.peak
     res["interrupted"] = interrupted
     return res
+
+
+def engine_log_facts(text: str) -> dict:
+    """From a vLLM engine's log: the model's memory per worker (GiB, "Model loading took") and
+    the linear kernels it selected ("Selected <kernel> for <method>"), each once."""
+    mem = [float(x) for x in re.findall(r"Model loading took ([0-9.]+) GiB", text)]
+    kernels = sorted(set(re.findall(r"(?:Selected|Using) (\w+Kernel\w*) for (\w+)", text)))
+    return {"model_memory_gib": mem, "linear_kernels": [f"{k} for {m}" for k, m in kernels]}
 
 
 # -- the CLI as a process ----------------------------------------------------------------------------------

@@ -378,27 +378,46 @@ def inspect(
     raise typer.Exit(0 if r.ok and not (strict and r.flags) else 1)
 
 
-@app.command(help="Recompute a few samples' stored layers (and final state) with HF Transformers in float32 and "
-             "compare, within a bound set by HF's own rounding error in the output's dtype (widened for fp8 "
-             "storage). Exits 1 if a layer is off (naming the worst sample and layer), 2 on bad input.")
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    help="Recompute a few samples' stored layers (and final state) and compare. --reference hf (default): HF "
+    "Transformers in float32, within a bound set by HF's own rounding error in the output's dtype (widened for fp8 "
+    "storage). --reference engine (quantized targets, which HF cannot run the same way): the stored last layer "
+    "(or final state) through the model's final norm and LM head against a plain vLLM engine's own prompt "
+    "logprobs; unknown options go to that engine (the output's dtype and online --quantization are added unless "
+    "given). Exits 1 if a layer is off (naming the worst sample and layer), 2 on bad input.")
 def check(
+    ctx: typer.Context,
     output: Annotated[str, typer.Argument(help="Extract output directory or s3://bucket/prefix.")],
     model: Annotated[str, typer.Option("--model", "-m", help="HF model directory or id the output was "
                                        "extracted from.")],
     samples: Annotated[int, typer.Option(help="Samples to recompute, spread over the shards (all if fewer).")] = 8,
     seed: Annotated[int, typer.Option(help="Which samples: the same seed picks the same ones.")] = 0,
+    reference: Annotated[str, typer.Option(help="hf (HF Transformers, every stored layer) or engine (the "
+                                           "engine's logprobs; needs the last layer or the final state).")] = "hf",
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
-    device: Annotated[str, typer.Option(help="cpu or cuda (HF's forwards; cuda: float32 weights on one "
-                                        "GPU).")] = "cpu",
+    device: Annotated[str, typer.Option(help="cpu or cuda (HF's forwards, or the LM head for --reference engine; "
+                                        "cuda: float32 weights on one GPU).")] = "cpu",
     s3_endpoint_url: Annotated[Optional[str], typer.Option(help="S3 endpoint (default: boto3's chain).")] = None,
 ) -> None:
     import sys
 
-    from vllm_hidden.check import check_output
-
+    progress = not json_out and sys.stderr.isatty()
     try:
-        r = check_output(output, model, samples=samples, seed=seed, device=device, s3_endpoint_url=s3_endpoint_url,
-                         progress=not json_out and sys.stderr.isatty())
+        if reference == "engine":
+            from vllm_hidden.check.against_engine import check_against_engine
+
+            r = check_against_engine(output, model, samples=samples, seed=seed, device=device,
+                                     engine_args=list(ctx.args), s3_endpoint_url=s3_endpoint_url, progress=progress)
+        elif reference == "hf":
+            if ctx.args:
+                raise ValueError(f"unknown options {' '.join(ctx.args)!r} (engine options go with --reference engine)")
+            from vllm_hidden.check import check_output
+
+            r = check_output(output, model, samples=samples, seed=seed, device=device,
+                             s3_endpoint_url=s3_endpoint_url, progress=progress)
+        else:
+            raise ValueError(f"--reference must be hf or engine, got {reference!r}")
     except (ValueError, ImportError, OSError) as e:
         _fail(str(e))
     if json_out:

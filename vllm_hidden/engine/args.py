@@ -54,6 +54,10 @@ def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: C
         args.max_num_seqs = max_num_seqs
     if tp > 1:  # resolved against the arguments' own --tensor-parallel-size (caches.resolve_tp)
         args.tensor_parallel_size = tp
+    hf_config = model_config(args)
+    from vllm_hidden.engine import quant
+
+    quant.check_platform(args.quantization, hf_config, model)
     if capture is not None:
         if args.worker_extension_cls and args.worker_extension_cls != WORKER_EXTENSION:
             raise ValueError(f"--worker-extension-cls {args.worker_extension_cls!r} cannot be combined with capture")
@@ -63,11 +67,22 @@ def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: C
         if capture.layers_run is not None:
             from vllm_hidden.engine.truncate import hf_overrides
 
-            args.hf_overrides = hf_overrides(capture.layers_run)
+            args.hf_overrides = hf_overrides(hf_config, capture.layers_run)
         args.additional_config = {**(args.additional_config or {}), **capture.to_additional_config()}
         if not generate_tokens:
             _taper_the_end(args)
     return args
+
+
+def model_config(args):
+    """The model's HF config as vLLM will read it (its path, revision, remote code)."""
+    from transformers import AutoConfig
+
+    src = args.hf_config_path or args.model
+    try:
+        return AutoConfig.from_pretrained(src, revision=args.revision, trust_remote_code=args.trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - re-raised with the model named
+        raise ValueError(f"cannot read the model config of {src!r}: {e}") from None
 
 
 def _taper_the_end(args) -> None:

@@ -161,13 +161,16 @@ class Extractor:
 
     def engine_info(self) -> dict[str, Any]:
         """The engine settings the manifest records (plus its dtype)."""
+        from vllm_hidden.engine import quant
+
         vc = self.engine.vllm_config
         mc, sc = vc.model_config, vc.scheduler_config
         return {"dtype": str(mc.dtype).replace("torch.", ""), "max_model_len": self.max_prompt_len,
                 "max_num_batched_tokens": sc.max_num_batched_tokens, "max_num_seqs": sc.max_num_seqs,
                 "enforce_eager": mc.enforce_eager, "tensor_parallel_size": vc.parallel_config.tensor_parallel_size,
                 "layers_run": int(mc.hf_text_config.num_hidden_layers),
-                "model_runner": (self.start_report or {}).get("model_runner")}
+                "model_runner": (self.start_report or {}).get("model_runner"),
+                "quantization": quant.describe(mc.quantization, mc.hf_config)}
 
     def extract(self, feed, shard_cfg: ShardConfig, on_progress=None,
                 max_inflight_tokens: int | None = None) -> EngineResult:

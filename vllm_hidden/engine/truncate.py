@@ -4,9 +4,11 @@ layers, the final norm's input and the LM head's serve no captured state).
 
 Two pieces, both keyed on a marker in the model's HF text config, so plain vLLM and full-model
 engines are untouched:
-- `hf_overrides(n)`: vLLM's own config hook (`ModelConfig.hf_overrides` takes a callable)
-  sets `num_hidden_layers = n` (and cuts `layer_types`), so the model, its KV cache and the
-  GDN state are built for n layers only.
+- `hf_overrides(config, n)`: vLLM's own config hook (`--hf-overrides`) sets
+  `num_hidden_layers = n` (and cuts `layer_types`), so the model, its KV cache and the GDN
+  state are built for n layers only. It is a dict, not a function (vLLM takes either):
+  vLLM 0.26 reads an online-quantized model's config (`--quantization fp8` on a bf16
+  checkpoint) from a dict only, and refuses a function there.
 - `filter_weights`: a full checkpoint still holds every layer; vLLM's models look each
   weight name up among their parameters and fail on layers they do not have, so the
   loader's weight iterator (wrapped by the plugin) drops those names before the model sees
@@ -16,7 +18,6 @@ engines are untouched:
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -28,24 +29,24 @@ MARKER = "vllm_hidden_layers_of"  # on the text config: the full model's layer c
 _LAYER = re.compile(r"^(?:model\.|model\.language_model\.|language_model\.model\.|language_model\.)?layers\.(\d+)\.")
 
 
-def _truncate(config: Any, layers: int) -> Any:
+def hf_overrides(config: Any, layers: int) -> dict[str, Any]:
+    """For EngineArgs.hf_overrides: the cut of the model whose HF config is `config`. A
+    vision-language checkpoint's text config is nested (Qwen3.5/3.6: `text_config`), and
+    vLLM applies a nested dict to the sub-config of that name."""
     text = config.get_text_config()
-    if getattr(text, "num_hidden_layers", None) is None:
-        return config  # vLLM first calls it on an empty config, to see whether it changes model_type
     full = int(text.num_hidden_layers)
     if not 0 < layers <= full:
         raise ValueError(f"cannot run {layers} of the model's {full} decoder layers")
+    cut: dict[str, Any] = {"num_hidden_layers": layers, MARKER: full}
     types = getattr(text, "layer_types", None)
     if isinstance(types, list) and len(types) == full:
-        text.layer_types = types[:layers]
-    text.num_hidden_layers = layers
-    setattr(text, MARKER, full)
-    return config
-
-
-def hf_overrides(layers: int):
-    """For EngineArgs.hf_overrides (picklable: the engine's processes get it with the config)."""
-    return functools.partial(_truncate, layers=layers)
+        cut["layer_types"] = types[:layers]
+    if text is config:
+        return cut
+    for name, sub in vars(config).items():
+        if sub is text:
+            return {name: cut}
+    raise ValueError(f"cannot find where {type(config).__name__} keeps its text config")
 
 
 def kept_layers(text_config: Any) -> int | None:

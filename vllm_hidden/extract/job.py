@@ -98,7 +98,8 @@ def manifest_fields(cfg: ExtractConfig, plan: Plan, engine: dict[str, Any], read
                 dtype=engine.pop("dtype"), versions={"vllm": compat.VLLM_VERSION, "vllm_hidden": __version__},
                 engine=engine, input=reader.describe(), final_state=cfg.final_state,
                 generate=cfg.generate.to_dict() if cfg.generate is not None else None,
-                storage=FP8_STORAGE if cfg.storage_dtype == "fp8" else None)
+                storage=FP8_STORAGE if cfg.storage_dtype == "fp8" else None,
+                quantization=engine.pop("quantization", None))
 
 
 def extract_file(ex: Extractor, input_path: str, output_dir: str, progress: bool | None = None,

@@ -34,6 +34,18 @@ def model_info(model: str) -> ModelInfo:
     )
 
 
+def quantization_arg(engine_args: list[str]) -> str | None:
+    """The value of vLLM's `--quantization` / `-q` among the engine arguments (None: not given;
+    a checkpoint's own quantization goes with --model)."""
+    value = None
+    for i, a in enumerate(engine_args):
+        if a in ("--quantization", "-q") and i + 1 < len(engine_args):
+            value = engine_args[i + 1]
+        elif a.startswith("--quantization="):
+            value = a.split("=", 1)[1]
+    return value
+
+
 def check_paths(model: str, input_path: str | None, output_dir: str | None, resume: bool = False,
                 s3_endpoint_url: str | None = None, input_columns: dict[str, str] | None = None) -> None:
     """Fail before the (slow) engine start on anything we can check up front (input and
@@ -115,6 +127,9 @@ def plan_extract(cfg: ExtractConfig) -> Plan:
                 "final_state": cfg.final_state, "loss_mask": cfg.loss_mask or "default",
                 "generate": cfg.generate.to_dict() if cfg.generate is not None else None,
                 **({"storage_dtype": cfg.storage_dtype} if cfg.storage_dtype != "auto" else {})}
+    q = quantization_arg(cfg.engine_args)
+    if q:  # an online-quantized target computes other states: a resume must not mix them with bf16 ones
+        identity["quantization"] = q
     # not part of the identity: a cut model computes the captured layers exactly as the whole one
     layers_run = layers_to_run(info.num_layers, layer_ids, info.moe_layers, full=cfg.needs_full_model)
     return Plan(info=info, layer_ids=list(layer_ids), max_prompt_len=max_prompt_len, identity=identity,

@@ -43,6 +43,10 @@ class Manifest:
     # and generation record, gathered (in shard order) into generations_file
     generate: dict[str, Any] | None = None
     generations_file: str | None = None
+    # the target's weights: None unquantized; else {"method", "source": "online" | "checkpoint",
+    # and a checkpoint's "weight_block_size", "activation_scheme"} (engine.quant). The states
+    # are still the model's activations in `dtype`: only its GEMMs read quantized weights
+    quantization: dict[str, Any] | None = None
     # None: the states are stored in `dtype`; else how they are quantized (--storage-dtype fp8:
     # float8 e4m3 values, one float32 scale per token and layer, in *_scale tensors)
     storage: dict[str, Any] | None = None

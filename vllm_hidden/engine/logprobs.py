@@ -1,0 +1,41 @@
+"""The engine's own prompt logprobs for `check --reference engine`: a plain vLLM engine (the
+whole model, nothing captured) with the settings the output was extracted with, asked for
+the top-k logprobs at every prompt position."""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("vllm_hidden")
+
+Logprobs = list[dict[int, float] | None]  # per prompt position t: {token id: logprob of it at t}; t=0: None
+
+
+def prompt_logprobs(model: str, cli_args: list[str], prompts: list[list[int]], k: int) -> list[Logprobs]:
+    """For each prompt, vLLM's logprobs at each position t >= 1 of the prompt's own token and
+    of the k most likely tokens there (as computed from positions 0 .. t-1)."""
+    from vllm import SamplingParams
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from vllm_hidden.engine import compat
+    from vllm_hidden.engine.args import engine_args
+
+    compat.check_version()
+    compat.spawn_on_cuda()
+    args = engine_args(model, cli_args, max(map(len, prompts)))
+    args.max_logprobs = max(k, args.max_logprobs or 0)
+    engine = LLMEngine.from_engine_args(args)
+    try:
+        sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, prompt_logprobs=k)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": p}, sp)
+        got: dict[int, Logprobs] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    got[int(out.request_id)] = [None if d is None else {int(t): float(lp.logprob)
+                                                                        for t, lp in d.items()}
+                                                for d in out.prompt_logprobs]
+    finally:
+        compat.shutdown_engine(engine)
+    return [got[i] for i in range(len(prompts))]
