@@ -17,6 +17,18 @@ from typing import Any
 FP8_METHODS = frozenset({"fp8", "fp8_per_tensor", "fp8_per_block", "ptpc_fp8", "fbgemm_fp8"})
 
 
+def quantization_arg(engine_args: list[str]) -> str | None:
+    """The value of vLLM's `--quantization` / `-q` among the engine arguments (None: not given;
+    a checkpoint's own quantization goes with --model)."""
+    value = None
+    for i, a in enumerate(engine_args):
+        if a in ("--quantization", "-q") and i + 1 < len(engine_args):
+            value = engine_args[i + 1]
+        elif a.startswith("--quantization="):
+            value = a.split("=", 1)[1]
+    return value
+
+
 def checkpoint_quantization(hf_config: Any) -> dict[str, Any] | None:
     """The checkpoint's own `quantization_config` (on the config or its text config), or None."""
     for cfg in (hf_config, hf_config.get_text_config()):
@@ -57,3 +69,15 @@ def check_platform(method: str | None, hf_config: Any, model: str) -> None:
         what = f"--quantization {method}" if method else f"{model!r} is an FP8 checkpoint"
         raise ValueError(f"FP8 weights need a CUDA GPU ({what}): vLLM's CPU build has no FP8 GEMM kernels. "
                          "Extract from the bf16 checkpoint here, or run on a GPU host")
+
+
+def check_host(model: str, engine_args: list[str]) -> None:
+    """check_platform for engines that will start on this host, from the CLI's engine
+    arguments (a data-parallel run checks before any rank starts or any output is written)."""
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(model)
+    except Exception:  # noqa: BLE001 - an unreadable config is reported by the plan, which read it first
+        return
+    check_platform(quantization_arg(engine_args), hf_config, model)

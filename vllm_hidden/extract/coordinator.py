@@ -131,7 +131,9 @@ def run_parallel(cfg: ExtractConfig):
     # devices (or the cluster) first: a bad --dp/--tp fails before any output is written
     if cfg.ray_address is None:
         from vllm_hidden.devices import rank_envs
+        from vllm_hidden.engine.quant import check_host
 
+        check_host(cfg.model, cfg.engine_args)  # the ranks run here: FP8 weights need this host to have kernels
         envs = rank_envs(cfg.dp, cfg.tp)
     else:
         from vllm_hidden.extract.ray_ranks import RayRanks

@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 from vllm_hidden.config import ExtractConfig, ModelInfo, Plan
+from vllm_hidden.engine.quant import quantization_arg
 from vllm_hidden.format.shard import FORMAT
 from vllm_hidden.inputs import PromptReader, parse_columns
 from vllm_hidden.inputs.sources import check_input
@@ -32,18 +33,6 @@ def model_info(model: str) -> ModelInfo:
         max_positions=getattr(text, "max_position_embeddings", None),
         moe_layers=moe_layer_indices(text),
     )
-
-
-def quantization_arg(engine_args: list[str]) -> str | None:
-    """The value of vLLM's `--quantization` / `-q` among the engine arguments (None: not given;
-    a checkpoint's own quantization goes with --model)."""
-    value = None
-    for i, a in enumerate(engine_args):
-        if a in ("--quantization", "-q") and i + 1 < len(engine_args):
-            value = engine_args[i + 1]
-        elif a.startswith("--quantization="):
-            value = a.split("=", 1)[1]
-    return value
 
 
 def check_paths(model: str, input_path: str | None, output_dir: str | None, resume: bool = False,
