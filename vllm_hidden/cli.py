@@ -226,6 +226,9 @@ def serve(
 
         ids = resolve_layer_ids(model_info(model).num_layers, layers, aux_layers,
                                 str(layers_from) if layers_from else None)
+        from vllm_hidden.engine.quant import check_host
+
+        check_host(model, list(ctx.args))  # FP8 weights on a host without FP8 kernels: refused here, not in a worker
         argv = serve_argv(model, ids, list(ctx.args), tp=tp)
         prepare_environment(limits.to_env(), str(fetch_dir) if fetch_dir else None)
     except (ValueError, ImportError, OSError) as e:
@@ -385,16 +388,21 @@ def inspect(
     "storage). --reference engine (quantized targets, which HF cannot run the same way): the stored last layer "
     "(or final state) through the model's final norm and LM head against a plain vLLM engine's own prompt "
     "logprobs; unknown options go to that engine (the output's dtype and online --quantization are added unless "
-    "given). Exits 1 if a layer is off (naming the worst sample and layer), 2 on bad input.")
+    "given). --reference OTHER_OUTPUT: per layer, how far the states of the same samples (same ids and tokens) "
+    "are from another output's, e.g. an FP8 target's from the bf16 target's (fails only beyond --max-rel-l2). "
+    "Exits 1 if a layer is off (naming the worst sample and layer), 2 on bad input.")
 def check(
     ctx: typer.Context,
     output: Annotated[str, typer.Argument(help="Extract output directory or s3://bucket/prefix.")],
-    model: Annotated[str, typer.Option("--model", "-m", help="HF model directory or id the output was "
-                                       "extracted from.")],
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="HF model directory or id the output was "
+                                                 "extracted from (not needed with --reference OTHER_OUTPUT).")] = None,
     samples: Annotated[int, typer.Option(help="Samples to recompute, spread over the shards (all if fewer).")] = 8,
     seed: Annotated[int, typer.Option(help="Which samples: the same seed picks the same ones.")] = 0,
-    reference: Annotated[str, typer.Option(help="hf (HF Transformers, every stored layer) or engine (the "
-                                           "engine's logprobs; needs the last layer or the final state).")] = "hf",
+    reference: Annotated[str, typer.Option(help="hf (HF Transformers, every stored layer), engine (the "
+                                           "engine's logprobs; needs the last layer or the final state), or another "
+                                           "output's directory or s3:// prefix.")] = "hf",
+    max_rel_l2: Annotated[Optional[float], typer.Option(help="With --reference OTHER_OUTPUT: fail if a shared "
+                                                        "layer is farther than this (default: report only).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
     device: Annotated[str, typer.Option(help="cpu or cuda (HF's forwards, or the LM head for --reference engine; "
                                         "cuda: float32 weights on one GPU).")] = "cpu",
@@ -404,12 +412,18 @@ def check(
 
     progress = not json_out and sys.stderr.isatty()
     try:
+        if reference in ("hf", "engine") and not model:
+            raise ValueError(f"--model is required with --reference {reference}")
         if reference == "engine":
+            if max_rel_l2 is not None:
+                raise ValueError("--max-rel-l2 goes with --reference OTHER_OUTPUT")
             from vllm_hidden.check.against_engine import check_against_engine
 
             r = check_against_engine(output, model, samples=samples, seed=seed, device=device,
                                      engine_args=list(ctx.args), s3_endpoint_url=s3_endpoint_url, progress=progress)
         elif reference == "hf":
+            if max_rel_l2 is not None:
+                raise ValueError("--max-rel-l2 goes with --reference OTHER_OUTPUT")
             if ctx.args:
                 raise ValueError(f"unknown options {' '.join(ctx.args)!r} (engine options go with --reference engine)")
             from vllm_hidden.check import check_output
@@ -417,7 +431,12 @@ def check(
             r = check_output(output, model, samples=samples, seed=seed, device=device,
                              s3_endpoint_url=s3_endpoint_url, progress=progress)
         else:
-            raise ValueError(f"--reference must be hf or engine, got {reference!r}")
+            if ctx.args:
+                raise ValueError(f"unknown options {' '.join(ctx.args)!r} (engine options go with --reference engine)")
+            from vllm_hidden.check.against_output import check_against_output
+
+            r = check_against_output(output, reference, samples=samples, seed=seed, max_rel_l2=max_rel_l2,
+                                     s3_endpoint_url=s3_endpoint_url)
     except (ValueError, ImportError, OSError) as e:
         _fail(str(e))
     if json_out:

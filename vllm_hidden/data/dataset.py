@@ -215,6 +215,10 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
     def num_shards(self) -> int:
         return len(self.manifest.shards)
 
+    def sample_ids(self) -> list[Any]:
+        """Every sample's id in dataset order, from the shard headers (no states are read)."""
+        return [e[0] for k in range(self.num_shards) for e in self.shard(k).index]
+
     def locate(self, i: int) -> tuple[int, int]:
         """(shard, entry in that shard) of sample i."""
         if not -self._len <= i < self._len:
