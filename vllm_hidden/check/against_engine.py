@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from vllm_hidden.check.compare import FP8_FACTOR, RATIO, _json
-from vllm_hidden.check.run import DEVICES, _Bar, _dtype, choose_samples
+from vllm_hidden.check.run import _Bar, _dtype, choose_samples, open_output
 
 FLOOR = 1e-3  # logprob units: a float32 output's rounding is ~1e-6, summation order still moves it
 SHIFT = 1.37  # the fp8 probe's grid: scales off by a factor no power of two, so no value stays on it
@@ -106,20 +106,10 @@ def check_against_engine(path: str, model: str, samples: int = 8, seed: int = 0,
                          engine_args: list[str] | None = None, s3_endpoint_url: str | None = None,
                          progress: bool = False, top_k: int = TOP_K) -> EngineCheckReport:
     from vllm_hidden.check.head import Head, engine_pairs
-    from vllm_hidden.data import HiddenStatesDataset
 
     path = str(path)
-    if samples < 1:
-        raise ValueError(f"--samples must be at least 1, got {samples!r}")
-    if device not in DEVICES:
-        raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
-    try:
-        ds = HiddenStatesDataset(path, s3_endpoint_url=s3_endpoint_url)
-    except FileNotFoundError as e:
-        raise ValueError(f"not an extract output: {path!r} ({e})") from None
+    ds = open_output(path, samples, s3_endpoint_url, device)
     m = ds.manifest
-    if len(ds) == 0:
-        raise ValueError(f"the output {path!r} holds no samples: nothing to check")
     last = m.num_model_layers - 1
     final = m.final_state == "post-norm"
     if last not in ds.layer_ids and not final:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_hidden.check.compare import _json, rel_l2
-from vllm_hidden.check.run import choose_samples
+from vllm_hidden.check.run import choose_samples, open_output
 
 FINAL = "final"
 
@@ -65,17 +65,9 @@ class OutputsReport:
 
 def check_against_output(path: str, reference: str, samples: int = 8, seed: int = 0,
                          max_rel_l2: float | None = None, s3_endpoint_url: str | None = None) -> OutputsReport:
-    from vllm_hidden.data import HiddenStatesDataset
-
     if max_rel_l2 is not None and not max_rel_l2 > 0:
         raise ValueError(f"--max-rel-l2 must be a positive number, got {max_rel_l2!r}")
-    opened = []
-    for p in (str(path), str(reference)):
-        try:
-            opened.append(HiddenStatesDataset(p, s3_endpoint_url=s3_endpoint_url))
-        except FileNotFoundError as e:
-            raise ValueError(f"not an extract output: {p!r} ({e})") from None
-    a, b = opened
+    a, b = (open_output(str(p), samples, s3_endpoint_url) for p in (path, reference))
     shape = [(m.num_model_layers, m.hidden_size) for m in (a.manifest, b.manifest)]
     if shape[0] != shape[1]:
         raise ValueError(f"{str(path)!r} comes from a model of {shape[0][0]} layers of width {shape[0][1]}, "
@@ -85,8 +77,6 @@ def check_against_output(path: str, reference: str, samples: int = 8, seed: int 
         cols.append(FINAL)
     if not cols:
         raise ValueError(f"the outputs share no layer: {a.layer_ids} and {b.layer_ids}")
-    if len(a) == 0:
-        raise ValueError(f"the output {str(path)!r} holds no samples: nothing to compare")
     at = {sid: i for i, sid in enumerate(b.sample_ids())}
     per: dict[Any, dict[Any, float]] = {c: {} for c in cols}
     compared, skipped = [], []

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_hidden.check.reference import decoder_of
+from vllm_hidden.check.reference import ModelShape, decoder_of
 
 # a decoder layer's, the MTP head's or the vision tower's own norms are not the final norm
 _ELSEWHERE = re.compile(r"(^|\.)(layers|mtp|visual)\.")
@@ -58,18 +58,14 @@ def _read(files: list[Path], wanted: dict[str, str]) -> dict[str, torch.Tensor]:
     return found
 
 
-class Head:
+class Head(ModelShape):
     """final norm + LM head of `model`, in float32 on `device`."""
 
     def __init__(self, model: str, device: str = "cpu") -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        config = AutoConfig.from_pretrained(model)
-        text = config.get_text_config()
-        self.num_layers: int = text.num_hidden_layers
-        self.hidden_size: int = text.hidden_size
-        self.vocab_size: int = text.vocab_size
-        self.device = torch.device(device)
+        super().__init__(model, device)
+        config, text = self.config, self.text
         with torch.device("meta"):
             hf = AutoModelForCausalLM.from_config(config)
         _, norm = decoder_of(hf, self.num_layers)

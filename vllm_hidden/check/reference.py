@@ -35,19 +35,28 @@ def decoder_of(model: Any, num_layers: int) -> tuple[torch.nn.ModuleList, torch.
     return layers, norm
 
 
-class Reference:
+class ModelShape:
+    """A checkpoint's HF config and its decoder's depth, width and vocabulary, on `device`."""
+
+    def __init__(self, model: str, device: str = "cpu") -> None:
+        from transformers import AutoConfig
+
+        self.config = AutoConfig.from_pretrained(model)
+        self.text = self.config.get_text_config()
+        self.num_layers: int = self.text.num_hidden_layers
+        self.hidden_size: int = self.text.hidden_size
+        self.vocab_size: int = self.text.vocab_size
+        self.device = torch.device(device)
+
+
+class Reference(ModelShape):
     """An HF causal LM loaded in float32 on `device`, with hooks that keep (on CPU, float32)
     the states `run` is asked for and nothing else."""
 
     def __init__(self, model: str, device: str = "cpu") -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        config = AutoConfig.from_pretrained(model)
-        text = config.get_text_config()
-        self.num_layers: int = text.num_hidden_layers
-        self.hidden_size: int = text.hidden_size
-        self.vocab_size: int = text.vocab_size
-        self.device = torch.device(device)
+        super().__init__(model, device)
         kw: dict[str, Any] = {}
         if self.device.type == "cuda" and importlib.util.find_spec("accelerate") is not None:
             # straight onto the GPU (transformers needs accelerate for that); without it the

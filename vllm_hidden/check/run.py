@@ -82,6 +82,26 @@ def choose_samples(n: int, samples: int, seed: int = 0) -> list[int]:
     return [rng.randrange(k * n // samples, (k + 1) * n // samples) for k in range(samples)]
 
 
+def open_output(path: str, samples: int, s3_endpoint_url: str | None, device: str | None = None):
+    """The output at `path` as a dataset, after checking the options every check takes
+    (`device` None: none is used)."""
+    from vllm_hidden.data import HiddenStatesDataset
+
+    if samples < 1:
+        raise ValueError(f"--samples must be at least 1, got {samples!r}")
+    if device is not None and device not in DEVICES:
+        raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device!r}, but torch sees no CUDA device here")
+    try:
+        ds = HiddenStatesDataset(path, s3_endpoint_url=s3_endpoint_url)
+    except FileNotFoundError as e:
+        raise ValueError(f"not an extract output: {path!r} ({e})") from None
+    if len(ds) == 0:
+        raise ValueError(f"the output {path!r} holds no samples: nothing to check")
+    return ds
+
+
 def _dtype(name: str) -> torch.dtype:
     t = getattr(torch, str(name), None)
     if not isinstance(t, torch.dtype) or not t.is_floating_point:
@@ -94,22 +114,9 @@ def check_output(path: str, model: str, samples: int = 8, seed: int = 0, device:
     """Recompute `samples` samples of the output at `path` (a directory or s3://bucket/prefix)
     with HF Transformers from `model` in float32 and compare every stored layer (and the final
     state) with it; see compare.py for the bound."""
-    from vllm_hidden.data import HiddenStatesDataset
-
     path = str(path)
-    if samples < 1:
-        raise ValueError(f"--samples must be at least 1, got {samples!r}")
-    if device not in DEVICES:
-        raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device!r}, but torch sees no CUDA device here")
-    try:
-        ds = HiddenStatesDataset(path, s3_endpoint_url=s3_endpoint_url)
-    except FileNotFoundError as e:
-        raise ValueError(f"not an extract output: {path!r} ({e})") from None
+    ds = open_output(path, samples, s3_endpoint_url, device)
     m = ds.manifest
-    if len(ds) == 0:
-        raise ValueError(f"the output {path!r} holds no samples: nothing to check")
     dtype = _dtype(m.dtype)
     final = m.final_state == "post-norm"
     fp8 = m.storage is not None
