@@ -366,6 +366,8 @@ def inspect(
         typer.echo(f"{r.path}: {'complete' if r.complete else 'INCOMPLETE'} — {s['samples']} samples, {s['tokens']} "
                    f"tokens in {s['shards']} shards ({s['bytes'] / 1e9:.2f} GB); model {s['model']}; layers "
                    f"{s['layer_ids']}; hidden {s['hidden_size']}"
+                   + (f"; {s['quantization']['method']} weights ({s['quantization']['source']})"
+                      if s.get("quantization") else "")
                    + (f"; {s['errors']} bad input lines" if s.get("errors") else ""))
         for line in stats_table(r):
             typer.echo(line)

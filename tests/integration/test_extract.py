@@ -211,32 +211,28 @@ def test_check_recomputes_the_output_with_hf(compiled, tmp_path):
     assert re.search(r"^fail: .*(layer \d|the final state).* vs bound", r.stdout.splitlines()[-1]), r.stdout
 
 
-def test_check_against_the_engine(compiled, tmp_path):
+def test_check_against_the_engine(compiled):
     """`check --reference engine` on the compiled run (its last layer and final state): through
     the final norm and LM head they give a plain vLLM engine's own prompt logprobs within the
-    rounding bound, for every position; against another model's weights it fails."""
-    model, _, out, _, _ = compiled("qwen3_next")
-    r = run_cli("check", str(out), "--model", str(model), "--reference", "engine", "--samples", "4", "--json",
-                "--enforce-eager")
+    rounding bound, for every position (that it fails against another model's logprobs:
+    tests/unit/test_check_engine.py)."""
+    model, _, out, good, _ = compiled("qwen3_next")
+    # every sample: the one-token one (nothing to compare) and the longest (MAX_LEN) among them. The
+    # engine compiles, as the extract did (an eager engine's bf16 results differ from a compiled one's)
+    r = run_cli("check", str(out), "--model", str(model), "--reference", "engine", "--samples", "100", "--json",
+                "--max-num-batched-tokens", "64")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     d = last_json(r)
     print("check --reference engine:", d["sources"])
-    assert d["verdict"] == "pass" and d["reference"] == "engine" and len(d["samples"]) == 4, d
+    assert d["verdict"] == "pass" and d["reference"] == "engine" and len(d["samples"]) == len(good), d
     assert set(d["sources"]) == {"last layer", "final state"}, d["sources"]
-    assert "--enforce-eager" in d["engine_args"] and "bfloat16" in d["engine_args"], d["engine_args"]
+    assert d["engine_args"] == ["--max-num-batched-tokens", "64", "--dtype", "bfloat16"], d["engine_args"]
     ds = HiddenStatesDataset(out)
     lengths = {ds[i]["id"]: len(ds[i]["token_ids"]) for i in range(len(ds))}
     assert d["positions"] == sum(lengths[sid] - 1 for sid in d["samples"]), d  # every position past the first
     for src in d["sources"].values():
         assert 0 < src["mean_abs"] <= src["bound"] and src["rounding"] > 0 and src["top1_agree"] >= 0.9, src
 
-    other = make_tiny_model(tmp_path / "other", arch="qwen3_next", num_layers=8, seed=1)
-    r = run_cli("check", str(out), "--model", str(other), "--reference", "engine", "--samples", "2",
-                "--enforce-eager")
-    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
-    # the engine's own log shares stdout: the verdict is the report's last line, after it
-    assert re.search(r"^last layer .* FAIL$", r.stdout, re.M), r.stdout[-3000:]
-    assert re.search(r"^fail: .* vs bound [0-9.e-]+ over \d+ positions$", r.stdout, re.M), r.stdout[-3000:]
 
 
 def test_eager_matches_compiled_and_hf_every_layer(compiled):

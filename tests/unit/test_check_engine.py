@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_hidden.check.against_engine import _source, engine_cli_args, fp8_regrid
+from vllm_hidden.check.against_engine import _noise, _source, engine_cli_args, fp8_regrid
 from vllm_hidden.check.head import Head, engine_pairs
 from vllm_hidden.check.reference import FINAL, Reference
 
@@ -38,6 +38,8 @@ def test_the_head_alone_gives_hfs_logprobs(tiny_models, arch):
 def test_engine_logprobs_belong_to_the_row_before():
     rows, cols, vals = engine_pairs([None, {4: -1.0, 9: -2.0}, {7: -0.5}])
     assert rows.tolist() == [0, 0, 1] and cols.tolist() == [4, 9, 7] and vals.tolist() == [-1.0, -2.0, -0.5]
+    # the engine's noise: the same (position, token) pairs of the run alone; a token one run lacks is left out
+    assert _noise([None, {4: -1.5, 9: -2.0}, {8: -0.1}], rows, cols, vals) == pytest.approx(0.25)
 
 
 def test_the_fp8_probe_draws_e4m3s_error_afresh():
@@ -62,12 +64,96 @@ def test_the_engine_gets_the_outputs_dtype_and_online_quantization():
 
 
 def test_each_sample_must_meet_its_own_bound():
-    ok = {"a": {"mean_abs": 0.003, "max_abs": 0.02, "rounding": 0.002, "top1": 1.0},
-          "b": {"mean_abs": 0.001, "max_abs": 0.01, "rounding": 0.0001, "top1": 0.5}}
-    s = _source("last layer", ok)
-    assert s.ok and s.bound == pytest.approx(4 * 0.002) and s.top1_agree == 0.75 and s.max_abs == 0.02
-    bad = {**ok, "c": {"mean_abs": 0.5, "max_abs": 3.0, "rounding": 0.002, "top1": 0.0}}
+    ok = {"a": {"mean_abs": 0.003, "max_abs": 0.02, "rounding": 0.002, "noise": 0.0005, "top1": 1.0},
+          "b": {"mean_abs": 0.009, "max_abs": 0.01, "rounding": 0.0001, "noise": 0.003, "top1": 0.5}}
+    s = _source("last layer", ok)  # b: within 4 x its engine noise, though 90 x its rounding
+    assert s.ok and s.worst_sample == "b" and s.bound == pytest.approx(4 * 0.003) and s.noise == 0.003
+    assert s.top1_agree == 0.75 and s.max_abs == 0.02
+    bad = {**ok, "c": {"mean_abs": 0.5, "max_abs": 3.0, "rounding": 0.002, "noise": 0.001, "top1": 0.0}}
     s = _source("last layer", bad)
     assert not s.ok and s.worst_sample == "c"
-    nan = {"d": {"mean_abs": float("nan"), "max_abs": float("nan"), "rounding": 0.002, "top1": 0.0}}
+    nan = {"d": {"mean_abs": float("nan"), "max_abs": float("nan"), "rounding": 0.002, "noise": 0.0, "top1": 0.0}}
     assert not _source("final state", nan).ok
+
+
+def test_one_output_against_another(tmp_path):
+    """--reference OTHER_OUTPUT: shared layers of the samples with the same id and tokens; others
+    are skipped; outputs of different models are refused; --max-rel-l2 makes it a verdict."""
+    from tests.outputs import random_sample, write_output
+    from vllm_hidden.check.against_output import check_against_output
+
+    a = {f"s{i}": random_sample(i, 6 + i, 2, 16) for i in range(4)}
+    noise = torch.Generator().manual_seed(9)
+    b = {}
+    for sid, (tok, hs) in a.items():
+        near = (hs.float() * (1 + 0.01 * torch.randn(hs.shape, generator=noise))).to(torch.bfloat16)
+        b[sid] = (tok, near[:, [1, 0]].contiguous())  # b stores layers 5, 1
+    b["s3"] = (a["s3"][0] + 1, b["s3"][1])  # other tokens: not comparable
+    del b["s2"]  # missing
+    write_output(tmp_path / "a", [1, 5], 16, a)
+    write_output(tmp_path / "b", [5, 1], 16, b)
+    r = check_against_output(tmp_path / "a", tmp_path / "b")
+    assert r.ok and r.samples == ["s0", "s1"] and sorted(r.skipped) == ["s2", "s3"] and list(r.columns) == [1, 5]
+    for k, lid in enumerate([1, 5]):  # column order follows each output's own layer ids
+        want = max(((a[s][1][:, k].float() - b[s][1][:, 1 - k].float()).norm() / b[s][1][:, 1 - k].float().norm()
+                    ).item() for s in ("s0", "s1"))
+        assert abs(r.columns[lid].rel_l2 - want) < 1e-6 and 0.005 < want < 0.02
+    assert not check_against_output(tmp_path / "a", tmp_path / "b", max_rel_l2=1e-3).ok
+    assert check_against_output(tmp_path / "a", tmp_path / "b", max_rel_l2=0.05).ok
+    write_output(tmp_path / "c", [1, 5], 16, a, manifest={"num_model_layers": 9})
+    with pytest.raises(ValueError, match="8 layers of width 16, .* 9 of width 16: not the same model"):
+        check_against_output(tmp_path / "a", tmp_path / "c")
+    with pytest.raises(ValueError, match="--max-rel-l2 must be a positive number, got 0"):
+        check_against_output(tmp_path / "a", tmp_path / "b", max_rel_l2=0)
+
+
+def _top(logits: torch.Tensor, ids: list[int], k: int = 5) -> list:
+    """Prompt logprobs as vLLM reports them, from full logits [T, vocab]: position t >= 1 holds
+    the top k and the prompt's own token, as predicted from row t - 1."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    out = [None]
+    for t in range(1, len(ids)):
+        top = torch.topk(lp[t - 1], k).indices.tolist()
+        out.append({tok: lp[t - 1, tok].item() for tok in {*top, ids[t]}})
+    return out
+
+
+def test_against_the_engine_fails_on_another_models_logprobs(tiny_models, tmp_path, monkeypatch):
+    """The whole comparison with HF standing in for the engine: an output of model A's last layer
+    passes against A's own logprobs and fails against model B's (the engine side itself runs in
+    tests/integration/test_extract.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.outputs import write_output
+    from vllm_hidden.check import against_engine
+    from vllm_hidden.demo import make_tiny_model
+    from vllm_hidden.engine import logprobs as engine_logprobs
+
+    a = tiny_models("qwen3_next", 4)
+    b = make_tiny_model(tmp_path / "b", arch="qwen3_next", num_layers=4, seed=1)
+    prompts = {f"s{i}": [(7 * i + 3 * t) % 1000 + 1 for t in range(20 + 9 * i)] for i in range(3)}
+    prompts["one"] = [5]  # no position to compare: passed over
+    ref = Reference(str(a))
+    samples = {sid: (torch.tensor(ids), ref.run(ids, {3})[3].to(torch.bfloat16)[:, None])
+               for sid, ids in prompts.items()}
+    write_output(tmp_path / "out", [3], ref.hidden_size, samples, manifest={"model": str(a), "num_model_layers": 4})
+
+    def hf_logprobs(model):
+        hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+
+        def fake(model_arg, cli_args, token_lists, k):
+            with torch.no_grad():
+                runs = [_top(hf(torch.tensor([ids])).logits[0], ids, k) for ids in token_lists]
+            return runs, runs
+
+        return fake
+
+    monkeypatch.setattr(engine_logprobs, "prompt_logprobs", hf_logprobs(a))
+    r = against_engine.check_against_engine(str(tmp_path / "out"), str(a), samples=10, top_k=5)
+    (s,) = r.sources
+    assert r.ok and s.name == "last layer" and r.positions == sum(len(p) - 1 for p in prompts.values()), r.table()
+    assert s.mean_abs < s.bound / 2 and s.top1_agree > 0.9, r.table()
+    monkeypatch.setattr(engine_logprobs, "prompt_logprobs", hf_logprobs(b))
+    r = against_engine.check_against_engine(str(tmp_path / "out"), str(a), samples=10, top_k=5)
+    assert not r.ok and r.sources[0].mean_abs > 50 * r.sources[0].bound, r.table()
+    assert r.message().startswith("fail: the stored states do not give the engine's logprobs; worst: the last layer")

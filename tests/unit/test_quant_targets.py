@@ -91,3 +91,16 @@ def test_the_fp8_checkpoint_has_qwens_layout(tmp_path):
         (tmp_path / "other").mkdir()
         (tmp_path / "other" / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
         write_fp8_checkpoint(tmp_path / "other", tmp_path / "other-fp8")
+
+
+def test_the_quantization_record_survives_the_manifest_and_reaches_inspect(tmp_path):
+    from tests.outputs import random_sample, write_output
+    from vllm_hidden.storage.manifest import Manifest
+    from vllm_hidden.storage.verify import verify_output
+
+    q = {"method": "fp8", "source": "checkpoint", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    write_output(tmp_path / "q", [1], 8, {"a": random_sample(0, 5, 1, 8)}, manifest={"quantization": q})
+    write_output(tmp_path / "plain", [1], 8, {"a": random_sample(0, 5, 1, 8)})
+    assert Manifest.read(tmp_path / "q").quantization == q
+    assert Manifest.read(tmp_path / "plain").quantization is None
+    assert verify_output(str(tmp_path / "q")).summary["quantization"] == q

@@ -41,7 +41,8 @@ def _from_manifest(m: Manifest) -> tuple[dict[str, Any], list[ShardInfo], int]:
     summary = {"model": m.model, "layer_ids": m.layer_ids, "hidden_size": m.hidden_size, "dtype": m.dtype,
                "samples": m.num_samples, "tokens": m.num_tokens, "shards": len(m.shards),
                "bytes": sum(s.bytes for s in m.shards), "errors": m.num_errors,
-               "storage_dtype": (m.storage or {}).get("dtype", m.dtype), "layers_run": m.layers_run}
+               "storage_dtype": (m.storage or {}).get("dtype", m.dtype), "layers_run": m.layers_run,
+               "quantization": m.quantization}
     if m.num_tokens:
         summary["bytes_per_token"] = round(summary["bytes"] / m.num_tokens, 1)
     return summary, m.shards, len(m.layer_ids)
