@@ -157,3 +157,22 @@ def test_against_the_engine_fails_on_another_models_logprobs(tiny_models, tmp_pa
     r = against_engine.check_against_engine(str(tmp_path / "out"), str(a), samples=10, top_k=5)
     assert not r.ok and r.sources[0].mean_abs > 50 * r.sources[0].bound, r.table()
     assert r.message().startswith("fail: the stored states do not give the engine's logprobs; worst: the last layer")
+
+
+def test_against_the_engine_refuses_bad_input_before_any_engine(tiny_models, tmp_path, monkeypatch):
+    from tests.outputs import random_sample, write_output
+    from vllm_hidden.check import against_engine
+    from vllm_hidden.engine import logprobs as engine_logprobs
+
+    def no_engine(*a, **kw):
+        raise AssertionError("the engine must not start")
+
+    monkeypatch.setattr(engine_logprobs, "prompt_logprobs", no_engine)
+    model = tiny_models("qwen3_next", 4)
+    write_output(tmp_path / "mid", [1], 256, {"a": random_sample(0, 5, 1, 256)}, manifest={"num_model_layers": 4})
+    with pytest.raises(ValueError, match=r"needs the model's last layer \(3\) or --final-state post-norm.*\[1\]"):
+        against_engine.check_against_engine(str(tmp_path / "mid"), str(model))
+    write_output(tmp_path / "wide", [3], 64, {"a": random_sample(0, 5, 1, 64)}, manifest={"num_model_layers": 4})
+    with pytest.raises(ValueError, match="has 4 layers of width 256; the output was written from one with 4 of "
+                                         "width 64"):
+        against_engine.check_against_engine(str(tmp_path / "wide"), str(model))

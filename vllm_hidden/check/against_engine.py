@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from vllm_hidden.check.compare import FP8_FACTOR, RATIO, _json
+from vllm_hidden.check.reference import ModelShape
 from vllm_hidden.check.run import _Bar, _dtype, choose_samples, open_output
 
 FLOOR = 1e-3  # logprob units: a float32 output's rounding is ~1e-6, summation order still moves it
@@ -123,6 +124,10 @@ def check_against_engine(path: str, model: str, samples: int = 8, seed: int = 0,
         raise ValueError(f"--reference engine needs the model's last layer ({last}) or --final-state post-norm in "
                          f"the output; {path!r} holds layers {ds.layer_ids}")
     dtype = _dtype(m.dtype)
+    shape = ModelShape(model)  # its config only: a wrong --model fails before the engine starts
+    if shape.num_layers != m.num_model_layers or shape.hidden_size != m.hidden_size:
+        raise ValueError(f"--model {model!r} has {shape.num_layers} layers of width {shape.hidden_size}; the output "
+                         f"was written from one with {m.num_model_layers} of width {m.hidden_size} ({m.model!r})")
     args = engine_cli_args(m, engine_args or [])
     chosen = choose_samples(len(ds), samples, seed)
     tokens = {}
@@ -135,9 +140,6 @@ def check_against_engine(path: str, model: str, samples: int = 8, seed: int = 0,
     together, alone = prompt_logprobs(model, args, list(tokens.values()), top_k)
     eng, again = dict(zip(tokens, together)), dict(zip(tokens, alone))
     head = Head(model, device)
-    if head.num_layers != m.num_model_layers or head.hidden_size != m.hidden_size:
-        raise ValueError(f"--model {model!r} has {head.num_layers} layers of width {head.hidden_size}; the output "
-                         f"was written from one with {m.num_model_layers} of width {m.hidden_size} ({m.model!r})")
     columns = ([("last layer", ds.layer_ids.index(last))] if last in ds.layer_ids else []) \
         + ([("final state", None)] if final else [])
     per: dict[str, dict[Any, dict[str, float]]] = {name: {} for name, _ in columns}
