@@ -414,27 +414,24 @@ def check(
 
     progress = not json_out and sys.stderr.isatty()
     try:
-        if reference in ("hf", "engine") and not model:
-            raise ValueError(f"--model is required with --reference {reference}")
-        if reference == "engine":
+        if reference in ("hf", "engine"):
+            if not model:
+                raise ValueError(f"--model is required with --reference {reference}")
             if max_rel_l2 is not None:
                 raise ValueError("--max-rel-l2 goes with --reference OTHER_OUTPUT")
+        if reference != "engine" and ctx.args:
+            raise ValueError(f"unknown options {' '.join(ctx.args)!r} (engine options go with --reference engine)")
+        if reference == "engine":
             from vllm_hidden.check.against_engine import check_against_engine
 
             r = check_against_engine(output, model, samples=samples, seed=seed, device=device,
                                      engine_args=list(ctx.args), s3_endpoint_url=s3_endpoint_url, progress=progress)
         elif reference == "hf":
-            if max_rel_l2 is not None:
-                raise ValueError("--max-rel-l2 goes with --reference OTHER_OUTPUT")
-            if ctx.args:
-                raise ValueError(f"unknown options {' '.join(ctx.args)!r} (engine options go with --reference engine)")
             from vllm_hidden.check import check_output
 
             r = check_output(output, model, samples=samples, seed=seed, device=device,
                              s3_endpoint_url=s3_endpoint_url, progress=progress)
         else:
-            if ctx.args:
-                raise ValueError(f"unknown options {' '.join(ctx.args)!r} (engine options go with --reference engine)")
             from vllm_hidden.check.against_output import check_against_output
 
             r = check_against_output(output, reference, samples=samples, seed=seed, max_rel_l2=max_rel_l2,

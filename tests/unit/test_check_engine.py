@@ -176,3 +176,22 @@ def test_against_the_engine_refuses_bad_input_before_any_engine(tiny_models, tmp
     with pytest.raises(ValueError, match="has 4 layers of width 256; the output was written from one with 4 of "
                                          "width 64"):
         against_engine.check_against_engine(str(tmp_path / "wide"), str(model))
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--reference", "engine"], "--model is required with --reference engine"),
+    (["--model", "m"], None),  # --reference hf by default: it too needs --model, which is given
+    (["--model", "m", "--max-rel-l2", "0.1"], "--max-rel-l2 goes with --reference OTHER_OUTPUT"),
+    (["--model", "m", "--reference", "engine", "--max-rel-l2", "0.1"], "--max-rel-l2 goes with --reference OTHER"),
+    (["--model", "m", "--enforce-eager"], "unknown options '--enforce-eager' (engine options go with --reference"),
+    (["--reference", "other-out", "--enforce-eager"], "unknown options '--enforce-eager'"),
+])
+def test_check_refuses_options_that_do_not_go_with_its_reference(tmp_path, argv, says):
+    from typer.testing import CliRunner
+
+    from vllm_hidden.cli import app
+
+    r = CliRunner().invoke(app, ["check", str(tmp_path / "no-output"), *argv])
+    assert r.exit_code == 2, r.output
+    # past the option rules, the missing output is what is named
+    assert (says or "not an extract output") in r.output, r.output

@@ -31,7 +31,7 @@ import torch
 
 from vllm_hidden.check.compare import FP8_FACTOR, RATIO, _json
 from vllm_hidden.check.reference import ModelShape
-from vllm_hidden.check.run import _Bar, _dtype, choose_samples, open_output
+from vllm_hidden.check.run import _Bar, _dtype, aligned, choose_samples, open_output
 
 FLOOR = 1e-3  # logprob units: a float32 output's rounding is ~1e-6, summation order still moves it
 SHIFT = 1.37  # the fp8 probe's grid: scales off by a factor no power of two, so no value stays on it
@@ -91,8 +91,7 @@ class EngineCheckReport:
                           f"{s.rounding:.2e}", f"{s.noise:.2e}", "-" if s.fp8 is None else f"{s.fp8:.2e}",
                           f"{s.bound:.2e}",
                           "ok" if s.ok else "FAIL"] for s in self.sources]
-        widths = [max(len(r[j]) for r in rows) for j in range(len(head))]
-        return ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows] + [self.message()]
+        return aligned(rows) + [self.message()]
 
     def message(self) -> str:
         w = max(self.sources, key=lambda s: (not s.ok, s.mean_abs / s.bound))
@@ -179,12 +178,14 @@ def check_against_engine(path: str, model: str, samples: int = 8, seed: int = 0,
 
 def engine_cli_args(manifest: Any, given: list[str]) -> list[str]:
     """The engine arguments: the output's dtype and (online) quantization unless given."""
+    from vllm_hidden.engine.caches import flag_values
+    from vllm_hidden.engine.quant import quantization_arg
+
     args = list(given)
-    if not any(a == "--dtype" or a.startswith("--dtype=") for a in args):
+    if not flag_values(args, frozenset({"--dtype"})):
         args += ["--dtype", manifest.dtype]
     q = manifest.quantization or {}
-    if q.get("source") == "online" and not any(a in ("--quantization", "-q") or a.startswith("--quantization=")
-                                               for a in args):
+    if q.get("source") == "online" and quantization_arg(args) is None:
         args += ["--quantization", q["method"]]
     return args
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_hidden.check.compare import _json, rel_l2
-from vllm_hidden.check.run import choose_samples, open_output
+from vllm_hidden.check.run import aligned, choose_samples, open_output
 
 FINAL = "final"
 
@@ -47,8 +47,7 @@ class OutputsReport:
     def table(self) -> list[str]:
         rows = [["layer", "rel L2 worst", "mean", "worst sample"]] + [
             [str(k), f"{g.rel_l2:.2e}", f"{g.rel_l2_mean:.2e}", str(g.worst_sample)] for k, g in self.columns.items()]
-        widths = [max(len(r[j]) for r in rows) for j in range(4)]
-        return ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows] + [self.message()]
+        return aligned(rows) + [self.message()]
 
     def message(self) -> str:
         k = max(self.columns, key=lambda c: self.columns[c].rel_l2)

@@ -55,9 +55,7 @@ class CheckReport:
                         + ([f"{c.fp8_error:.2e}"] if self.fp8 else [])
                         + [f"{c.bound:.2e}", "ok" if c.neighbour_ok else "CLOSER TO A NEIGHBOUR",
                            "ok" if c.ok else "FAIL"])
-        widths = [max(len(r[j]) for r in rows) for j in range(len(head))]
-        lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
-        return lines + [self.message()]
+        return aligned(rows) + [self.message()]
 
     def message(self) -> str:
         w = self.worst
@@ -68,6 +66,12 @@ class CheckReport:
                 else "fail: the stored states do not match HF Transformers")
         return (f"{head}; worst {where}: rel L2 {w.rel_l2:.3g} vs bound {w.bound:.3g}{near} "
                 f"({self.seconds_per_sample:.1f} s of HF per sample on {self.device})")
+
+
+def aligned(rows: list[list[str]]) -> list[str]:
+    """A report's table for a person: the first row is the header, columns padded to a width."""
+    widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]))]
+    return ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
 
 
 def choose_samples(n: int, samples: int, seed: int = 0) -> list[int]:

@@ -4,10 +4,6 @@ the top-k logprobs at every prompt position."""
 
 from __future__ import annotations
 
-import logging
-
-log = logging.getLogger("vllm_hidden")
-
 Logprobs = list[dict[int, float] | None]  # per prompt position t: {token id: logprob of it at t}; t=0: None
 
 

@@ -15,18 +15,16 @@ from __future__ import annotations
 from typing import Any
 
 FP8_METHODS = frozenset({"fp8", "fp8_per_tensor", "fp8_per_block", "ptpc_fp8", "fbgemm_fp8"})
+QUANT_FLAGS = frozenset({"--quantization", "-q"})
 
 
 def quantization_arg(engine_args: list[str]) -> str | None:
     """The value of vLLM's `--quantization` / `-q` among the engine arguments (None: not given;
     a checkpoint's own quantization goes with --model)."""
-    value = None
-    for i, a in enumerate(engine_args):
-        if a in ("--quantization", "-q") and i + 1 < len(engine_args):
-            value = engine_args[i + 1]
-        elif a.startswith("--quantization="):
-            value = a.split("=", 1)[1]
-    return value
+    from vllm_hidden.engine.caches import flag_values
+
+    given = flag_values(engine_args, QUANT_FLAGS)
+    return given[-1] if given else None
 
 
 def checkpoint_quantization(hf_config: Any) -> dict[str, Any] | None:
