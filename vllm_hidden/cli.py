@@ -126,8 +126,8 @@ def extract(
                                                               "at most 32 GiB).")] = None,
 ) -> None:
     from vllm_hidden.config import ExtractConfig, GenerateConfig
-    from vllm_hidden.engine.run import CaptureFailed, EngineDied
     from vllm_hidden.extract.coordinator import RankFailed
+    from vllm_hidden.extract.run import CaptureFailed, EngineDied
     from vllm_hidden.inputs import parse_columns
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -14,7 +14,7 @@ from tests.unit.test_assembler_open_ended import Harness, truth
 from vllm_hidden.capture.assembler import Assembler
 from vllm_hidden.capture.records import NewRequest
 from vllm_hidden.config import GenerateConfig
-from vllm_hidden.engine.generate import Ended, Responses, sample_seed
+from vllm_hidden.extract.generate import Ended, Responses, sample_seed
 from vllm_hidden.inputs import BadLine, Prompt
 
 EOS = 2

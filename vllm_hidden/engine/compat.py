@@ -278,6 +278,13 @@ def engine_dead(engine) -> bool:
     return bool(getattr(resources, "engine_dead", False))
 
 
+def start_engine(args):
+    """A started `LLMEngine` (the synchronous engine the extract driver steps) from `EngineArgs`."""
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_engine_args(args)
+
+
 def shutdown_engine(engine) -> None:
     """Stop an `LLMEngine`'s core process (and its workers) now, through its core client (0.26
     and 0.32), rather than waiting for the engine to be garbage-collected."""

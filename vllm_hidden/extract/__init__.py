@@ -1,7 +1,9 @@
 """The extract job, above the engine: check and plan the run (plan), one engine over a
 prompt file (job), or several fed from one shared queue (coordinator: local processes via
-rank, or Ray actors via ray_ranks), prompts handed out by feed. The engine itself is
-`vllm_hidden.engine.extractor`; the output is `vllm_hidden.storage`."""
+rank, or Ray actors via ray_ranks), prompts handed out by feed; one engine started and
+reconfigured (extractor), the loop that steps it (run) and the responses of --generate
+(generate). vLLM itself is reached only through `vllm_hidden.engine`; the output is
+`vllm_hidden.storage`."""
 
 from __future__ import annotations
 

@@ -119,9 +119,9 @@ def rank_specs(cfg: ExtractConfig, output: Output, envs: list[dict[str, str]]) -
 def run_parallel(cfg: ExtractConfig):
     """`vllm-hidden extract --dp N [--tp M] [--ray ADDRESS]`; returns the job's Summary (extract.job)."""
     from vllm_hidden.engine.caches import CacheDirs, resolve_tp
-    from vllm_hidden.engine.run import EngineResult
     from vllm_hidden.extract.job import ProgressBar, Summary, manifest_fields
     from vllm_hidden.extract.plan import check_paths, plan_extract, prompt_reader
+    from vllm_hidden.extract.run import EngineResult
     from vllm_hidden.storage.output import Output, in_part
 
     CacheDirs.resolve(cfg.cache_dir).apply()  # every engine inherits the cache locations

@@ -10,7 +10,7 @@ from typing import Any
 
 from vllm_hidden import __version__
 from vllm_hidden.config import ExtractConfig, Plan
-from vllm_hidden.engine.extractor import Extractor
+from vllm_hidden.extract.extractor import Extractor
 from vllm_hidden.extract.feed import ReaderFeed
 from vllm_hidden.extract.plan import check_paths, plan_extract, prompt_reader
 from vllm_hidden.format.shard import FP8_STORAGE, ShardInfo

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_hidden.config import CaptureConfig, ExtractConfig, Plan, ShardConfig
 from vllm_hidden.engine.args import engine_args
 from vllm_hidden.engine.caches import CacheDirs, fingerprint, resolve_tp
-from vllm_hidden.engine.run import DEFAULT_INFLIGHT_CAP, EngineResult, run_feed
+from vllm_hidden.extract.run import DEFAULT_INFLIGHT_CAP, EngineResult, run_feed
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -86,17 +86,17 @@ class Extractor:
         """A start with settings no engine has started with before (no stamp) compiles: it
         holds a lock so that engines started at the same time wait and then load what it
         compiled, instead of all compiling the same kernels at once."""
-        from vllm.v1.engine.llm_engine import LLMEngine
+        from vllm_hidden.engine.compat import start_engine
 
         cache, fp = self.cache, self.fingerprint
         if cache.read_stamp(fp) is None:
             with cache.start_lock(fp):
                 if cache.read_stamp(fp) is None:
-                    engine = LLMEngine.from_engine_args(args)
+                    engine = start_engine(args)
                     cache.write_stamp(fp, {"kind": "start", "fingerprint": fp, "settings": self.fingerprint_ident,
                                            "created": time.time()})
                     return engine
-        return LLMEngine.from_engine_args(args)
+        return start_engine(args)
 
     def __enter__(self) -> Self:
         return self
@@ -132,9 +132,9 @@ class Extractor:
         self.cfg, self.plan, self.max_prompt_len = cfg, plan, plan.max_prompt_len
 
     def responses(self):
-        """--generate: the responses of a run (engine.generate), with the model's tokenizer
+        """--generate: the responses of a run (extract.generate), with the model's tokenizer
         (loaded once per engine) for stop strings and the response text."""
-        from vllm_hidden.engine.generate import Responses, stop_token_ids
+        from vllm_hidden.extract.generate import Responses, stop_token_ids
 
         if self._gen_tokenizer is None:
             from transformers import AutoTokenizer

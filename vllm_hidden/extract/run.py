@@ -1,7 +1,7 @@
 """One run of prompts through a started engine into the worker's shards: the worker's sink opened
 before and closed after (also on a failure), requests fed in a window, finished samples counted
 and the written shards checked against them. Prefill-only (`_PrefillRun`: each request ends
-after its one sampled token) or `--generate` (`_GenerateRun`: engine.generate decides where
+after its one sampled token) or `--generate` (`_GenerateRun`: extract.generate decides where
 each response ends, and the worker learns of the ends in batches)."""
 
 from __future__ import annotations
@@ -234,7 +234,7 @@ class _PrefillRun(_Run):
 
 
 class _GenerateRun(_Run):
-    """Each request: a response sampled by the engine (engine.generate says where it ends, one
+    """Each request: a response sampled by the engine (extract.generate says where it ends, one
     token later it is aborted); the worker writes a sample once it has its end. A conversation's
     later turns (--regenerate all) go in as their previous turn ends, ahead of new prompts."""
 
