@@ -11,6 +11,7 @@ import torch
 
 from tests.outputs import shard_writer
 from tests.unit.test_assembler_open_ended import Harness, truth
+from vllm_hidden.capture import records
 from vllm_hidden.capture.assembler import Assembler
 from vllm_hidden.capture.records import NewRequest
 from vllm_hidden.config import GenerateConfig
@@ -126,8 +127,9 @@ def test_generate_config_names_the_bad_value(name, value):
         GenerateConfig(**{name: value})
 
 
-class Sink:
-    """Records add_rows calls (the shard writer's entry point for generated samples)."""
+class Sink(records.Sink):
+    """Records add_rows calls (the shard writer's entry point for generated samples); a
+    generated sample never reserves a slot."""
 
     def __init__(self):
         self.added = []
@@ -135,6 +137,15 @@ class Sink:
     def add_rows(self, sample_id, token_ids, rows, stat, **kw):
         assert torch.equal(stat, rows.float().abs().amax(-1))  # each row's statistic rides with it
         self.added.append((sample_id, list(token_ids), rows.clone(), kw))
+
+    def reserve(self, sample_id, token_ids, **kw):
+        raise AssertionError(f"reserve({sample_id!r}) for a generated sample")
+
+    def commit(self, slot):
+        raise AssertionError("commit of a generated sample's slot")
+
+    def drop(self, slot):
+        raise AssertionError("drop of a generated sample's slot")
 
 
 def _gen_harness():

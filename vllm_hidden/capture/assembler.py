@@ -3,8 +3,10 @@
 until its prompt (or, with --generate, its response) is complete.
 
 Rows are copied once, from the pinned ring slot into the sample's final place, which a sink
-hands out (`capture.records.Sink`). Runs on its own thread (`AssemblerThread`), off the
-engine's."""
+hands out (`capture.records.Sink.reserve`). With --generate the rows are staged in a buffer of
+the assembler's until the driver says where the response ends, then handed to the sink whole
+(`Sink.add_rows`). A request whose rows cannot be assembled goes to the sink's `on_failure`.
+Runs on its own thread (`AssemblerThread`), off the engine's."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ log = logging.getLogger(__name__)
 
 class _Staged:
     """A generating request's rows [rows, C, H] and statistics [rows, C] (C: the ring's
-    columns, the final state's included: the sink splits it off), until its end is known."""
+    columns, the final state's included, as `Sink.add_rows` takes them), until its end is known."""
 
     __slots__ = ("buf", "stat")
 
@@ -55,6 +57,8 @@ class Assembler:
     """Consumes StepRecords in order on one thread; places finished samples in `sink`."""
 
     def __init__(self, transfer: StepTransfer, sink: Sink) -> None:
+        if not isinstance(sink, Sink):
+            raise TypeError(f"the assembler's sink must be a capture.records.Sink, got {sink!r}")
         self.transfer = transfer
         self.sink = sink
         self._pending: dict[str, NewRequest] = {}
@@ -103,21 +107,19 @@ class Assembler:
                     self._take(seg, host, stat)
                 except CaptureError as e:
                     part = self._partial.pop(seg.req_id, None)
-                    if getattr(self.sink, "on_failure", None) is None or part is None:
+                    if part is None or not self.sink.on_failure(part.req.sample_id, str(e)):
                         raise
-                    self.sink.drop(part.slot)
-                    self._dropped(seg.req_id, part.req, str(e))
+                    if not part.req.generate:  # a generating request's rows were never the sink's
+                        self.sink.drop(part.slot)
         finally:
             if rec.slot is not None:
                 self.transfer.release(rec.slot)
 
     def _dropped(self, rid: str, req: NewRequest, why: str) -> None:
-        """A sink with `on_failure` (the server's) hears of it at once, so the waiting response
-        fails fast; otherwise the id is kept for the run's end-of-run check."""
-        on_failure = getattr(self.sink, "on_failure", None)
-        if on_failure is not None:
-            on_failure(req.sample_id, why)
-        else:
+        """The sink's `on_failure` hears of it at once (the server's takes it, so the waiting
+        response fails fast); if the sink does not take it, the id is kept for the run's
+        end-of-run check."""
+        if not self.sink.on_failure(req.sample_id, why):
             self.dropped.append(rid)
 
     def _end(self, rid: str, end: dict[str, Any]) -> None:

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from vllm_hidden.capture.records import Sample
+from vllm_hidden.capture.records import Sample, Sink
 
 
 class _MemSlot:
     __slots__ = ("sample_id", "token_ids", "buf", "finite")
 
-    def __init__(self, sample_id: Any, token_ids: list[int], buf: torch.Tensor) -> None:
+    def __init__(self, sample_id: Any, token_ids: Sequence[int] | torch.Tensor, buf: torch.Tensor) -> None:
         self.sample_id, self.token_ids, self.buf = sample_id, token_ids, buf
         self.finite = True
 
@@ -23,23 +23,51 @@ class _MemSlot:
             self.finite = False
 
 
-class MemorySink:
-    """Each sample in its own host tensor, handed to `on_sample` when complete. With
-    `on_failure`, a request whose rows cannot be assembled is reported there and the others
-    go on (a server must not stop for one request); without it the failure is raised."""
+class MemorySink(Sink):
+    """Each sample in its own host tensor of `row_shape` rows (the ring's columns), handed to
+    `on_sample` when complete. With `on_failure`, a request whose rows cannot be assembled is
+    reported there and the others go on (a server must not stop for one request); without it
+    the failure is raised.
+
+    A `Sample` holds token ids and rows only: the final state's column, if the ring has one,
+    stays the last column of its hidden states, and `line`, `loss_spans`, `num_prompt` and
+    `record` are accepted and not kept."""
 
     def __init__(self, row_shape: tuple[int, int], dtype: torch.dtype, on_sample: Callable[[Sample], None],
                  on_failure: Callable[[Any, str], None] | None = None) -> None:
         self.row_shape, self.dtype, self.on_sample = tuple(row_shape), dtype, on_sample
-        self.on_failure = on_failure
+        self._report_failure = on_failure
 
-    def reserve(self, sample_id: Any, token_ids: list[int], rows: int | None = None, *,
+    def reserve(self, sample_id: Any, token_ids: Sequence[int] | torch.Tensor, *, rows: int | None = None,
                 line: int | None = None, loss_spans: list[list[int]] | None = None) -> _MemSlot:
         n = len(token_ids) if rows is None else rows
         return _MemSlot(sample_id, token_ids, torch.empty((n, *self.row_shape), dtype=self.dtype))
+
+    def add_rows(self, sample_id: Any, token_ids: Sequence[int] | torch.Tensor, rows: torch.Tensor,
+                 stat: torch.Tensor, *, loss_spans: list[list[int]] | None, num_prompt: int, record: str,
+                 line: int | None = None) -> None:
+        """A whole sample: rows [T, C, H] and statistics [T, C], handed on as one Sample."""
+        tok = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
+        n = tok.shape[0]
+        if tuple(rows.shape) != (n, *self.row_shape):
+            raise ValueError(f"sample {sample_id!r}: rows of shape {tuple(rows.shape)} for {n} tokens of "
+                             f"{list(self.row_shape)} rows")
+        if tuple(stat.shape) != (n, self.row_shape[0]):
+            raise ValueError(f"sample {sample_id!r}: statistics of shape {tuple(stat.shape)} for rows of shape "
+                             f"{tuple(rows.shape)}")
+        # its own tensor, as a reserved sample has: the rows given may be a view of a larger buffer
+        buf = torch.empty((n, *self.row_shape), dtype=self.dtype)
+        buf.copy_(rows)
+        self.on_sample(Sample(sample_id, tok, buf, bool(torch.isfinite(stat).all())))
 
     def commit(self, slot: _MemSlot) -> None:
         self.on_sample(Sample(slot.sample_id, torch.tensor(slot.token_ids, dtype=torch.int64), slot.buf, slot.finite))
 
     def drop(self, slot: _MemSlot) -> None:
-        pass
+        pass  # nothing outside the slot holds its rows
+
+    def on_failure(self, sample_id: Any, reason: str) -> bool:
+        if self._report_failure is None:
+            return False
+        self._report_failure(sample_id, reason)
+        return True

@@ -2,18 +2,27 @@
 between the engine thread (`engine.runner`), the assembler and its sinks.
 
 Per step the hook sends a `StepRecord`: the ring slot its rows went to and, per captured
-request, a `Segment` (rows, position). A sink hands out a `Slot` per sample: `reserve`, the
-assembler `place`s rows into it across steps, then `commit` (or `drop` if the request was
-aborted). The shard writer (`storage.shards`) is a sink whose slots live in its shard arenas;
-`capture.memory.MemorySink` keeps each sample in its own tensor (the server).
+request, a `Segment` (rows, position). A `Sink` takes the assembled samples, in one of two
+ways: it hands out a `Slot` per sample (`reserve`), the assembler `place`s rows into it across
+steps, then `commit`s it (or `drop`s it if the request was aborted); or, with --generate, it
+takes a whole sample at once (`add_rows`). A request whose rows cannot be assembled goes to
+the sink's `on_failure` first. `Sink` is an abstract base class: a sink missing one of these
+methods cannot be instantiated. The shard writer (`storage.shards.ShardWriter`) is a sink
+whose slots live in its shard arenas; `capture.memory.MemorySink` keeps each sample in its
+own tensor (the server).
 """
 
 from __future__ import annotations
 
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+
+log = logging.getLogger("vllm_hidden")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,11 +86,56 @@ class Slot(Protocol):
     def place(self, pos: int, rows: torch.Tensor, stat: torch.Tensor) -> None: ...
 
 
-class Sink(Protocol):
-    def reserve(self, sample_id: Any, token_ids: list[int], *, line: int | None = None,
-                loss_spans: list[list[int]] | None = None) -> Slot: ...
-    # --generate: a whole sample at once, rows [T, C, H] as the ring's columns hold them
-    def add_rows(self, sample_id: Any, token_ids: list[int], rows: torch.Tensor, stat: torch.Tensor, *,
-                 loss_spans: list[list[int]] | None, num_prompt: int, record: str, line: int | None) -> None: ...
-    def commit(self, slot: Any) -> None: ...
-    def drop(self, slot: Any) -> None: ...
+class Sink(ABC):
+    """Where assembled samples go. Every method is called from one thread (the assembler's).
+    A sink is also a context manager: leaving the block closes it, also when the block raised."""
+
+    @abstractmethod
+    def reserve(self, sample_id: Any, token_ids: Sequence[int] | torch.Tensor, *, rows: int | None = None,
+                line: int | None = None, loss_spans: list[list[int]] | None = None) -> Slot:
+        """Room for one sample's rows, one per token id, or with `rows` room for that many
+        (open-ended capture: the assembler commits the slot with `buf` cut to the rows captured
+        by then). `line`: its input line, for error reports; `loss_spans`: [start, end) token
+        spans with loss 1. A sink that cannot honour an argument raises ValueError naming it."""
+
+    @abstractmethod
+    def add_rows(self, sample_id: Any, token_ids: Sequence[int] | torch.Tensor, rows: torch.Tensor,
+                 stat: torch.Tensor, *, loss_spans: list[list[int]] | None, num_prompt: int, record: str,
+                 line: int | None = None) -> None:
+        """--generate: a whole sample at once, rows [T, C, H] and their statistics [T, C] as the
+        ring's columns hold them (the layers, then the final state's column if the ring has one),
+        with its prompt length and its generation record (a JSON line)."""
+
+    @abstractmethod
+    def commit(self, slot: Any) -> None:
+        """The slot's rows are all placed: the sample is complete."""
+
+    @abstractmethod
+    def drop(self, slot: Any) -> None:
+        """The slot's request was aborted or failed: its sample goes nowhere."""
+
+    def on_failure(self, sample_id: Any, reason: str) -> bool:
+        """A request whose rows cannot be assembled (`reason` says why). Returns whether the
+        sink took the report. False (this default): the assembler raises the capture error, or,
+        for a request that ended before its rows were all captured, keeps its id for the run's
+        end-of-run check (`Assembler.dropped`)."""
+        return False
+
+    def close(self) -> Any:
+        """Finish what the sink holds; nothing to finish by default."""
+        return None
+
+    def __enter__(self) -> Sink:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        if exc_type is None:
+            self.close()
+            return False
+        # The block failed: close anyway (what is complete is kept, threads stop), but its own
+        # exception is the one to see, not a close failure that may only follow from it.
+        try:
+            self.close()
+        except Exception:
+            log.exception("vllm-hidden: closing %s after a failure failed too", type(self).__name__)
+        return False

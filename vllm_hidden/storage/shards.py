@@ -15,6 +15,9 @@ them.
 The pool of arenas bounds host memory: when every arena is full or being finished,
 `reserve` blocks, the assembler stops taking steps, and the engine waits on the capture
 ring (backpressure instead of growth).
+
+The writer is the extract run's sink (`capture.records.Sink`), and a context manager: leaving
+the block closes it (`close`), also when the block raised.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 
 import torch
 
+from vllm_hidden.capture.records import Sink
 from vllm_hidden.config import ShardConfig
 from vllm_hidden.format import quant
 from vllm_hidden.format import stats as layer_stats
@@ -45,10 +49,13 @@ _WRITE_BATCH = 32 << 20  # completed rows handed to a writer thread in batches o
 _SYNC_EVERY = 256 << 20  # fdatasync as data accumulates, so the final fsync has little left
 
 
-class ShardWriter:
-    """reserve() -> slot.place(rows, stats) (or fill slot.buf) -> commit() (or drop()); close() finishes what is left
-    and returns every shard written. reserve/commit/drop are called from one thread (the
-    assembler); files are written by `cfg.writer_threads` threads."""
+class ShardWriter(Sink):
+    """reserve() -> slot.place(rows, stats) (or fill slot.buf) -> commit() (or drop()), or a whole
+    sample at once: add() (the model's dtype) or add_rows() (the ring's rows, --generate).
+    close() finishes what is left and returns every shard written; so does leaving a with-block,
+    where on an exception the block's exception is raised, not close's (see `Sink.__exit__`).
+    reserve/commit/drop/add/add_rows are called from one thread (the assembler); files are
+    written by `cfg.writer_threads` threads."""
 
     def __init__(self, cfg: ShardConfig, layer_ids: list[int], hidden_size: int, dtype: torch.dtype) -> None:
         if hidden_size < 1:
@@ -144,9 +151,16 @@ class ShardWriter:
         return a
 
     # -- samples -----------------------------------------------------------------------
-    def reserve(self, sample_id: Any, token_ids: Any, *, line: int | None = None,
+    def reserve(self, sample_id: Any, token_ids: Any, *, rows: int | None = None, line: int | None = None,
                 loss_spans: list[list[int]] | None = None, num_prompt: int | None = None,
                 record: bytes | None = None) -> SampleSlot:
+        """A slot of one row per token id, in the arena being filled (one of its own if larger
+        than a shard). `num_prompt` and `record`: a generated sample's (add_rows)."""
+        if rows is not None:
+            # A shard's index gives each sample its length when it is reserved, one row per token
+            # id; open-ended capture (the server's) only knows it when the request finishes.
+            raise ValueError(f"sample {sample_id!r}: rows={rows!r}: the shard writer takes no open-ended capture; "
+                             "its samples have one row per token id")
         self._raise_error()
         if self._closed:
             raise RuntimeError("the shard writer is closed")
