@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 from pathlib import Path
@@ -19,6 +18,14 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
 def _fail(msg: str) -> None:
     typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
+
+
+def _log_info() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+
+def _str(path: Path | None) -> str | None:
+    return str(path) if path else None
 
 
 # Options shared by `extract` and `warmup` (a warmup must see the settings its extract will use).
@@ -125,55 +132,37 @@ def extract(
                                                               "rows may take (default: a quarter of the machine's, "
                                                               "at most 32 GiB).")] = None,
 ) -> None:
-    from vllm_hidden.config import ExtractConfig, GenerateConfig
     from vllm_hidden.extract.coordinator import RankFailed
     from vllm_hidden.extract.run import CaptureFailed, EngineDied
-    from vllm_hidden.inputs import parse_columns
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    _log_info()
     sampling = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
                 "stop": stop or None, "ignore_eos": ignore_eos or None, "regenerate": regenerate,
                 "max_inflight_bytes": max_inflight_bytes}
-    sampling = {k: v for k, v in sampling.items() if v is not None}
-    if sampling and not generate:
-        _fail(f"--{next(iter(sampling)).replace('_', '-')} goes with --generate")
     try:
-        inflight = sampling.pop("max_inflight_bytes", None)
-        cfg = ExtractConfig(
-            generate=GenerateConfig(**sampling) if generate else None, max_inflight_bytes=inflight,
-            model=model, input_path=str(input), output_dir=output, layers=layers, aux_layers=aux_layers,
-            layers_from=str(layers_from) if layers_from else None, max_model_len=max_model_len,
+        from vllm_hidden.extract import run_extract
+        from vllm_hidden.extract.job import extract_config
+
+        summary = run_extract(extract_config(
+            generate=generate, sampling=sampling, model=model, input_path=str(input), output_dir=output,
+            layers=layers, aux_layers=aux_layers, layers_from=_str(layers_from), max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, dtype=dtype,
             max_shard_bytes=max_shard_bytes, writer_threads=writer_threads, ring_slots=ring_slots, resume=resume,
-            s3_endpoint_url=s3_endpoint_url, staging_dir=str(staging_dir) if staging_dir else None,
-            s3_retry_s=s3_retry_seconds, progress=progress,
-            engine_args=list(ctx.args), cache_dir=str(cache_dir) if cache_dir else None, tp=tp, dp=dp, ray_address=ray,
-            loss_mask=loss_mask, final_state=final_state, input_columns=parse_columns(input_columns),
+            s3_endpoint_url=s3_endpoint_url, staging_dir=_str(staging_dir), s3_retry_s=s3_retry_seconds,
+            progress=progress, engine_args=list(ctx.args), cache_dir=_str(cache_dir), tp=tp, dp=dp, ray_address=ray,
+            loss_mask=loss_mask, final_state=final_state, input_columns=input_columns,
             full_model=full_model, storage_dtype=storage_dtype,
-        )
-        from vllm_hidden.extract import run_extract
-
-        summary = run_extract(cfg)
-    except (ValueError, ImportError, OSError) as e:  # bad input, missing extra, storage failure: one line
-        _fail(str(e))
-    except (RankFailed, EngineDied) as e:  # an engine died: what was made durable is kept, --resume finishes
+        ))
+    # bad input, a missing extra, a storage failure, or a dead engine (what was made durable is
+    # kept, --resume finishes): one line
+    except (ValueError, ImportError, OSError, RankFailed, EngineDied) as e:
         _fail(str(e))
     except CaptureFailed as e:
         if not e.storage:
             raise  # a bug: the traceback helps
         _fail(str(e))
-    d = summary.to_dict()
-    typer.echo(
-        (f"resumed: {d['resumed']} samples were already done; " if d["resumed"] else "")
-        + f"done: {d['samples']} samples, {d['tokens']} tokens"
-        + (f" ({d['generated_tokens']} generated)" if generate else "")
-        + f", {d['errors']} errors -> {d['shards']} shards "
-        f"({d['bytes'] / 1e6:.1f} MB) in {d['seconds']:.1f} s ({d['tokens_per_s']:,.0f} tok/s, "
-        f"{d['samples_per_s']:,.1f} samples/s; engine start {d['engine_init_seconds']:.1f} s"
-        + (f", {'warm' if d['engine_start'].get('warm') else 'cold'}" if d["engine_start"] else "")
-        + f"; first sample {d['first_sample_seconds']:.1f} s after start)"
-    )
-    typer.echo(json.dumps(d))
+    typer.echo(summary.describe(generated=generate))
+    typer.echo(json.dumps(summary.to_dict()))
 
 
 @app.command(
@@ -210,11 +199,11 @@ def serve(
     cache_dir: CacheDir = None,
     tp: Tp = 1,
 ) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    _log_info()
     try:
         from vllm_hidden.engine.caches import CacheDirs
 
-        CacheDirs.resolve(str(cache_dir) if cache_dir else None).apply()  # before vLLM is imported
+        CacheDirs.resolve(_str(cache_dir)).apply()  # before vLLM is imported
         limits = ServeConfig(max_hidden_tokens=max_hidden_tokens, max_request_bytes=max_request_bytes,
                              max_concurrent=max_concurrent, timeout_s=hidden_states_timeout, fetch_ttl_s=fetch_ttl,
                              max_unfetched_bytes=max_unfetched_bytes)
@@ -224,13 +213,12 @@ def serve(
         from vllm_hidden.extract.plan import model_info
         from vllm_hidden.layers import resolve_layer_ids
 
-        ids = resolve_layer_ids(model_info(model).num_layers, layers, aux_layers,
-                                str(layers_from) if layers_from else None)
+        ids = resolve_layer_ids(model_info(model).num_layers, layers, aux_layers, _str(layers_from))
         from vllm_hidden.engine.quant import check_host
 
         check_host(model, list(ctx.args))  # FP8 weights on a host without FP8 kernels: refused here, not in a worker
         argv = serve_argv(model, ids, list(ctx.args), tp=tp)
-        prepare_environment(limits.to_env(), str(fetch_dir) if fetch_dir else None)
+        prepare_environment(limits.to_env(), _str(fetch_dir))
     except (ValueError, ImportError, OSError) as e:
         _fail(str(e))
     try:
@@ -270,74 +258,34 @@ def warmup(
     final_state: FinalState = "none",
     full_model: FullModel = False,
 ) -> None:
-    from vllm_hidden.config import ExtractConfig, GenerateConfig
-
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if serve:
-        _warmup_serve(model, layers, aux_layers, layers_from, ctx.args, cache_dir, force,
-                      {"--max-model-len": max_model_len, "--max-num-batched-tokens": max_num_batched_tokens,
-                       "--max-num-seqs": max_num_seqs, "--dtype": None if dtype == "auto" else dtype}, tp)
-        return
+    _log_info()
     try:
-        cfg = ExtractConfig(
-            model=model, input_path="", output_dir="-", layers=layers, aux_layers=aux_layers,
-            layers_from=str(layers_from) if layers_from else None, max_model_len=max_model_len,
-            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, dtype=dtype,
-            ring_slots=ring_slots, progress=False, engine_args=list(ctx.args),
-            cache_dir=str(cache_dir) if cache_dir else None, tp=tp,
-            # every response to --max-tokens: decode steps at every batch size the workload reaches
-            generate=GenerateConfig(max_tokens=max_tokens or GenerateConfig.max_tokens, ignore_eos=True)
-            if generate else None,
-            final_state=final_state, full_model=full_model,  # they decide how many layers the engine runs
-        )
-        if max_tokens is not None and not generate:
-            raise ValueError("--max-tokens goes with --generate")
-        from vllm_hidden.warmup import run_warmup
+        if serve:
+            from vllm_hidden.warmup import warmup_serve
 
-        r = run_warmup(cfg, force=force)
+            flags = {"--max-model-len": max_model_len, "--max-num-batched-tokens": max_num_batched_tokens,
+                     "--max-num-seqs": max_num_seqs, "--dtype": None if dtype == "auto" else dtype}
+            r = warmup_serve(model, layers, aux_layers, _str(layers_from), flags, list(ctx.args), tp,
+                             cache_dir=_str(cache_dir), force=force)
+        else:
+            from vllm_hidden.warmup import run_warmup, warmup_config
+
+            cfg = warmup_config(
+                generate=generate, max_tokens=max_tokens, model=model, layers=layers, aux_layers=aux_layers,
+                layers_from=_str(layers_from), max_model_len=max_model_len,
+                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, dtype=dtype,
+                ring_slots=ring_slots, engine_args=list(ctx.args), cache_dir=_str(cache_dir), tp=tp,
+                final_state=final_state, full_model=full_model,  # they decide how many layers the engine runs
+            )
+            r = run_warmup(cfg, force=force)
     except (ValueError, ImportError, OSError) as e:
         _fail(str(e))
-    _report_warmup(r)
-
-
-def _warmup_serve(model, layers, aux_layers, layers_from, args, cache_dir, force, flags, tp) -> None:
-    try:
-        from vllm_hidden.engine.serving import with_tp
-        from vllm_hidden.extract.plan import model_info
-        from vllm_hidden.layers import resolve_layer_ids
-        from vllm_hidden.warmup import run_serve_warmup
-
-        ids = resolve_layer_ids(model_info(model).num_layers, layers, aux_layers,
-                                str(layers_from) if layers_from else None)
-        vllm_args = with_tp([x for k, v in flags.items() if v is not None for x in (k, str(v))] + list(args), tp)
-        r = run_serve_warmup(model, ids, vllm_args, cache_dir=str(cache_dir) if cache_dir else None, force=force)
-    except (ValueError, ImportError, OSError, RuntimeError) as e:
-        _fail(str(e))
-    _report_warmup(r)
-
-
-def _report_warmup(r) -> None:
-    if r.noop:
-        typer.echo(f"already warm: these settings were warmed up on {_when(r.warmed_at)} ({r.stamp}); "
-                   f"checked in {r.seconds:.1f} s. --force warms up again")
-    elif "samples" in r.workload:
-        w = r.workload
-        typer.echo(f"warmed up in {r.seconds:.1f} s: the engine started {'warm' if r.start.get('warm') else 'cold'}, "
-                   f"then {w['samples']} prompts ({w['tokens']} tokens, lengths {w['lengths'][0]}..{w['lengths'][-1]}) "
-                   f"in {w['seconds']:.1f} s compiled {w['kernels_compiled']} more kernels and stored "
-                   f"{w['autotune_results_stored']} autotune results; stamp {r.stamp}")
-    else:
-        w = r.workload
-        typer.echo(f"warmed up in {r.seconds:.1f} s: the server started in {w['server_start_seconds']:.1f} s "
-                   f"({r.start.get('log') or 'no start report in its log'}), then answered {w['requests']} requests "
-                   f"({w['tokens']} tokens) in {w['seconds']:.1f} s; stamp {r.stamp}")
+    except RuntimeError as e:
+        if not serve:
+            raise
+        _fail(str(e))  # the warmup server failed to start or to answer
+    typer.echo(r.describe())
     typer.echo(json.dumps(r.to_dict()))
-
-
-def _when(t: float | None) -> str:
-    import datetime
-
-    return datetime.datetime.fromtimestamp(t).isoformat(timespec="seconds") if t else "?"
 
 
 @app.command(help="Summarize an extract output and verify every shard (size, BLAKE3, header, index); show its "
@@ -414,28 +362,10 @@ def check(
 
     progress = not json_out and sys.stderr.isatty()
     try:
-        if reference in ("hf", "engine"):
-            if not model:
-                raise ValueError(f"--model is required with --reference {reference}")
-            if max_rel_l2 is not None:
-                raise ValueError("--max-rel-l2 goes with --reference OTHER_OUTPUT")
-        if reference != "engine" and ctx.args:
-            raise ValueError(f"unknown options {' '.join(ctx.args)!r} (engine options go with --reference engine)")
-        if reference == "engine":
-            from vllm_hidden.check.against_engine import check_against_engine
+        from vllm_hidden.check import run_check
 
-            r = check_against_engine(output, model, samples=samples, seed=seed, device=device,
-                                     engine_args=list(ctx.args), s3_endpoint_url=s3_endpoint_url, progress=progress)
-        elif reference == "hf":
-            from vllm_hidden.check import check_output
-
-            r = check_output(output, model, samples=samples, seed=seed, device=device,
-                             s3_endpoint_url=s3_endpoint_url, progress=progress)
-        else:
-            from vllm_hidden.check.against_output import check_against_output
-
-            r = check_against_output(output, reference, samples=samples, seed=seed, max_rel_l2=max_rel_l2,
-                                     s3_endpoint_url=s3_endpoint_url)
+        r = run_check(output, model, reference, samples=samples, seed=seed, device=device, max_rel_l2=max_rel_l2,
+                      engine_args=list(ctx.args), s3_endpoint_url=s3_endpoint_url, progress=progress)
     except (ValueError, ImportError, OSError) as e:
         _fail(str(e))
     if json_out:
@@ -462,7 +392,7 @@ def export(
     s3_endpoint_url: Annotated[Optional[str], typer.Option(help="S3 endpoint (default: boto3's chain).")] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
-    from vllm_hidden.export import export_output
+    from vllm_hidden.export import export_output, settings_lines
     from vllm_hidden.layers import parse_id_list
 
     try:
@@ -470,26 +400,9 @@ def export(
         record = export_output(output, to, dest, layers=ids, s3_endpoint_url=s3_endpoint_url, progress=progress)
     except (ValueError, ImportError, OSError) as e:
         _fail(str(e))
-    _print_settings(record)
+    for line in settings_lines(record):  # for a person: stderr; stdout ends with the JSON
+        typer.echo(line, err=True)
     typer.echo(json.dumps(record))
-
-
-def _print_settings(r: dict) -> None:
-    """The trainer settings that go with an export, for a person (stderr; stdout ends with the JSON)."""
-    s = r["settings"]
-    say = functools.partial(typer.echo, err=True)
-    say(f"exported {r['exported_samples']} samples, {r['exported_tokens']} tokens"
-        + (f" ({r['written']} written now, the rest by the run this one finished)" if r["resumed"] else "")
-        + (f"; left out {r['skipped']['count']}: {r['skipped']['why']}" if r.get("skipped") else ""))
-    say(f"{s['trainer']}:")
-    if r["kind"] == "speculators":
-        say(f"  target layer ids {r['target_layer_ids']} ({r['numbering']})")
-        say(f"  flags: {s['flags']}")
-        return
-    say(f"  layer ids {r['layer_ids']}: {s['numbering']}")
-    for k, v in {**s["run_config"], **s["draft_config"]}.items():
-        say(f"  {k}: {v}")
-    say(f"  {s['command']}")
 
 
 @app.command(help="Write a tiny random model (Qwen3-Next GDN hybrid by default) for demos and tests.")

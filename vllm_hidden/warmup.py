@@ -53,6 +53,45 @@ class WarmupReport:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def describe(self) -> str:
+        """One line for a person: warm already, or what the warmup ran and compiled."""
+        w = self.workload
+        if self.noop:
+            return (f"already warm: these settings were warmed up on {_when(self.warmed_at)} ({self.stamp}); "
+                    f"checked in {self.seconds:.1f} s. --force warms up again")
+        if "samples" in w:
+            return (f"warmed up in {self.seconds:.1f} s: the engine started "
+                    f"{'warm' if self.start.get('warm') else 'cold'}, then {w['samples']} prompts ({w['tokens']} "
+                    f"tokens, lengths {w['lengths'][0]}..{w['lengths'][-1]}) in {w['seconds']:.1f} s compiled "
+                    f"{w['kernels_compiled']} more kernels and stored {w['autotune_results_stored']} autotune "
+                    f"results; stamp {self.stamp}")
+        return (f"warmed up in {self.seconds:.1f} s: the server started in {w['server_start_seconds']:.1f} s "
+                f"({self.start.get('log') or 'no start report in its log'}), then answered {w['requests']} "
+                f"requests ({w['tokens']} tokens) in {w['seconds']:.1f} s; stamp {self.stamp}")
+
+
+def _when(t: float | None) -> str:
+    import datetime
+
+    return datetime.datetime.fromtimestamp(t).isoformat(timespec="seconds") if t else "?"
+
+
+def warmup_config(*, generate: bool, max_tokens: int | None, **fields: Any) -> ExtractConfig:
+    """The config `vllm-hidden warmup` runs: `fields` as its extract's would be (input and
+    output are the warmup's own)."""
+    from vllm_hidden.config import GenerateConfig
+
+    cfg = ExtractConfig(
+        input_path="", output_dir="-", progress=False,
+        # every response to --max-tokens: decode steps at every batch size the workload reaches
+        generate=GenerateConfig(max_tokens=max_tokens or GenerateConfig.max_tokens, ignore_eos=True)
+        if generate else None,
+        **fields,
+    )
+    if max_tokens is not None and not generate:
+        raise ValueError("--max-tokens goes with --generate")
+    return cfg
+
 
 def run_warmup(cfg: ExtractConfig, *, force: bool = False) -> WarmupReport:
     """Warm the caches for `vllm-hidden extract` with these settings (cfg's input and output
@@ -157,6 +196,20 @@ def _http(url: str, body: dict | None = None, timeout: float = 600) -> dict:
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read() or b"{}")
+
+
+def warmup_serve(model: str, layers: str | None, aux_layers: str | None, layers_from: str | None,
+                 engine_flags: dict[str, Any], engine_args: list[str], tp: int, *, cache_dir: str | None = None,
+                 force: bool = False) -> WarmupReport:
+    """`vllm-hidden warmup --serve`: the layer ids and `vllm serve` arguments that server will
+    get, then run_serve_warmup. `engine_flags`: vLLM flag -> value (None: not given)."""
+    from vllm_hidden.engine.serving import with_tp
+    from vllm_hidden.extract.plan import model_info
+    from vllm_hidden.layers import resolve_layer_ids
+
+    ids = resolve_layer_ids(model_info(model).num_layers, layers, aux_layers, layers_from)
+    vllm_args = with_tp([x for k, v in engine_flags.items() if v is not None for x in (k, str(v))] + engine_args, tp)
+    return run_serve_warmup(model, ids, vllm_args, cache_dir=cache_dir, force=force)
 
 
 def run_serve_warmup(model: str, layer_ids: list[int], vllm_args: list[str], *, cache_dir: str | None = None,

@@ -25,6 +25,7 @@ import vllm_hidden.engine.caches as caches
 import vllm_hidden.extract.coordinator as co
 import vllm_hidden.extract.plan as plan
 from vllm_hidden.config import ExtractConfig, ModelInfo, Plan
+from vllm_hidden.extract.rank import RankDone, RankError, RankEvent, RankProgress, RankReady
 from vllm_hidden.format.shard import FORMAT
 from vllm_hidden.inputs import BadLine, Prompt
 
@@ -46,10 +47,10 @@ class Script:
     ready_when: Callable[["FakeRanks"], bool] | None = None  # or: once this holds
     take_per_call: int = 1  # queue items it takes per call once ready
     done_after: int = 0  # calls between taking its end marker and reporting done
-    fail_after_done: str | None = None  # a "failed" event right after its "done" (its shutdown raised)
-    fail_at: int | None = None  # reports "failed" at this call (before it is ready)
+    fail_after_done: str | None = None  # a RankError right after its RankDone (its shutdown raised)
+    fail_at: int | None = None  # reports a RankError at this call (before it is ready)
     die_after_taking: int | None = None  # its process dies silently once it has taken this many prompts
-    error_exit_after_done: str | None = None  # ends with an error after "done", seen only by lost() (Ray)
+    error_exit_after_done: str | None = None  # ends with an error after RankDone, seen only by lost() (Ray)
     reject: frozenset = frozenset()  # ids its engine refuses
 
 
@@ -104,7 +105,7 @@ class FakeRanks:
         self.trace.append(("put", item))
         return True
 
-    def next_event(self, timeout: float) -> tuple | None:
+    def next_event(self, timeout: float) -> RankEvent | None:
         assert not self.closed, "next_event after close"
         self.calls += 1
         ev = self.pending.popleft() if self.pending else None
@@ -115,8 +116,8 @@ class FakeRanks:
             return None
         self.delivered.append(ev)
         self.trace.append(("event", ev))
-        if ev[0] == "ready":
-            self.ready_delivered.add(ev[1])
+        if isinstance(ev, RankReady):
+            self.ready_delivered.add(ev.rank)
             if self.first_ready_delivered_at is None:
                 self.first_ready_delivered_at = time.perf_counter()
         return ev
@@ -141,10 +142,10 @@ class FakeRanks:
     def nones_taken(self) -> int:
         return sum(st.got_end for st in self.state)
 
-    def events_of(self, kind: str, rank: int | None = None) -> list[tuple]:
-        return [e for e in self.delivered if e[0] == kind and (rank is None or e[1] == rank)]
+    def events_of(self, kind: type, rank: int | None = None) -> list[RankEvent]:
+        return [e for e in self.delivered if isinstance(e, kind) and (rank is None or e.rank == rank)]
 
-    def _emit(self, ev: tuple) -> None:
+    def _emit(self, ev: RankEvent) -> None:
         self.pending.append(ev)
 
     def _step(self) -> None:
@@ -153,11 +154,11 @@ class FakeRanks:
                 continue
             if not st.ready:
                 if s.fail_at is not None and self.calls >= s.fail_at:
-                    self._emit(("failed", r, "RuntimeError: CUDA out of memory while loading the model"))
+                    self._emit(RankError(r, "RuntimeError: CUDA out of memory while loading the model"))
                     st.finished = True
                 elif (s.ready_at is not None and self.calls >= s.ready_at) or (s.ready_when and s.ready_when(self)):
                     st.ready = True
-                    self._emit(("ready", r, {"engine_init_seconds": 1.5 + r, "engine_start": {"warm": True},
+                    self._emit(RankReady(r, {"engine_init_seconds": 1.5 + r, "engine_start": {"warm": True},
                                              "ready_at": time.time(), "devices": self.specs[r]["env"]}))
                 continue
             took = 0
@@ -176,13 +177,13 @@ class FakeRanks:
                 continue
             if took:
                 res = self.result(r)
-                self._emit(("progress", r, res["samples"], res["tokens"]))
+                self._emit(RankProgress(r, res["samples"], res["tokens"]))
             if st.got_end and self.calls >= st.done_at:
                 res = self.result(r)
-                self._emit(("progress", r, res["samples"], res["tokens"]))
-                self._emit(("done", r, res))
+                self._emit(RankProgress(r, res["samples"], res["tokens"]))
+                self._emit(RankDone(r, res))
                 if s.fail_after_done:
-                    self._emit(("failed", r, s.fail_after_done))
+                    self._emit(RankError(r, s.fail_after_done))
                 if s.error_exit_after_done:
                     st.errored = s.error_exit_after_done
                 st.finished = True
@@ -359,7 +360,7 @@ def test_no_prompt_is_put_before_every_rank_is_ready(h):
     good = h.prompts(12)
     summary = h.run([Script(ready_at=1), Script(ready_at=8)])
     fake = h.fake
-    ready1 = next(i for i, (k, x) in enumerate(fake.trace) if k == "event" and x[0] == "ready" and x[1] == 1)
+    ready1 = next(i for i, (k, x) in enumerate(fake.trace) if k == "event" and isinstance(x, RankReady) and x.rank == 1)
     first_put = next(i for i, (k, x) in enumerate(fake.trace) if k == "put")
     assert ready1 < first_put
     assert all(p["ready"] == {0, 1} for p in fake.prompts)
@@ -382,7 +383,7 @@ def test_dispatch_starts_start_together_s_after_the_first_ready_when_a_rank_is_l
     waited = first["at"] - fake.first_ready_delivered_at
     assert 0.3 <= waited < 5.0
     # the late rank joins when ready and is part of the run
-    assert fake.events_of("ready", 1) and fake.state[1].got_end
+    assert fake.events_of(RankReady, 1) and fake.state[1].got_end
     assert summary.samples == len(good) and len(summary.ranks) == 2
     assert [c["force"] for c in fake.closed] == [False]
 
@@ -396,11 +397,11 @@ def test_a_rank_that_fails_after_reporting_done_counts_as_done_and_the_run_waits
     summary = h.run([Script(fail_after_done="RuntimeError: engine shutdown failed"),
                      Script(done_after=300)])
     fake = h.fake
-    assert fake.events_of("failed", 0)  # the coordinator did see rank 0's failure
+    assert fake.events_of(RankError, 0)  # the coordinator did see rank 0's failure
     assert [c["force"] for c in fake.closed] == [False]
     # closed only after rank 1's own done, which came hundreds of calls after rank 0's
     seen = fake.closed[0]["delivered"]
-    assert any(e[0] == "done" and e[1] == 1 for e in seen)
+    assert any(isinstance(e, RankDone) and e.rank == 1 for e in seen)
     assert fake.closed[0]["calls"] >= fake.state[1].done_at
     assert fake.state[1].done_at - fake.state[0].done_at > 200
     assert summary.samples == len(good) == sum(fake.result(r)["samples"] for r in range(2))
@@ -428,7 +429,7 @@ def test_a_rank_lost_mid_dispatch_fails_the_run_and_the_others_still_get_end_mar
     # dispatch stopped, and the survivor got an end marker, finished what it took, reported done
     assert len(fake.prompts) < 40
     assert fake.ends >= 1 and fake.state[0].got_end
-    assert fake.events_of("done", 0)
+    assert fake.events_of(RankDone, 0)
 
 
 @pytest.mark.timeout(60)
@@ -441,7 +442,7 @@ def test_after_a_failure_ranks_that_go_quiet_are_stopped_instead_of_waited_for(h
     with pytest.raises(co.RankFailed) as exc:
         h.run([Script(take_per_call=0), Script(die_after_taking=3)])
     assert "rank 1" in str(exc.value) and "--resume" in str(exc.value)
-    assert not h.fake.events_of("done", 0)
+    assert not h.fake.events_of(RankDone, 0)
     assert [c["force"] for c in h.fake.closed] == [True]
     assert time.monotonic() - t0 < 30
 
@@ -509,3 +510,15 @@ def test_a_done_still_queued_when_lost_reports_the_rank_is_not_a_failure(h):
                      Script()])
     assert summary.samples == len(good)
     assert (h.out / "manifest.json").exists()
+
+
+# -- the events cross process boundaries ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ev", [RankReady(1, {"devices": {"CUDA_VISIBLE_DEVICES": "1"}}), RankProgress(1, 2, 30),
+                                RankDone(0, {"samples": 2, "shards": []}), RankError(3, "RuntimeError: x\n")],
+                         ids=lambda ev: type(ev).__name__)
+def test_rank_events_survive_pickling(ev):
+    import pickle
+
+    assert pickle.loads(pickle.dumps(ev)) == ev

@@ -27,4 +27,20 @@ def export_output(src: str, kind: str, dest: str | Path, *, layers: list[int] | 
     raise ValueError(f"--to must be one of {', '.join(KINDS)}, got {kind!r}")
 
 
-__all__ = ["KINDS", "export_output"]
+def settings_lines(record: dict[str, Any]) -> list[str]:
+    """The trainer settings that go with an export (its `record`), for a person."""
+    s = record["settings"]
+    lines = [f"exported {record['exported_samples']} samples, {record['exported_tokens']} tokens"
+             + (f" ({record['written']} written now, the rest by the run this one finished)"
+                if record["resumed"] else "")
+             + (f"; left out {record['skipped']['count']}: {record['skipped']['why']}"
+                if record.get("skipped") else ""),
+             f"{s['trainer']}:"]
+    if record["kind"] == "speculators":
+        return [*lines, f"  target layer ids {record['target_layer_ids']} ({record['numbering']})",
+                f"  flags: {s['flags']}"]
+    return [*lines, f"  layer ids {record['layer_ids']}: {s['numbering']}",
+            *(f"  {k}: {v}" for k, v in {**s["run_config"], **s["draft_config"]}.items()), f"  {s['command']}"]
+
+
+__all__ = ["KINDS", "export_output", "settings_lines"]

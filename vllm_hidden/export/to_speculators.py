@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import tempfile
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,29 @@ from vllm_hidden.export.run import (
 from vllm_hidden.layers import to_aux_ids
 
 TOKEN_FREQ = "token_freq.pt"
+TABLE_BATCH_ROWS = 1024  # rows per Arrow batch written to the table's stream
+
+
+@dataclass
+class TableRows:
+    """Table rows not yet written to the stream, a list per column (numpy int64 arrays for the
+    token columns)."""
+
+    input_ids: list[Any] = field(default_factory=list)
+    loss_mask: list[Any] = field(default_factory=list)
+    seq_len: list[int] = field(default_factory=list)
+
+    def add(self, token_ids: torch.Tensor, loss_mask: torch.Tensor) -> None:
+        self.input_ids.append(token_ids.numpy())
+        self.loss_mask.append(loss_mask.numpy())
+        self.seq_len.append(int(token_ids.shape[0]))
+
+    def __len__(self) -> int:
+        return len(self.seq_len)
+
+    def clear(self) -> None:
+        for column in (self.input_ids, self.loss_mask, self.seq_len):
+            column.clear()
 
 
 def _check(ds: Any, use: list[int] | None) -> tuple[list[int], list[int]]:
@@ -99,14 +123,14 @@ def export_speculators(src: str, dest: str | Path, *, layers: list[int] | None =
     schema = pa.schema([("input_ids", ids_t), ("loss_mask", ids_t), ("seq_len", pa.int64())])
     with tempfile.TemporaryDirectory(prefix=f".{out.name}-export-", dir=out.parent) as scratch:
         stream = Path(scratch) / "table.arrow"
-        rows: tuple[list[Any], list[Any], list[int]] = ([], [], [])
+        rows = TableRows()
         with pa.OSFile(str(stream), "wb") as sink, pa.ipc.new_stream(sink, schema) as table_out, Writers() as w:
             def flush() -> None:
-                if rows[2]:
-                    table_out.write_batch(pa.record_batch([pa.array(rows[0], ids_t), pa.array(rows[1], ids_t),
-                                                           pa.array(rows[2], pa.int64())], schema=schema))
-                    for r in rows:
-                        r.clear()
+                if rows:
+                    table_out.write_batch(pa.record_batch(
+                        [pa.array(rows.input_ids, ids_t), pa.array(rows.loss_mask, ids_t),
+                         pa.array(rows.seq_len, pa.int64())], schema=schema))
+                    rows.clear()
 
             for i, s in samples(ds, progress, "export speculators"):
                 tok = own(s["token_ids"])
@@ -117,14 +141,12 @@ def export_speculators(src: str, dest: str | Path, *, layers: list[int] | None =
                     hs = s["hidden_states"][:, cols].contiguous()
                     w.submit(save_atomic, {"hidden_states": hs, "token_ids": tok}, path, save_file)
                     done.written += 1
-                rows[0].append(tok.numpy())
-                rows[1].append(mask.numpy())
-                rows[2].append(int(tok.shape[0]))
+                rows.add(tok, mask)
                 ids_u, counts = tok[mask.bool()].unique(return_counts=True)
                 freq.update(dict(zip(ids_u.tolist(), counts.tolist())))
                 done.samples += 1
                 done.tokens += int(tok.shape[0])
-                if len(rows[2]) >= 1024:
+                if len(rows) >= TABLE_BATCH_ROWS:
                     flush()
             flush()
         table = datasets.Dataset.from_file(str(stream))

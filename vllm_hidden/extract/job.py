@@ -1,6 +1,6 @@
-"""One engine's extract job: check, plan, start the engine, run a prompt file through it into
-an output, report (Summary, progress bar), manifest last. The data-parallel coordinator
-reports with the same pieces."""
+"""One engine's extract job: its config from `extract`'s options, check, plan, start the
+engine, run a prompt file through it into an output, report (Summary, progress bar), manifest
+last. The data-parallel coordinator reports with the same pieces."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_hidden import __version__
-from vllm_hidden.config import ExtractConfig, Plan
+from vllm_hidden.config import ExtractConfig, GenerateConfig, Plan
 from vllm_hidden.extract.extractor import Extractor
 from vllm_hidden.extract.feed import ReaderFeed
 from vllm_hidden.extract.plan import check_paths, plan_extract, prompt_reader
 from vllm_hidden.format.shard import FP8_STORAGE, ShardInfo
-from vllm_hidden.inputs import count_records
+from vllm_hidden.inputs import count_records, parse_columns
 from vllm_hidden.layers import SEMANTICS
 from vllm_hidden.storage.output import Output
 
@@ -49,6 +49,18 @@ class Summary:
             "output_dir": self.output_dir,
             "capture_stats": self.capture_stats,
         }
+
+    def describe(self, generated: bool = False) -> str:
+        """One line for a person (`generated`: a --generate run, whose response tokens are named)."""
+        d = self.to_dict()
+        return ((f"resumed: {d['resumed']} samples were already done; " if d["resumed"] else "")
+                + f"done: {d['samples']} samples, {d['tokens']} tokens"
+                + (f" ({d['generated_tokens']} generated)" if generated else "")
+                + f", {d['errors']} errors -> {d['shards']} shards "
+                f"({d['bytes'] / 1e6:.1f} MB) in {d['seconds']:.1f} s ({d['tokens_per_s']:,.0f} tok/s, "
+                f"{d['samples_per_s']:,.1f} samples/s; engine start {d['engine_init_seconds']:.1f} s"
+                + (f", {'warm' if d['engine_start'].get('warm') else 'cold'}" if d["engine_start"] else "")
+                + f"; first sample {d['first_sample_seconds']:.1f} s after start)")
 
 
 class ProgressBar:
@@ -85,6 +97,19 @@ class ProgressBar:
     def close(self) -> None:
         if self.p is not None:
             self.p.stop()
+
+
+def extract_config(*, generate: bool, sampling: dict[str, Any], input_columns: str | None,
+                   **fields: Any) -> ExtractConfig:
+    """`vllm-hidden extract`'s config: `fields` are ExtractConfig's; `sampling` holds the options
+    that go with --generate only (None: not given), in the order their error names the first;
+    `input_columns` is the option's text."""
+    given = {k: v for k, v in sampling.items() if v is not None}
+    if given and not generate:
+        raise ValueError(f"--{next(iter(given)).replace('_', '-')} goes with --generate")
+    inflight = given.pop("max_inflight_bytes", None)
+    return ExtractConfig(generate=GenerateConfig(**given) if generate else None, max_inflight_bytes=inflight,
+                         input_columns=parse_columns(input_columns), **fields)
 
 
 def manifest_fields(cfg: ExtractConfig, plan: Plan, engine: dict[str, Any], reader: Any) -> dict[str, Any]:

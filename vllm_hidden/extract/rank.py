@@ -1,9 +1,9 @@
 """One engine of a data-parallel run (a local process or a Ray actor): start it, then
 extract from the shared prompt queue into its own part of the output, and report.
 
-Events it puts on the coordinator's queue: ("ready", rank, info) once its engine is up,
-("progress", rank, samples, tokens) about twice a second, then ("done", rank, result)
-or ("failed", rank, message)."""
+Events it puts on the coordinator's queue: `RankReady` once its engine is up, `RankProgress`
+about twice a second, then `RankDone` or `RankError`. They cross process boundaries (a
+multiprocessing or Ray queue), so they are plain picklable records."""
 
 from __future__ import annotations
 
@@ -11,9 +11,47 @@ import logging
 import os
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 PROGRESS_EVERY_S = 0.5
+
+
+@dataclass(frozen=True)
+class RankReady:
+    """Its engine is up: `info` holds engine_init_seconds, engine_start, ready_at and devices."""
+
+    rank: int
+    info: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RankProgress:
+    """Samples and tokens extracted so far (totals, not increments)."""
+
+    rank: int
+    samples: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class RankDone:
+    """Every shard it wrote is durable: `result` is its EngineResult.to_dict() plus engine,
+    first_sample_seconds and finished_at."""
+
+    rank: int
+    result: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RankError:
+    """Its run raised: the exception and its traceback, as text."""
+
+    rank: int
+    message: str
+
+
+RankEvent = RankReady | RankProgress | RankDone | RankError
 
 
 def run_rank(spec: dict[str, Any], work: Any, events: Any) -> dict[str, Any]:
@@ -25,16 +63,17 @@ def run_rank(spec: dict[str, Any], work: Any, events: Any) -> dict[str, Any]:
     rank = spec["rank"]
     cfg = ExtractConfig(**spec["cfg"])
     with start_extractor(cfg, check_io=False) as ex:
-        events.put(("ready", rank, {"engine_init_seconds": round(ex.engine_init_seconds, 3),
+        events.put(RankReady(rank, {"engine_init_seconds": round(ex.engine_init_seconds, 3),
                                     "engine_start": ex.start_report, "ready_at": time.time(),
                                     "devices": spec["env"]}))
-        last = [0.0]
+        last_sent = 0.0
 
         def progress(samples: int, tokens: int) -> None:
+            nonlocal last_sent
             now = time.monotonic()
-            if now - last[0] >= PROGRESS_EVERY_S:
-                last[0] = now
-                events.put(("progress", rank, samples, tokens))
+            if now - last_sent >= PROGRESS_EVERY_S:
+                last_sent = now
+                events.put(RankProgress(rank, samples, tokens))
 
         sc = ex.engine.vllm_config.scheduler_config
         # a few steps' worth in flight keeps every step full; more would leave one engine
@@ -44,8 +83,8 @@ def run_rank(spec: dict[str, Any], work: Any, events: Any) -> dict[str, Any]:
         out = {**res.to_dict(), "engine": ex.engine_info(), "first_sample_seconds": ex.first_sample_at,
                "finished_at": time.time()}
         # reported before the engine shuts down (seconds): its shards are durable already
-        events.put(("progress", rank, res.samples, res.tokens))
-        events.put(("done", rank, out))
+        events.put(RankProgress(rank, res.samples, res.tokens))
+        events.put(RankDone(rank, out))
     return out
 
 
@@ -72,5 +111,5 @@ def rank_process(spec: dict[str, Any], work: Any, events: Any, parent: int) -> N
     try:
         run_rank(spec, work, events)
     except BaseException as e:  # noqa: BLE001 - reported to the coordinator, then re-raised as an exit code
-        events.put(("failed", spec["rank"], f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        events.put(RankError(spec["rank"], f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         raise SystemExit(1) from None

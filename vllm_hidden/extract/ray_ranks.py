@@ -15,6 +15,7 @@ from typing import Any
 
 from vllm_hidden.config import ExtractConfig
 from vllm_hidden.extract.feed import QUEUE_PER_ENGINE
+from vllm_hidden.extract.rank import RankEvent
 
 
 class RankActor:
@@ -113,7 +114,7 @@ class RayRanks:
         except Full:
             return False
 
-    def next_event(self, timeout: float) -> tuple | None:
+    def next_event(self, timeout: float) -> RankEvent | None:
         from ray.util.queue import Empty
 
         try:
