@@ -1,7 +1,7 @@
 """The package layout: the data path reads from the folders, so imports only go one way.
 Every import in vllm_hidden (lazy ones inside functions included) is read from the source:
-no import cycle between the packages, none between the modules, and vLLM imported only
-under engine/."""
+each package imports only what its row of `ALLOWED` names, no import cycle between the
+packages, none between the modules, and vLLM imported only under engine/."""
 
 from __future__ import annotations
 
@@ -105,12 +105,57 @@ def test_no_import_cycle_between_modules():
     assert _cycles(_graph(99)) == []
 
 
-def test_the_data_path_goes_one_way():
-    g = _graph(2)
-    # the engine and what it runs never reach up to the jobs, the server or the CLI above them
-    for low in ("vllm_hidden.engine", "vllm_hidden.capture", "vllm_hidden.storage", "vllm_hidden.data"):
-        up = g.get(low, set()) & {"vllm_hidden.extract", "vllm_hidden.server", "vllm_hidden.cli", "vllm_hidden.warmup"}
-        assert not up, (low, up)
+# Which packages (and top-level modules) of vllm_hidden each may import: the data path, read
+# from the bottom up. A package not in the table, or an import not in its row, fails
+# `test_imports_follow_the_table`; an upward import is one not in the row.
+ALLOWED: dict[str, set[str]] = {
+    # the bottom: definitions and pure functions (the package's own __init__: its version)
+    "vllm_hidden": set(), "config": set(), "layers": set(), "devices": set(), "format": set(), "demo": set(),
+    "inputs": {"config", "layers"},
+    # what the runner hook hands the host side, and the sink contract (capture.records)
+    "capture": {"config", "format"},
+    # shard writer (a capture sink), manifest, uploads, verification
+    "storage": {"capture", "config", "format"},
+    # the reader, over what storage wrote
+    "data": {"format", "layers", "storage"},
+    # the vLLM adapter: the capture hook in the runner and the sinks it opens
+    "engine": {"capture", "config", "devices", "format", "layers", "storage"},
+    # the jobs over the engine and the output
+    "extract": {"vllm_hidden", "capture", "config", "devices", "engine", "format", "inputs", "layers", "storage"},
+    "warmup": {"config", "engine", "extract", "layers"},
+    "server": {"capture", "config", "engine", "format", "layers"},
+    "check": {"config", "data", "engine", "format", "layers", "storage"},
+    "export": {"config", "data", "format", "layers", "storage"},
+    # the top: parses and reports, may use any of them
+    "cli": {"vllm_hidden", "config", "layers", "devices", "format", "demo", "inputs", "capture", "storage", "data",
+            "engine", "extract", "warmup", "server", "check", "export"},
+}
+
+
+def _short(name: str) -> str:
+    return name.split(".", 1)[1] if "." in name else name
+
+
+def _violations(g: dict[str, set[str]], allowed: dict[str, set[str]]) -> list[str]:
+    """Edges of the package graph `g` (short names) that the table does not allow, and
+    packages it does not place."""
+    bad = [f"{src} is not in the table" for src in sorted(g) if src not in allowed]
+    bad += [f"{src} imports {dst}" for src in sorted(g) if src in allowed for dst in sorted(g[src] - allowed[src])]
+    return bad
+
+
+def test_the_table_checker_finds_an_upward_import():
+    assert _violations({"engine": {"capture", "extract"}}, ALLOWED) == ["engine imports extract"]
+    assert _violations({"new": {"config"}}, ALLOWED) == ["new is not in the table"]
+    assert _violations({"storage": {"format"}}, ALLOWED) == []
+
+
+def test_imports_follow_the_table():
+    g = {_short(src): {_short(d) for d in dsts} for src, dsts in _graph(2).items()}
+    assert "engine" in g and "extract" in g["warmup"]  # the graph is really read
+    pkgs = {_short(".".join(n.split(".")[:2])) for n in _modules()}
+    assert pkgs <= set(ALLOWED), sorted(pkgs - set(ALLOWED))  # every package and module has its row
+    assert _violations(g, ALLOWED) == []
 
 
 def test_vllm_is_imported_only_under_engine():
