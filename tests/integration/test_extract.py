@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from tests.integration.helpers import HFReference, last_json, rel_l2, run_cli, verify_checksums
+from tests.integration.helpers import HFReference, cli, last_json, rel_l2, run_cli, verify_checksums
 from vllm_hidden.data import HiddenStatesDataset
 from vllm_hidden.demo import make_tiny_model
 
@@ -183,7 +183,7 @@ def test_check_recomputes_the_output_with_hf(compiled, tmp_path):
     per-layer worst errors are the ones this suite computes for the samples it names, and
     against a model with other weights it fails naming a layer."""
     model, _, out, _, _ = compiled("qwen3_next")
-    r = run_cli("check", str(out), "--model", str(model), "--samples", "6", "--json")
+    r = cli("check", str(out), "--model", str(model), "--samples", "6", "--json")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     d = last_json(r)
     assert d["verdict"] == "pass" and len(d["samples"]) == 6 and "final_state" in d, d
@@ -206,7 +206,7 @@ def test_check_recomputes_the_output_with_hf(compiled, tmp_path):
     assert abs(d["final_state"]["rel_l2"] - worst["final"]) <= 1e-4, (d["final_state"], worst["final"])
 
     other = make_tiny_model(tmp_path / "other", arch="qwen3_next", num_layers=8, seed=1)
-    r = run_cli("check", str(out), "--model", str(other), "--samples", "1")
+    r = cli("check", str(out), "--model", str(other), "--samples", "1")
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     assert re.search(r"^fail: .*(layer \d|the final state).* vs bound", r.stdout.splitlines()[-1]), r.stdout
 

@@ -26,6 +26,7 @@ import torch
 from tests import chat_model
 from tests.integration.helpers import (
     HFReference,
+    cli,
     cli_env,
     journal_lines,
     kill_group,
@@ -104,7 +105,7 @@ def greedy(tiny_models, tmp_path_factory):
     (root / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs_in))
     out, out_last = root / "out", root / "out-last"
     r = subprocess.run([sys.executable, "-c", DRIVER, str(model), str(root / "in.jsonl"), str(out), str(out_last)],
-                       capture_output=True, text=True, timeout=900, env=cli_env())
+                       capture_output=True, text=True, timeout=900, env=cli_env(inprocess=True))
     assert r.returncode == 0, r.stderr[-4000:]
     summary, summary_last = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")][-2:]
     return model, tok, (out, out_last), recs, (summary, summary_last), set(gc["eos_token_id"])
@@ -214,7 +215,7 @@ def test_every_assistant_turn_regenerated_with_its_own_earlier_turns_matches_hf(
     assert man["generate"]["regenerate"] == "all"
     assert summary["tokens"] == sum(len(ds[i]["token_ids"]) for i in range(len(ds)))
     # a user's check of a --generate output: prompt and generated rows against HF
-    r = run_cli("check", str(out), "--model", str(model), "--samples", "4", "--json")
+    r = cli("check", str(out), "--model", str(model), "--samples", "4", "--json")
     assert r.returncode == 0 and last_json(r)["verdict"] == "pass", r.stdout[-3000:] + r.stderr[-3000:]
 
 

@@ -18,6 +18,7 @@ from tests.integration.helpers import (
     Server,
     check_dataset,
     check_states,
+    cli,
     journal,
     last_json,
     random_prompts,
@@ -86,7 +87,7 @@ def test_dp2_one_manifest_both_engines_write_errors_once(model, ref, tmp_path):
     assert sorted(e["id"] for e in errors) == ["oov", "s0"]  # checked once, by the coordinator
     verify_checksums(out)
     check_dataset(out, good, ref, [3, 0])
-    r = run_cli("inspect", str(out))
+    r = cli("inspect", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
 
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.integration.helpers import HFReference, check_dataset, last_json, run_cli
+from tests.integration.helpers import HFReference, check_dataset, cli, last_json, run_cli
 from tests.integration.test_parallel import DP_ENGINE, dp_prompts
 
 
@@ -43,6 +43,6 @@ def test_ray_cluster_two_workers_to_s3(tiny_models, cluster, s3, tmp_path):
     keys = {o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="ray-run/")["Contents"]}
     assert {s["file"] for s in m["shards"]} <= {k[len("ray-run/"):] for k in keys}
     assert "ray-run/errors.jsonl" in keys and "ray-run/run.json" in keys
-    r = run_cli("inspect", uri, "--s3-endpoint-url", url)
+    r = cli("inspect", uri, "--s3-endpoint-url", url)
     assert r.returncode == 0, r.stdout + r.stderr
     check_dataset(uri, good, HFReference(model), [3, 0], every=3, s3_endpoint_url=url)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests import chat_model
-from tests.integration.helpers import HFReference, cli_env, rel_l2, run_cli, verify_checksums
+from tests.integration.helpers import HFReference, cli, cli_env, rel_l2, verify_checksums
 from vllm_hidden.data import DFlashCollator, Eagle3Collator, HiddenStatesDataset
 
 LAYERS = [1, 3, 7]  # of 8; the last one (before the final norm) for speculators' last slot
@@ -72,7 +72,7 @@ def run(tiny_models, tmp_path_factory):
     runs = [[str(root / p) for p in (i, o, "speculators.json")]
             for i, o in (("in.jsonl", "out-jsonl"), ("in.parquet", "out-parquet"))]
     r = subprocess.run([sys.executable, "-c", DRIVER, str(model), json.dumps(runs)], capture_output=True, text=True,
-                       timeout=900, env=cli_env())
+                       timeout=900, env=cli_env(inprocess=True))
     assert r.returncode == 0, r.stderr[-4000:]
     summaries = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     return model, root, recs, summaries
@@ -166,7 +166,7 @@ def test_collators_give_the_dflash_and_eagle3_shapes(run):
 
 
 def _export(root, kind, dest, *args):
-    r = run_cli("export", str(root / "out-jsonl"), "--to", kind, str(dest), "--no-progress", *args)
+    r = cli("export", str(root / "out-jsonl"), "--to", kind, str(dest), "--no-progress", *args)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads((dest / "export.json").read_text()), r.stderr
 
@@ -293,7 +293,7 @@ def test_speculators_export_trains_in_speculators_as_written(run, speculators_ex
     d2t, t2d = build_vocab_mappings_from_distribution(token_freq, draft_vocab_size=64, target_vocab_size=vocab)
     top = sorted(freq, key=lambda t: (-freq[t], t))[:64]
     assert set((d2t + torch.arange(64)).tolist()) >= set(top[: min(64, len(top))]) and t2d.sum() == 64
-    bad = run_cli("export", str(root / "out-jsonl"), "--to", "speculators", str(root / "spec2"), "--layers", "1,3",
+    bad = cli("export", str(root / "out-jsonl"), "--to", "speculators", str(root / "spec2"), "--layers", "1,3",
                   "--no-progress")
     assert bad.returncode == 2 and "the last exported layer is 3: pass --layers 1,3,7" in bad.stderr
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.integration.helpers import HFReference, check_dataset, last_json, random_prompts, run_cli, write_prompts
+from tests.integration.helpers import HFReference, check_dataset, cli, last_json, random_prompts, run_cli, write_prompts
 from vllm_hidden.data import HiddenStatesDataset
 
 NUM_LAYERS = 8
@@ -92,26 +92,26 @@ def test_cut_hybrid_loads_a_full_checkpoint_and_gives_the_whole_models_states(mo
         for k in range(len(LAYERS)):
             got, want = s["hidden_states"][:, k].float(), t["hidden_states"][:, k].float()
             assert ((got - want).norm() / want.norm()).item() < 0.04, (s["id"], k)
-    r = run_cli("inspect", str(outs["fp8"]))
+    r = cli("inspect", str(outs["fp8"]))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     # a user's check of an fp8 output: within the bound widened by e4m3's own error
-    r = run_cli("check", str(outs["fp8"]), "--model", str(model), "--samples", "4", "--json")
+    r = cli("check", str(outs["fp8"]), "--model", str(model), "--samples", "4", "--json")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = last_json(r)
     assert report["verdict"] == "pass" and all(c["fp8_error"] > 0.01 for c in report["layers"].values()), report
 
     # one output against another on the same samples (what a user does for an FP8 target against the bf16
     # one): the cut run is the whole model's bit for bit; fp8 storage is e4m3's error away
-    r = run_cli("check", str(outs["cut"]), "--reference", str(outs["full"]), "--json")
+    r = cli("check", str(outs["cut"]), "--reference", str(outs["full"]), "--json")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     same = last_json(r)
     assert len(same["samples"]) == 8 and all(g["rel_l2"] == 0.0 for g in same["layers"].values()), same
-    r = run_cli("check", str(outs["fp8"]), "--reference", str(outs["cut"]), "--samples", "12", "--json")
+    r = cli("check", str(outs["fp8"]), "--reference", str(outs["cut"]), "--samples", "12", "--json")
     gap = last_json(r)
     assert r.returncode == 0 and gap["verdict"] == "pass" and sorted(map(int, gap["layers"])) == LAYERS, gap
     for g in gap["layers"].values():
         assert 0.005 < g["rel_l2"] < 0.04 and g["rel_l2_mean"] <= g["rel_l2"], g
-    r = run_cli("check", str(outs["fp8"]), "--reference", str(outs["cut"]), "--max-rel-l2", "0.001")
+    r = cli("check", str(outs["fp8"]), "--reference", str(outs["cut"]), "--max-rel-l2", "0.001")
     assert r.returncode == 1 and re.search(r"^fail: states farther than rel L2 0.001 ", r.stdout, re.M), r.stdout
 
 

@@ -14,7 +14,7 @@ import time
 import psutil
 from transformers import AutoTokenizer
 
-from tests.integration.helpers import CLI, HFReference, cli_env, last_json, rel_l2, run_cli, verify_checksums
+from tests.integration.helpers import CLI, HFReference, cli, cli_env, last_json, rel_l2, run_cli, verify_checksums
 from vllm_hidden.data import HiddenStatesDataset
 
 ENGINE = ["--enforce-eager", "--dtype", "bfloat16", "--max-num-seqs", "8", "--max-num-batched-tokens", "256"]
@@ -140,7 +140,7 @@ def test_empty_input_is_a_complete_empty_output(tiny_models, tmp_path):
     assert summary["samples"] == 0 and summary["errors"] == 0
     assert json.loads((out / "manifest.json").read_text())["num_samples"] == 0
     assert len(HiddenStatesDataset(out)) == 0
-    assert run_cli("inspect", str(out)).returncode == 0
+    assert cli("inspect", str(out)).returncode == 0
 
 
 def _peak_rss(cmd):

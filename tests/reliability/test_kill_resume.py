@@ -19,6 +19,7 @@ import psutil
 
 from tests.integration.helpers import (
     HFReference,
+    cli,
     journal,
     journal_lines,
     kill_group,
@@ -120,7 +121,7 @@ def test_kill_9_at_random_points_then_resume_exactly_once(tiny_models, tmp_path,
     assert sorted(s["file"] for s in manifest["shards"]) == sorted(journaled)
     assert not list(out.glob(".*.tmp"))
     assert all((out / f).stat().st_mtime_ns == m for f, m in kept.items())  # durable shards kept, not redone
-    res = run_cli("inspect", str(out))
+    res = cli("inspect", str(out))
     assert res.returncode == 0 and "all shards verified" in res.stdout, res.stdout + res.stderr
     ref = HFReference(model)  # states written across different attempts are the model's
     worst = 0.0

@@ -17,6 +17,7 @@ import torch
 
 from tests.damage import flip_bit
 from tests.integration.helpers import (
+    cli,
     journal_lines,
     last_json,
     random_prompts,
@@ -193,7 +194,7 @@ def test_s3_5xx_storms_restarts_and_an_outage_then_resume(tiny_models, s3, tmp_p
     assert summary["resumed"] > 0 and summary["resumed"] + summary["samples"] == len(prompts), summary
     ids, dup = _ids(HiddenStatesDataset(uri, s3_endpoint_url=url))
     assert sorted(ids) == sorted(prompts) and dup == 0
-    res = run_cli("inspect", uri, "--s3-endpoint-url", url)
+    res = cli("inspect", uri, "--s3-endpoint-url", url)
     assert res.returncode == 0 and "all shards verified" in res.stdout, res.stdout + res.stderr
     outage.down()
     reliability_report["s3_faults"] = {
@@ -219,7 +220,7 @@ def test_truncated_and_bit_flipped_shards_are_found_and_refused_by_name(tmp_path
     os.truncate(files[0], files[0].stat().st_size - 100)  # truncated
     flip_bit(files[1], files[1].stat().st_size - 200)  # a bit in the rows (the reader would return it)
     flip_bit(files[2], 20)  # a bit in the header
-    res = run_cli("inspect", str(out))
+    res = cli("inspect", str(out))
     assert res.returncode != 0
     report = res.stdout + res.stderr
     for f in files[:3]:
