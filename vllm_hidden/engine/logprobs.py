@@ -15,7 +15,6 @@ def prompt_logprobs(model: str, cli_args: list[str], prompts: list[list[int]],
     batching alone moves (other kernel shapes and split points): the engine's own noise, the
     yardstick for states captured in yet another batch."""
     from vllm import SamplingParams
-    from vllm.v1.engine.llm_engine import LLMEngine
 
     from vllm_hidden.engine import compat
     from vllm_hidden.engine.args import engine_args
@@ -24,7 +23,7 @@ def prompt_logprobs(model: str, cli_args: list[str], prompts: list[list[int]],
     compat.spawn_on_cuda()
     args = engine_args(model, cli_args, max(map(len, prompts)))
     args.max_logprobs = max(k, args.max_logprobs or 0)
-    engine = LLMEngine.from_engine_args(args)
+    engine = compat.start_engine(args)
     sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, prompt_logprobs=k)
     got: dict[str, Logprobs] = {}
 

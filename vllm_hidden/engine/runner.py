@@ -45,14 +45,14 @@ class Capture:
         self.runner = runner
         self.kind = kind  # which of vLLM's model runners: "v1" or "v2"
         self.cfg = cfg
-        mc = runner.model_config
-        self.hidden_size = mc.get_hidden_size()
+        self.sizes = compat.runner_sizes(runner)
+        self.hidden_size = self.sizes.hidden_size
         self.writer_rank = compat.is_writer_rank()
         self.transfer: StepTransfer | None = None
         self.final_state = False  # the model's output (final, normed) rides as one more column
         if self.writer_rank:
             self.transfer = self._new_transfer(len(cfg.layer_ids))
-        self.max_model_len = mc.max_model_len
+        self.max_model_len = self.sizes.max_model_len
         self.thread: AssemblerThread | None = None
         self.writer: ShardWriter | None = None
         self.sink_kind: str | None = None  # "shards" (extract, opened by RPC) or "publish" (server, on demand)
@@ -64,9 +64,9 @@ class Capture:
         self.fresh = FreshStateSlots(runner)  # on every rank: each holds its own part of the states
 
     def _new_transfer(self, columns: int, fp8: bool = False) -> StepTransfer:
-        r = self.runner
-        return StepTransfer(r.scheduler_config.max_num_batched_tokens, columns, self.hidden_size, r.model_config.dtype,
-                            r.device, self.cfg.ring_slots, fp8=fp8)
+        sz = self.sizes
+        return StepTransfer(sz.max_num_batched_tokens, columns, sz.hidden_size, sz.dtype, sz.device,
+                            self.cfg.ring_slots, fp8=fp8)
 
     def _set_layout(self, final_state: bool, fp8: bool = False) -> None:
         """--final-state post-norm: the device buffer and ring get a column for the model's own
@@ -77,7 +77,7 @@ class Capture:
         columns = len(self.cfg.layer_ids) + final_state
         if self.transfer.shape[1] != columns or self.transfer.fp8 != fp8:
             self.transfer = None  # the old buffers go before the new ones are allocated...
-            if self.runner.device.type == "cuda":
+            if self.sizes.device.type == "cuda":
                 torch.cuda.empty_cache()  # ...and back to the device: the KV cache took the rest of the budget
             self.transfer = self._new_transfer(columns, fp8)
         self.final_state = final_state
@@ -194,7 +194,7 @@ class Capture:
     def on_step(self, scheduler_output: Any) -> None:
         if not self.writer_rank:
             return
-        preempted = getattr(scheduler_output, "preempted_req_ids", None)
+        preempted = compat.preempted_req_ids(scheduler_output)
         if preempted:  # their rows are computed again later (and placed over the same positions)
             self._stats.preempted += len(preempted)
         tracked = self._tracked  # req id -> rows wanted (positions below it are captured)
@@ -307,21 +307,21 @@ def install_capture(runner: Any, cfg: CaptureConfig) -> Capture:
     """Capture's checks on this runner and its model, the model's aux layers, and the Capture
     (as `runner.vllm_hidden_capture`). `hooks` calls it, then switches the runner's aux
     outputs on and wraps its execute_model."""
-    model = runner.get_model()
+    model = compat.runner_model(runner)
     if not compat.supports_aux(model):
         raise RuntimeError(
             f"vllm-hidden: {type(model).__name__} does not expose intermediate hidden states "
             "(no EAGLE-3 aux interface in vLLM for this architecture)"
         )
-    if runner.use_aux_hidden_state_outputs:
+    if compat.aux_outputs_taken(runner):
         raise RuntimeError("vllm-hidden: a speculative method already uses the aux hidden-state path")
-    num_layers = runner.model_config.hf_text_config.num_hidden_layers
+    num_layers = compat.runner_sizes(runner).num_layers
     bad = [i for i in cfg.layer_ids if i >= num_layers]
     if bad:
         raise ValueError(f"layer id {bad[0]} out of range; the model has {num_layers} layers")
     kind = compat.runner_kind(runner)
     compat.check_runner(runner, kind)
-    model.set_aux_hidden_state_layers(cfg.aux_ids)
+    compat.set_aux_layers(model, cfg.aux_ids)
     cap = Capture(runner, cfg, kind)
     runner.vllm_hidden_capture = cap
     log.info("vllm-hidden: capturing layer ids %s (aux %s) on vLLM's %s model runner%s", list(cfg.layer_ids),

@@ -6,9 +6,11 @@ a run there is no later step: a full last step (16,384 rows of 51 KB at 27B widt
 leaves the disk (about 2 GB/s on our GPU host) ~0.4 s of writing after the GPU is done. So once
 the driver has said that no more prompts will come (`LAST_KEY` on its last request) and
 fewer than two full steps of prompt tokens are left, each step takes half of what is left
-(what is left of under an eighth of a full step goes in one): every step's rows are written
-while the next, half-size step runs, and the last step is small. The GPU does the same work
-in a few more steps (~3 at the end of a run).
+(rounded up). A halved step is never under a sixteenth of a full step (`FLOOR_FRACTION`): once
+half of what is left would be (under about an eighth of a full step left), the rest goes in one
+step. Every step's rows are written while the next, half-size step runs, and the last step is
+small. The GPU does the same work in a few more steps (mostly 3 more at the end of a run: 30,000
+tokens left of 16,384-token steps go as 15,000, 7,500, 3,750, 1,875 and 1,875).
 
 `taper_scheduler` is what the engine is given as its `scheduler_cls`: it builds the scheduler
 vLLM would have picked (async or not) with this one change. The vLLM methods the subclass
@@ -20,12 +22,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from vllm_hidden.engine import compat
+
 log = logging.getLogger("vllm.vllm_hidden")  # in the engine core process: through vLLM's logging
 
 # SamplingParams.extra_args key on the driver's last request of a run: no more will come
 LAST_KEY = "vllm_hidden_last"
 QUALNAME = f"{__name__}.taper_scheduler"
-FLOOR_FRACTION = 16  # the smallest tapered step: this fraction of a full step
+FLOOR_FRACTION = 16  # no halved step below this fraction of a full step (the last step, the rest, may be)
 
 
 def taper_budget(remaining: int, full: int) -> int:
@@ -46,8 +50,7 @@ class _Taper:
 
     def add_request(self, request: Any) -> None:
         super().add_request(request)  # type: ignore[misc]
-        params = getattr(request, "sampling_params", None)
-        extra = getattr(params, "extra_args", None) or {}
+        extra = compat.request_extra_args(request)
         # the last request of a run starts its end; any other request belongs to a run still
         # being fed (or the next run on this engine)
         self._vh_draining = bool(extra.get(LAST_KEY))
@@ -56,8 +59,7 @@ class _Taper:
         if not self._vh_draining:
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
         full = self.max_num_scheduled_tokens
-        remaining = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self.requests.values())
-        self.max_num_scheduled_tokens = taper_budget(remaining, full)
+        self.max_num_scheduled_tokens = taper_budget(compat.prompt_tokens_left(self), full)
         try:
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
         finally:
@@ -66,13 +68,9 @@ class _Taper:
 
 def taper_scheduler(*args: Any, **kwargs: Any) -> Any:
     """vLLM's scheduler for this engine (async or not, as vLLM decided), tapering at the end."""
-    vllm_config = kwargs.get("vllm_config", args[0] if args else None)
-    if vllm_config.scheduler_config.async_scheduling:
-        from vllm.v1.core.sched.async_scheduler import AsyncScheduler as base
-    else:
-        from vllm.v1.core.sched.scheduler import Scheduler as base
     from vllm_hidden.engine import hooks
 
+    base = compat.scheduler_base(*args, **kwargs)
     cls = type(f"Tapering{base.__name__}", (_Taper, base), {"__module__": __name__})
     log.info("vllm-hidden: %s, with the last steps of each extract run tapered", base.__name__)
     scheduler = cls(*args, **kwargs)

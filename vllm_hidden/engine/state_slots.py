@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from vllm_hidden.engine import compat
+
 log = logging.getLogger("vllm_hidden")
 
 
@@ -39,16 +41,7 @@ class FreshStateSlots:
     def _state_groups(self) -> list[tuple[int, list[torch.Tensor]]]:
         """The KV-cache groups holding recurrent state, with every state tensor of their
         layers (first dimension: the block/slot id). Found once, after the caches exist."""
-        from vllm.v1.kv_cache_interface import MambaSpec
-
-        groups = []
-        for g, group in enumerate(self.runner.kv_cache_config.kv_cache_groups):
-            if not isinstance(group.kv_cache_spec, MambaSpec):
-                continue
-            layers = self.runner.vllm_config.compilation_config.static_forward_context
-            tensors = [t for name in group.layer_names for t in _states(layers[name]) if t.numel()]
-            if tensors:
-                groups.append((g, tensors))
+        groups = compat.recurrent_state_tensors(self.runner)
         if groups:
             log.info("vllm-hidden: clearing fresh requests' state slots in %d layer tensors",
                      sum(len(t) for _, t in groups))
@@ -57,7 +50,7 @@ class FreshStateSlots:
     def clear(self, scheduler_output: Any) -> None:
         fresh = [r.block_ids for r in scheduler_output.scheduled_new_reqs if r.num_computed_tokens == 0]
         cached = scheduler_output.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", None)
+        resumed = compat.resumed_req_ids(cached)
         if resumed:  # V1: a preempted request comes back as cached, with all of its blocks
             fresh += [blocks for rid, k, blocks in zip(cached.req_ids, cached.num_computed_tokens,
                                                        cached.new_block_ids)
@@ -76,10 +69,3 @@ class FreshStateSlots:
             for t in tensors:
                 t.index_fill_(0, index, 0)
             self.cleared += len(ids)
-
-
-def _states(layer: Any) -> list[torch.Tensor]:
-    cache = getattr(layer, "kv_cache", None)
-    if isinstance(cache, torch.Tensor):
-        return [cache]
-    return [t for t in cache or () if isinstance(t, torch.Tensor)]

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_hidden.engine import compat
+
 
 class HiddenStatesWorkerExtension:
     def _vllm_hidden(self):
-        cap = getattr(self.model_runner, "vllm_hidden_capture", None)
+        cap = getattr(compat.worker_model_runner(self), "vllm_hidden_capture", None)
         if cap is None:
             raise RuntimeError("vllm-hidden capture is not installed in this engine (no additional_config)")
         return cap

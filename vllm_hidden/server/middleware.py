@@ -12,7 +12,7 @@ Loaded with vLLM's `--middleware vllm_hidden.server.HiddenStatesMiddleware` (wha
   the token ids vLLM returned: inline (base64 in the JSON) or, for `"transfer": "fetch"`, a
   URL on this server.
 On GET /v1/hidden_states/{id} (behind vLLM's --api-key check like every /v1 path): a fetch-form
-response's safetensors bytes, once (`fetch.FetchForm`), from whichever API server process the
+response's safetensors bytes, once (`fetch_form.FetchForm`), from whichever API server process the
 connection reached.
 Nothing in a request names a file or socket: each API server process binds its own channel
 address and names it to the worker in the request's (keyed) capture settings.
@@ -60,6 +60,26 @@ log = logging.getLogger("vllm_hidden")
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 _MARKERS = (FIELD.encode(), RESERVED_PREFIX.encode())
 
+# what the middleware does with a request (`_route`)
+PASS = "pass"  # vLLM's, untouched
+FETCH = "fetch"  # GET of a fetch-form response
+ENDPOINT = "endpoint"  # POST to an endpoint that serves hidden states
+ELSEWHERE = "elsewhere"  # a JSON POST to another endpoint: refused if it asks for hidden states
+
+
+def _route(scope: dict[str, Any]) -> str:
+    """Which of the paths above a request takes, from its scope alone (no body read yet)."""
+    if scope["type"] != "http":
+        return PASS
+    method = scope.get("method")
+    if method == "GET" and path(scope).startswith(FETCH_PATH):
+        return FETCH
+    if method != "POST":
+        return PASS
+    if path(scope) in ENDPOINTS:
+        return ENDPOINT
+    return ELSEWHERE if is_json(scope) else PASS
+
 
 def _too_large(limit: int) -> RequestError:
     return RequestError(f"a request with hidden_states must be at most {limit} bytes "
@@ -70,6 +90,15 @@ def _maybe_hidden(body: bytes) -> bool:
     """A body the marker scan cannot clear: JSON may spell a key with \\u escapes, and a
     UTF-16/32 body (NUL bytes) holds no ASCII marker at all; such bodies are parsed."""
     return b"\\u" in body or b"\x00" in body
+
+
+def _marked_request(body: bytes) -> dict[str, Any] | None:
+    """The request's JSON object where the body may carry our field or reserved keys; None
+    where the marker scan clears it or it is no JSON object (vLLM answers malformed JSON)."""
+    if not any(m in body for m in _MARKERS) and not _maybe_hidden(body):
+        return None
+    req = parse_json(body)
+    return req if isinstance(req, dict) else None
 
 
 def _strip_reserved(req: dict[str, Any]) -> bool:
@@ -171,58 +200,84 @@ class HiddenStatesMiddleware:
 
     # -- ASGI ------------------------------------------------------------------------
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        if scope.get("method") == "GET" and path(scope).startswith(FETCH_PATH):
-            self._find_auth(scope)
-            return await self._guarded(self._fetch)(scope, receive, send)
-        if scope.get("method") != "POST":
-            return await self.app(scope, receive, send)
-        ours = path(scope) in ENDPOINTS
-        if not ours and not is_json(scope):
-            return await self.app(scope, receive, send)
+        route = _route(scope)
+        if route == PASS:
+            await self.app(scope, receive, send)
+            return
         self._find_auth(scope)
-        limit = self.cfg.max_request_bytes
+        if route == FETCH:
+            await self._guarded(self._fetch)(scope, receive, send)
+            return
         try:
-            body, complete = await read_body(receive, limit)
-        except ConnectionResetError:
-            return None
-        if not ours:
-            return await self._elsewhere(scope, receive, send, body, complete)
-        if len(body) > limit:
-            if FIELD.encode() in body:
-                return await self._refuse(_too_large(limit), scope, receive, send)
-            if complete:
-                return await self.app(scope, replay(body, receive), send)
-            return await self._pass_large(scope, ScanningReceive(body, receive), send, limit)
-        if not any(m in body for m in _MARKERS) and not _maybe_hidden(body):
-            return await self.app(scope, replay(body, receive), send)
-        req = parse_json(body)
-        if not isinstance(req, dict):  # vLLM answers malformed JSON itself
-            return await self.app(scope, replay(body, receive), send)
-        stripped = _strip_reserved(req)
-        if FIELD not in req:
-            if stripped:
-                body = json.dumps(req).encode()
-                scope = with_length(scope, len(body))
-            return await self.app(scope, replay(body, receive), send)
-        value = req.pop(FIELD)
+            body, complete = await read_body(receive, self.cfg.max_request_bytes)
+        except ConnectionResetError:  # the client left while sending: nobody to answer
+            return
+        if route == ELSEWHERE:
+            await self._elsewhere(scope, receive, send, body, complete)
+        elif len(body) > self.cfg.max_request_bytes:
+            await self._over_limit(scope, receive, send, body, complete)
+        else:
+            await self._endpoint(scope, receive, send, body)
 
-        async def handler(scope, receive_, send_):
+    async def _pass(self, scope, receive, send, body: bytes) -> None:
+        """vLLM serves the request, its (already read) body handed over as it is."""
+        await self.app(scope, replay(body, receive), send)
+
+    async def _over_limit(self, scope, receive, send, body: bytes, complete: bool) -> None:
+        """A body over --max-request-bytes to an endpoint: refused if what was read asks for
+        hidden states; otherwise vLLM's (the rest scanned for the field as it streams in)."""
+        limit = self.cfg.max_request_bytes
+        if FIELD.encode() in body:
+            await self._refuse(_too_large(limit), scope, receive, send)
+        elif complete:
+            await self._pass(scope, receive, send, body)
+        else:
+            await self._pass_large(scope, ScanningReceive(body, receive), send, limit)
+
+    async def _endpoint(self, scope, receive, send, body: bytes) -> None:
+        """A request to an endpoint that serves hidden states, within the size limit: without
+        the field, vLLM's (less any reserved key a client sent); with it, captured."""
+        req = _marked_request(body)
+        if req is None:
+            await self._pass(scope, receive, send, body)
+            return
+        stripped = _strip_reserved(req)
+        if FIELD in req:
+            await self._guarded(self._capturing(req, req.pop(FIELD), receive))(scope, receive, send)
+            return
+        if stripped:
+            body = json.dumps(req).encode()
+            scope = with_length(scope, len(body))
+        await self._pass(scope, receive, send, body)
+
+    def _capturing(self, req: dict[str, Any], value: Any, receive):
+        """The ASGI app (behind vLLM's --api-key check) for a request with the field `value`
+        (popped from `req`): checked, then served with hidden states, or by vLLM alone for
+        `"hidden_states": false / null`."""
+
+        async def handler(scope, _receive, send):
             try:
-                self._setup(scope)
-                spec = parse_field(value, self._layers)
-                if spec is not None:
-                    _check_shape(req, path(scope))
+                spec = self._parse(scope, req, value)
             except RequestError as e:
-                return await send_error(send_, e)
+                await send_error(send, e)
+                return
             if spec is None:  # "hidden_states": false / null
                 b = json.dumps(req).encode()
-                return await self.app(with_length(scope, len(b)), replay(b, receive), send_)
+                await self._pass(with_length(scope, len(b)), receive, send, b)
+                return
             async with self._slots:
-                await self._serve(scope, receive, send_, req, spec)
+                await self._serve(scope, receive, send, req, spec)
 
-        return await self._guarded(handler)(scope, receive, send)
+        return handler
+
+    def _parse(self, scope, req: dict[str, Any], value: Any):
+        """The field's spec for this server's layers (None: states not asked for), the request's
+        shape checked; the server is set up on its first request."""
+        self._setup(scope)
+        spec = parse_field(value, self._layers)
+        if spec is not None:
+            _check_shape(req, path(scope))
+        return spec
 
     async def _fetch(self, scope, receive, send) -> None:
         """GET /v1/hidden_states/{id}."""
@@ -237,14 +292,15 @@ class HiddenStatesMiddleware:
         vLLM would ignore the field and answer without states, so a request that asks for
         them is refused, naming the endpoints that serve them."""
         if not complete:
-            return await self._pass_large(scope, ScanningReceive(body, receive), send, self.cfg.max_request_bytes)
-        if any(m in body for m in _MARKERS) or _maybe_hidden(body):
-            req = parse_json(body)
-            if isinstance(req, dict) and FIELD in req:
-                err = RequestError(f"{path(scope)} does not return hidden states; send \"{FIELD}\" to "
-                                   f"{' or '.join(ENDPOINTS)}")
-                return await self._refuse(err, scope, receive, send)
-        return await self.app(scope, replay(body, receive), send)
+            await self._pass_large(scope, ScanningReceive(body, receive), send, self.cfg.max_request_bytes)
+            return
+        req = _marked_request(body)
+        if req is not None and FIELD in req:
+            err = RequestError(f"{path(scope)} does not return hidden states; send \"{FIELD}\" to "
+                               f"{' or '.join(ENDPOINTS)}")
+            await self._refuse(err, scope, receive, send)
+            return
+        await self._pass(scope, receive, send, body)
 
     async def _pass_large(self, scope, receive: ScanningReceive, send, limit: int) -> None:
         started = False
