@@ -331,6 +331,35 @@ def collect(path: Path, text: str | None = None) -> list[Flag]:
 PASS_TO_VLLM = {"extract": ("engine",), "warmup": ("engine", "serve"), "serve": ("serve",)}
 
 
+def _accepts(cmd: tuple[str, str], cli: dict, vllm: dict, scripts: dict, pytest_opts: set[str]
+             ) -> tuple[set[str] | None, str]:
+    """The flags command `cmd` takes and how to name it, or None and why it is unknown."""
+    kind, name = cmd
+    if kind == "vllm-hidden":
+        if name not in cli:
+            return None, f"`vllm-hidden {name}` is not a subcommand (they are {sorted(k for k in cli if k)})"
+        ok = cli[name] | cli[""]
+        for part in PASS_TO_VLLM.get(name, ()):
+            ok |= vllm[part]
+        return ok, f"`vllm-hidden {name}`" + (" or vLLM" if name in PASS_TO_VLLM else "")
+    if kind == "vllm":
+        return vllm["serve"], "`vllm serve`"
+    if kind == "script":
+        if not (ROOT / name).is_file():
+            return None, f"there is no script {name}"
+        got = scripts.get(name)
+        if got is None:
+            return None, f"{name} parses no arguments"
+        return got, name
+    if kind == "pytest":
+        return pytest_opts, "pytest"
+    if kind == "trainer":
+        return trainer_flags()[name], f"`{name}`"
+    if kind in OTHER_TOOLS:
+        return OTHER_TOOLS[kind], f"{kind} (OTHER_TOOLS in this test)"
+    return None, f"the command {name!r} is not one this test knows"
+
+
 def problems(flags: list[Flag], pytest_opts: set[str]) -> list[str]:
     """One line per flag no parser of its command knows: file, line, flag and why."""
     cli, vllm = ours(), vllm_flags()
@@ -339,30 +368,7 @@ def problems(flags: list[Flag], pytest_opts: set[str]) -> list[str]:
     every = set().union(*cli.values(), *vllm.values())
 
     def accepts(cmd: tuple[str, str]) -> tuple[set[str] | None, str]:
-        kind, name = cmd
-        if kind == "vllm-hidden":
-            if name not in cli:
-                return None, f"`vllm-hidden {name}` is not a subcommand (they are {sorted(k for k in cli if k)})"
-            ok = cli[name] | cli[""]
-            for part in PASS_TO_VLLM.get(name, ()):
-                ok |= vllm[part]
-            return ok, f"`vllm-hidden {name}`" + (" or vLLM" if name in PASS_TO_VLLM else "")
-        if kind == "vllm":
-            return vllm["serve"], "`vllm serve`"
-        if kind == "script":
-            if not (ROOT / name).is_file():
-                return None, f"there is no script {name}"
-            got = scripts.get(name)
-            if got is None:
-                return None, f"{name} parses no arguments"
-            return got, name
-        if kind == "pytest":
-            return pytest_opts, "pytest"
-        if kind == "trainer":
-            return trainer_flags()[name], f"`{name}`"
-        if kind in OTHER_TOOLS:
-            return OTHER_TOOLS[kind], f"{kind} (OTHER_TOOLS in this test)"
-        return None, f"the command {name!r} is not one this test knows"
+        return _accepts(cmd, cli, vllm, scripts, pytest_opts)
 
     out = []
     for f in flags:

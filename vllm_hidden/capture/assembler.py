@@ -78,24 +78,7 @@ class Assembler:
                 if rid is not None:
                     self._end(rid, end)
             for rid in rec.finished:
-                gen = self._partial.get(rid)
-                if gen is not None and gen.req.generate:  # complete once the driver says where it ended
-                    gen.finished = True
-                    self._try_generated(rid, gen)
-                    continue
-                # All of a finished request's rows came in earlier records. An open-ended
-                # capture is complete now; anything else still here was aborted before its
-                # prompt was complete (normal completions left already).
-                part = self._partial.pop(rid, None)
-                if part is not None and part.req.until_finished:
-                    part.slot.buf = part.slot.buf[: part.filled]
-                    self.sink.commit(part.slot)
-                    continue
-                if part is not None:
-                    self.sink.drop(part.slot)
-                req = part.req if part is not None else self._pending.pop(rid, None)
-                if req is not None:
-                    self._dropped(rid, req, "the request ended before its prompt rows were all computed")
+                self._finished(rid)
             if rec.slot is None:
                 return
             t0 = time.perf_counter()
@@ -114,6 +97,26 @@ class Assembler:
         finally:
             if rec.slot is not None:
                 self.transfer.release(rec.slot)
+
+    def _finished(self, rid: str) -> None:
+        """The engine is done with request `rid`: all of its rows came in earlier records."""
+        gen = self._partial.get(rid)
+        if gen is not None and gen.req.generate:  # complete once the driver says where it ended
+            gen.finished = True
+            self._try_generated(rid, gen)
+            return
+        # An open-ended capture is complete now; anything else still here was aborted before its
+        # prompt was complete (normal completions left already).
+        part = self._partial.pop(rid, None)
+        if part is not None and part.req.until_finished:
+            part.slot.buf = part.slot.buf[: part.filled]
+            self.sink.commit(part.slot)
+            return
+        if part is not None:
+            self.sink.drop(part.slot)
+        req = part.req if part is not None else self._pending.pop(rid, None)
+        if req is not None:
+            self._dropped(rid, req, "the request ended before its prompt rows were all computed")
 
     def _dropped(self, rid: str, req: NewRequest, why: str) -> None:
         """The sink's `on_failure` hears of it at once (the server's takes it, so the waiting

@@ -191,6 +191,22 @@ class Capture:
         return NewRequest(routed_id(spec["to"], str(spec["id"])), prompt, rows)
 
     # -- per step ------------------------------------------------------------------
+    def _track_new(self, scheduled_new: Any, start: dict[str, int]) -> dict[str, NewRequest]:
+        """The step's new requests that ask for capture (now tracked); `start` gets each new
+        request's first position this step."""
+        new: dict[str, NewRequest] = {}
+        for r in scheduled_new:
+            start[r.req_id] = r.num_computed_tokens
+            if r.req_id in self._tracked:  # V2 sends a request resumed after preemption as new: its rows restart
+                continue
+            extra = r.sampling_params.extra_args if r.sampling_params is not None else None
+            if extra:
+                req = self._new_request(extra, r.prompt_token_ids)
+                if req is not None:
+                    new[r.req_id] = req
+                    self._tracked[r.req_id] = req.rows if req.rows is not None else len(req.token_ids)
+        return new
+
     def on_step(self, scheduler_output: Any) -> None:
         if not self.writer_rank:
             return
@@ -198,18 +214,8 @@ class Capture:
         if preempted:  # their rows are computed again later (and placed over the same positions)
             self._stats.preempted += len(preempted)
         tracked = self._tracked  # req id -> rows wanted (positions below it are captured)
-        new: dict[str, NewRequest] = {}
         start: dict[str, int] = {}
-        for r in scheduler_output.scheduled_new_reqs:
-            start[r.req_id] = r.num_computed_tokens
-            if r.req_id in tracked:  # V2 sends a request resumed after preemption as new: its rows restart
-                continue
-            extra = r.sampling_params.extra_args if r.sampling_params is not None else None
-            if extra:
-                req = self._new_request(extra, r.prompt_token_ids)
-                if req is not None:
-                    new[r.req_id] = req
-                    tracked[r.req_id] = req.rows if req.rows is not None else len(req.token_ids)
+        new = self._track_new(scheduler_output.scheduled_new_reqs, start)
         thread = self.thread
         if thread is None:
             return
