@@ -34,9 +34,68 @@ def cli_env(inprocess: bool = False) -> dict[str, str]:
 
 
 def run_cli(*args: str, timeout: int = 900, inprocess: bool = True, **kw) -> subprocess.CompletedProcess:
-    """The CLI to its end (engine core in its process unless `inprocess=False`: `cli_env`)."""
+    """The CLI to its end, in a process of its own; its engine core in that process unless
+    `inprocess=False` (`cli_env`). The run is forked from an interpreter that has imported
+    torch and vLLM already (`_forked`); a run with subprocess options (`kw`) starts a new
+    interpreter as `python -m vllm_hidden.cli` does."""
+    if not kw:
+        return _forked(list(args), cli_env(inprocess), timeout)
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
                           env=cli_env(inprocess), **kw)
+
+
+# What every CLI run imports first (torch, transformers, vLLM's engine): ~7 s of each run on a
+# 2-core machine, imported once by multiprocessing's fork server, which forks each run from it.
+# Only imports: no thread and no torch work runs there before a fork, and vLLM reads its
+# environment variables when it uses them, after the child has set its own.
+_PRELOAD = ["vllm_hidden.cli", "vllm_hidden.extract.job", "vllm_hidden.extract.coordinator", "vllm_hidden.check",
+            "vllm.engine.arg_utils", "vllm.v1.engine.llm_engine", "transformers"]
+# variables that act when an interpreter starts or a module is imported: a run whose values
+# differ from the fork server's starts a new interpreter instead
+_AT_START = ("PYTHONPATH", "PYTHONHOME", "VLLM_PLUGINS", "VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING")
+_fork_env: dict[str, str | None] | None = None
+
+
+def _cli_child(argv: list[str], env: dict[str, str], out: str, err: str) -> None:
+    """A forked run: the CLI's own entry point with `argv`, its environment `env`, its output
+    to the files `out` and `err`, in a process group of its own (a timeout kills all of it)."""
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.argv = ["vllm-hidden", *argv]
+    from vllm_hidden.cli import app
+
+    app(argv, prog_name="vllm-hidden")  # exits: typer's standalone mode
+
+
+def _forked(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    import multiprocessing as mp
+    import tempfile
+
+    global _fork_env
+    if _fork_env is None:
+        _fork_env = {k: os.environ.get(k) for k in _AT_START}
+        mp.set_forkserver_preload(_PRELOAD)
+    if any(env.get(k) != v for k, v in _fork_env.items()):
+        return subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=timeout, env=env)
+    with tempfile.TemporaryDirectory(prefix="vhidden-cli-") as d:
+        out, err = os.path.join(d, "out"), os.path.join(d, "err")
+        p = mp.get_context("forkserver").Process(target=_cli_child, args=(argv, env, out, err))
+        p.start()
+        p.join(timeout)
+        if p.exitcode is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.join()
+            raise subprocess.TimeoutExpired([*CLI, *argv], timeout)
+        with open(out) as fo, open(err) as fe:
+            return subprocess.CompletedProcess([*CLI, *argv], p.exitcode, fo.read(), fe.read())
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

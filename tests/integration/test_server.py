@@ -30,8 +30,9 @@ def dense(tiny_models):
     return tiny_models("qwen3", 4)
 
 
-# The dense servers run eager (a compile each would cost the CI machine ~30 s); the hybrid
-# server below runs compiled, vLLM's default, prefill and decode.
+# The servers run eager (a compile each would cost the CI machine ~30 s or more): the capture
+# path under torch.compile is checked against HF by test_extract.py (prefill) and
+# test_generate.py (decode, the hybrid), and a compiled server starts in test_warmup.py.
 @pytest.fixture(scope="module")
 def fetch_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("fetch")
@@ -394,7 +395,7 @@ def hybrid(tiny_models, tmp_path_factory):
     config in --additional-config and the middleware by --middleware."""
     model = tiny_models("qwen3_next", 4)
     s = Server(model, tmp_path_factory.mktemp("hybrid") / "server.log", None, "--max-model-len", "1024",
-               "--additional-config", json.dumps({"vllm_hidden": {"layer_ids": [0, 1, 3]}}),
+               "--enforce-eager", "--additional-config", json.dumps({"vllm_hidden": {"layer_ids": [0, 1, 3]}}),
                "--middleware", "vllm_hidden.server.HiddenStatesMiddleware")
     yield s, model
     s.stop()

@@ -53,7 +53,7 @@ def test_warmup_then_extract_compiles_nothing(model, tmp_path):
     args = ["-m", str(model), "--layers-from", str(tmp_path / "draft"), "--max-model-len", MAX_LEN,
             "--cache-dir", str(cache), *ENGINE]
 
-    r = run_cli("warmup", *args, inprocess=False)
+    r = run_cli("warmup", *args)
     assert r.returncode == 0, r.stderr[-3000:]
     w = last_json(r)
     assert not w["noop"]
@@ -62,7 +62,7 @@ def test_warmup_then_extract_compiles_nothing(model, tmp_path):
     stamp = json.loads(open(w["stamp"]).read())
     assert stamp["kind"] == "warmup" and stamp["fingerprint"] == w["fingerprint"]
 
-    again = run_cli("warmup", *args, inprocess=False)  # same settings: the stamp answers, no engine starts
+    again = run_cli("warmup", *args)  # same settings: the stamp answers, no engine starts
     assert again.returncode == 0, again.stderr[-3000:]
     n = last_json(again)
     assert n["noop"] and n["fingerprint"] == w["fingerprint"]
@@ -70,7 +70,7 @@ def test_warmup_then_extract_compiles_nothing(model, tmp_path):
 
     prompts = warmup_prompts(tmp_path / "in.jsonl", 6, seed=1)
     out = tmp_path / "out"
-    e = run_cli("extract", *args, "-i", str(tmp_path / "in.jsonl"), "-o", str(out), "--no-progress", inprocess=False)
+    e = run_cli("extract", *args, "-i", str(tmp_path / "in.jsonl"), "-o", str(out), "--no-progress")
     assert e.returncode == 0, e.stderr[-3000:]
     start = last_json(e)["engine_start"]
     assert start["warm"] is True, start
@@ -107,7 +107,8 @@ def test_engines_started_at_once_compile_once(tiny_models, tmp_path):
         procs.append(subprocess.Popen(
             [*CLI, "extract", "-m", str(model), "--layers", LAYERS, "--max-model-len",
              MAX_LEN, "--cache-dir", str(cache), *ENGINE, "-i", str(tmp_path / "in.jsonl"),
-             "-o", str(tmp_path / f"out{i}"), "--no-progress"], stdout=out, stderr=err, text=True, env=cli_env()))
+             "-o", str(tmp_path / f"out{i}"), "--no-progress"], stdout=out, stderr=err, text=True,
+            env=cli_env(inprocess=True)))
     results = []
     for p, (out, err) in zip(procs, logs):
         p.wait(timeout=900)
