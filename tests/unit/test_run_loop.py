@@ -183,3 +183,27 @@ def test_nan_states_become_error_records_and_the_rest_is_written(model, tmp_path
     errors = {json.loads(x)["id"] for x in (tmp_path / "out" / "errors.jsonl").read_text().splitlines()}
     assert errors == bad
     check_rows(tmp_path / "out", {k: v for k, v in good.items() if k not in bad}, LAYERS)
+
+
+def test_generated_responses_keep_a_row_for_every_prompt_and_response_token(model, tmp_path):
+    """--generate on the fake engine: it samples its model's greedy choice (next = 7 * last + 3)
+    one token past --max-tokens, the driver cuts each response at a stop token or --max-tokens;
+    each sample is its prompt and response, every row the fake model's value for its token and
+    position (the last kept token's row too: it was run through the model)."""
+    from vllm_hidden.config import GenerateConfig
+    from vllm_hidden.extract.generate import stop_token_ids
+
+    good = prompts(16, seed=6, hi=40)
+    write(tmp_path / "in.jsonl", good)
+    with extractor(model, tmp_path, generate=GenerateConfig(max_tokens=6, temperature=0.0)) as ex:
+        summary = extract_file(ex, str(tmp_path / "in.jsonl"), str(tmp_path / "out"))
+    stops = stop_token_ids(str(model), None)
+    want = {}
+    for sid, ids in good.items():
+        toks = list(ids)
+        while len(toks) - len(ids) < 6 and toks[-1] not in stops or len(toks) == len(ids):
+            toks.append((toks[-1] * 7 + 3) % ENGINE_VOCAB)
+        want[sid] = toks
+    assert summary.samples == len(good)
+    assert summary.generated_tokens == sum(len(w) - len(good[k]) for k, w in want.items())
+    check_rows(tmp_path / "out", want, LAYERS)
