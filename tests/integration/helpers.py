@@ -73,29 +73,56 @@ def _cli_child(argv: list[str], env: dict[str, str], out: str, err: str) -> None
 
 
 def _forked(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-    import multiprocessing as mp
-    import tempfile
-
-    global _fork_env
-    if _fork_env is None:
-        _fork_env = {k: os.environ.get(k) for k in _AT_START}
-        mp.set_forkserver_preload(_PRELOAD)
-    if any(env.get(k) != v for k, v in _fork_env.items()):
+    run = ForkedRun.start(argv, env)
+    if run is None:  # the fork server's interpreter would not be this run's
         return subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=timeout, env=env)
-    with tempfile.TemporaryDirectory(prefix="vhidden-cli-") as d:
-        out, err = os.path.join(d, "out"), os.path.join(d, "err")
-        p = mp.get_context("forkserver").Process(target=_cli_child, args=(argv, env, out, err))
-        p.start()
-        p.join(timeout)
-        if p.exitcode is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.join()
-            raise subprocess.TimeoutExpired([*CLI, *argv], timeout)
-        with open(out) as fo, open(err) as fe:
-            return subprocess.CompletedProcess([*CLI, *argv], p.exitcode, fo.read(), fe.read())
+    return run.wait(timeout)
+
+
+class ForkedRun:
+    """A CLI run forked from the fork server (`run_cli`); `pid` is its process."""
+
+    def __init__(self, argv: list[str], proc, tmp) -> None:
+        self.argv, self.proc, self._tmp = [*CLI, *argv], proc, tmp
+        self.pid = proc.pid
+
+    @classmethod
+    def start(cls, argv: list[str], env: dict[str, str]) -> ForkedRun | None:
+        """The run started, or None where `env` differs from the fork server's in what acts at
+        an interpreter's start (`_AT_START`)."""
+        import multiprocessing as mp
+        import tempfile
+
+        global _fork_env
+        if _fork_env is None:
+            _fork_env = {k: os.environ.get(k) for k in _AT_START}
+            mp.set_forkserver_preload(_PRELOAD)
+        if any(env.get(k) != v for k, v in _fork_env.items()):
+            return None
+        tmp = tempfile.TemporaryDirectory(prefix="vhidden-cli-")
+        out, err = os.path.join(tmp.name, "out"), os.path.join(tmp.name, "err")
+        proc = mp.get_context("forkserver").Process(target=_cli_child, args=(argv, env, out, err))
+        proc.start()
+        return cls(argv, proc, tmp)
+
+    def wait(self, timeout: float) -> subprocess.CompletedProcess:
+        """Its exit code and output; past `timeout` its process group is killed and
+        TimeoutExpired raised."""
+        p = self.proc
+        try:
+            p.join(timeout)
+            if p.exitcode is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.join()
+                raise subprocess.TimeoutExpired(self.argv, timeout)
+            d = self._tmp.name
+            with open(os.path.join(d, "out")) as fo, open(os.path.join(d, "err")) as fe:
+                return subprocess.CompletedProcess(self.argv, p.exitcode, fo.read(), fe.read())
+        finally:
+            self._tmp.cleanup()
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

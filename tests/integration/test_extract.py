@@ -211,22 +211,35 @@ def test_check_recomputes_the_output_with_hf(compiled, tmp_path):
     assert re.search(r"^fail: .*(layer \d|the final state).* vs bound", r.stdout.splitlines()[-1]), r.stdout
 
 
-def test_check_against_the_engine(compiled):
-    """`check --reference engine` on the compiled run (its last layer and final state): through
+@pytest.fixture(scope="module")
+def eager(compiled):
+    """enforce_eager, every layer by aux id and the final state, default step budget, on the
+    compiled run's input: (model, root, output, good, bad)."""
+    model, root, _, good, bad = compiled("qwen3_next")
+    out = root / "eager"
+    r = run_cli("extract", "--model", str(model), "--input", str(root / "in.jsonl"), "--output", str(out),
+                "--aux-layers", "1,2,3,4,5,6,7,8", "--max-model-len", str(MAX_LEN), "--dtype", "bfloat16",
+                "--max-num-batched-tokens", "1024", "--no-progress", "--enforce-eager", "--final-state", "post-norm")
+    assert r.returncode == 0, r.stderr[-4000:]
+    return model, root, out, good, bad
+
+
+def test_check_against_the_engine(eager):
+    """`check --reference engine` on the eager run (its last layer and final state): through
     the final norm and LM head they give a plain vLLM engine's own prompt logprobs within the
     rounding bound, for every position (that it fails against another model's logprobs:
-    tests/unit/test_check_engine.py)."""
-    model, _, out, good, _ = compiled("qwen3_next")
-    # every sample: the one-token one (nothing to compare) and the longest (MAX_LEN) among them. The
-    # engine compiles, as the extract did (an eager engine's bf16 results differ from a compiled one's)
+    tests/unit/test_check_engine.py). The check's engine runs eager too, as the extract did (an
+    eager engine's bf16 results differ from a compiled one's: compare like with like)."""
+    model, _, out, good, _ = eager
+    # every sample: the one-token one (nothing to compare) and the longest (MAX_LEN) among them
     r = run_cli("check", str(out), "--model", str(model), "--reference", "engine", "--samples", "100", "--json",
-                "--max-num-batched-tokens", "64")
+                "--enforce-eager")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     d = last_json(r)
     print("check --reference engine:", d["sources"])
     assert d["verdict"] == "pass" and d["reference"] == "engine" and len(d["samples"]) == len(good), d
     assert set(d["sources"]) == {"last layer", "final state"}, d["sources"]
-    assert d["engine_args"] == ["--max-num-batched-tokens", "64", "--dtype", "bfloat16"], d["engine_args"]
+    assert d["engine_args"] == ["--enforce-eager", "--dtype", "bfloat16"], d["engine_args"]  # + the output's dtype
     ds = HiddenStatesDataset(out)
     lengths = {ds[i]["id"]: len(ds[i]["token_ids"]) for i in range(len(ds))}
     assert d["positions"] == sum(lengths[sid] - 1 for sid in d["samples"]), d  # every position past the first
@@ -234,16 +247,11 @@ def test_check_against_the_engine(compiled):
         assert 0 < src["mean_abs"] <= src["bound"] and src["rounding"] > 0 and src["top1_agree"] >= 0.9, src
 
 
-
-def test_eager_matches_compiled_and_hf_every_layer(compiled):
-    """enforce_eager, every layer by aux id, default step budget; against HF and against the
-    compiled run on the same input."""
-    model, root, compiled_out, good, bad = compiled("qwen3_next")
-    out = root / "eager"
-    r = run_cli("extract", "--model", str(model), "--input", str(root / "in.jsonl"), "--output", str(out),
-                "--aux-layers", "1,2,3,4,5,6,7,8", "--max-model-len", str(MAX_LEN), "--dtype", "bfloat16",
-                "--max-num-batched-tokens", "1024", "--no-progress", "--enforce-eager")
-    assert r.returncode == 0, r.stderr[-4000:]
+def test_eager_matches_compiled_and_hf_every_layer(compiled, eager):
+    """The eager run against HF (every layer, the final state) and against the compiled run on
+    the same input."""
+    model, _, out, good, bad = eager
+    _, _, compiled_out, _, _ = compiled("qwen3_next")
     check_output(out, model, good, bad, list(range(8)))
     a, b = HiddenStatesDataset(out), HiddenStatesDataset(compiled_out)
     by_id = {b[i]["id"]: b[i] for i in range(len(b))}
@@ -253,3 +261,4 @@ def test_eager_matches_compiled_and_hf_every_layer(compiled):
         t = by_id[s["id"]]
         assert torch.equal(s["token_ids"], t["token_ids"])
         assert rel_l2(t["hidden_states"][:, order], s["hidden_states"]) <= BOUND
+        assert rel_l2(t["final_hidden_states"], s["final_hidden_states"]) <= BOUND

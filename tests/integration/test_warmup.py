@@ -6,12 +6,11 @@ once on a cold cache compile once. The states a warm engine writes still match H
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
 from tests.integration.helpers import (
-    CLI,
+    ForkedRun,
     HFReference,
     Server,
     cli_env,
@@ -100,22 +99,15 @@ def test_engines_started_at_once_compile_once(tiny_models, tmp_path):
     model = tiny_models("qwen3", 4)
     cache = tmp_path / "cache"
     warmup_prompts(tmp_path / "in.jsonl", 4, seed=2)
-    procs, logs = [], []
-    for i in range(2):  # output to files: a full pipe must not stall the engine holding the lock
-        out, err = open(tmp_path / f"out{i}.txt", "w+"), open(tmp_path / f"err{i}.txt", "w+")
-        logs.append((out, err))
-        procs.append(subprocess.Popen(
-            [*CLI, "extract", "-m", str(model), "--layers", LAYERS, "--max-model-len",
-             MAX_LEN, "--cache-dir", str(cache), *ENGINE, "-i", str(tmp_path / "in.jsonl"),
-             "-o", str(tmp_path / f"out{i}"), "--no-progress"], stdout=out, stderr=err, text=True,
-            env=cli_env(inprocess=True)))
+    runs = [ForkedRun.start(["extract", "-m", str(model), "--layers", LAYERS, "--max-model-len", MAX_LEN,
+                             "--cache-dir", str(cache), *ENGINE, "-i", str(tmp_path / "in.jsonl"),
+                             "-o", str(tmp_path / f"out{i}"), "--no-progress"], cli_env(inprocess=True))
+            for i in range(2)]  # (their output goes to files: a full pipe cannot stall the engine holding the lock)
     results = []
-    for p, (out, err) in zip(procs, logs):
-        p.wait(timeout=900)
-        out.seek(0), err.seek(0)
-        results.append((out.read(), err.read()))
-        out.close(), err.close()
-        assert p.returncode == 0, results[-1][1][-3000:]
+    for run in runs:
+        r = run.wait(900)
+        assert r.returncode == 0, r.stderr[-3000:]
+        results.append((r.stdout, r.stderr))
     starts = [last_json(out)["engine_start"] for out, _ in results]
     compiled = sorted(s["kernels_compiled"] for s in starts)
     assert compiled[0] == 0 and compiled[1] > 0, starts  # exactly one of them compiled

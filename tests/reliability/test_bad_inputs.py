@@ -7,14 +7,22 @@ from __future__ import annotations
 
 import codecs
 import json
-import subprocess
 import threading
 import time
 
 import psutil
 from transformers import AutoTokenizer
 
-from tests.integration.helpers import CLI, HFReference, cli, cli_env, last_json, rel_l2, run_cli, verify_checksums
+from tests.integration.helpers import (
+    ForkedRun,
+    HFReference,
+    cli,
+    cli_env,
+    last_json,
+    rel_l2,
+    run_cli,
+    verify_checksums,
+)
 from vllm_hidden.data import HiddenStatesDataset
 
 ENGINE = ["--enforce-eager", "--dtype", "bfloat16", "--max-num-seqs", "8", "--max-num-batched-tokens", "256"]
@@ -143,15 +151,18 @@ def test_empty_input_is_a_complete_empty_output(tiny_models, tmp_path):
     assert cli("inspect", str(out)).returncode == 0
 
 
-def _peak_rss(cmd):
-    """Run `cmd`; the peak resident memory of its main process (where input is read), sampled
-    every 50 ms, and the process."""
-    p = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _peak_rss(args):
+    """Run the CLI with `args` (forked, its engine core in its process: `run_cli`); the peak
+    resident memory of that process, sampled every 50 ms, and what it returned. The engine's
+    own memory is there in every run alike: what differs between two runs is the input's."""
+    run = ForkedRun.start(args, cli_env(inprocess=True))
+    assert run is not None
     peak = [0]
-    proc = psutil.Process(p.pid)
+    proc = psutil.Process(run.pid)
+    done = threading.Event()
 
     def sample():
-        while p.poll() is None:
+        while not done.is_set():
             try:
                 peak[0] = max(peak[0], proc.memory_info().rss)
             except psutil.Error:
@@ -160,9 +171,12 @@ def _peak_rss(cmd):
 
     t = threading.Thread(target=sample, daemon=True)
     t.start()
-    out, err = p.communicate(timeout=1800)
-    t.join()
-    return peak[0], p.returncode, out, err
+    try:
+        r = run.wait(1800)
+    finally:
+        done.set()
+        t.join()
+    return peak[0], r.returncode, r.stdout, r.stderr
 
 
 def test_a_512mb_input_is_streamed_with_bounded_memory(tiny_models, tmp_path, reliability_report):
@@ -184,7 +198,7 @@ def test_a_512mb_input_is_streamed_with_bounded_memory(tiny_models, tmp_path, re
             n_big += 1
     size = big.stat().st_size
     args = ["--layers", "1", "--max-model-len", str(MAX_LEN), "--no-progress", *ENGINE]
-    base = [*CLI, "extract", "--model", str(model)]
+    base = ["extract", "--model", str(model)]
     peak_small, rc, _, err = _peak_rss([*base, "--input", str(small), "--output", str(tmp_path / "o1"), *args])
     assert rc == 0, err[-3000:]
     t0 = time.monotonic()
