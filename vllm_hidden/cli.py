@@ -170,7 +170,10 @@ def extract(
     help="Run vLLM's OpenAI-compatible server with hidden-state capture. /v1/completions and "
     "/v1/chat/completions accept \"hidden_states\": true or {\"layers\": [...], \"tokens\": \"prompt\"|\"all\"} "
     "and then return the states inline (base64 safetensors) or, with \"transfer\": \"fetch\", at a URL for one "
-    "GET of the binary safetensors. Unknown options go to `vllm serve` "
+    "GET of the binary safetensors. Given speculators' launch arguments (--speculative-config with method "
+    "extract_hidden_states and --kv-transfer-config naming ExampleHiddenStatesConnector or FP8HiddenStatesConnector), "
+    "every request's prompt states are written as that connector's file under its shared_storage_path instead, "
+    "named in the response's kv_transfer_params.hidden_states_path. Unknown options go to `vllm serve` "
     "(e.g. --port 8000 --api-key KEY --tensor-parallel-size 2).",
 )
 def serve(
@@ -196,6 +199,12 @@ def serve(
                                                      "is HTTP 503.")] = ServeConfig.max_unfetched_bytes,
     fetch_dir: Annotated[Optional[Path], typer.Option(help="Fetch form: where unfetched states are kept "
                                                       "(default /dev/shm, memory).")] = None,
+    max_unread_bytes: Annotated[int, typer.Option(help="Connector form: bytes the files in shared_storage_path that "
+                                                  "no client has deleted may hold, split over the API server "
+                                                  "processes; past it, HTTP 503 with Retry-After.")]
+    = ServeConfig.max_unread_bytes,
+    unread_ttl: Annotated[float, typer.Option(help="Connector form: seconds a file nobody deleted is kept, then "
+                                              "the server deletes it.")] = ServeConfig.unread_ttl_s,
     cache_dir: CacheDir = None,
     tp: Tp = 1,
 ) -> None:
@@ -206,19 +215,27 @@ def serve(
         CacheDirs.resolve(_str(cache_dir)).apply()  # before vLLM is imported
         limits = ServeConfig(max_hidden_tokens=max_hidden_tokens, max_request_bytes=max_request_bytes,
                              max_concurrent=max_concurrent, timeout_s=hidden_states_timeout, fetch_ttl_s=fetch_ttl,
-                             max_unfetched_bytes=max_unfetched_bytes)
+                             max_unfetched_bytes=max_unfetched_bytes, max_unread_bytes=max_unread_bytes,
+                             unread_ttl_s=unread_ttl)
         if fetch_dir is not None and not fetch_dir.is_dir():
             raise ValueError(f"--fetch-dir must be an existing directory, got {str(fetch_dir)!r}")
-        from vllm_hidden.engine.serving import prepare_environment, run_vllm_serve, serve_argv
+        from vllm_hidden.engine.serving import (
+            connector_from_argv,
+            prepare_environment,
+            run_vllm_serve,
+            serve_argv,
+            serve_layer_ids,
+        )
         from vllm_hidden.extract.plan import model_info
-        from vllm_hidden.layers import resolve_layer_ids
 
-        ids = resolve_layer_ids(model_info(model).num_layers, layers, aux_layers, _str(layers_from))
+        num_layers = model_info(model).num_layers
+        connector, vllm_args = connector_from_argv(list(ctx.args), num_layers)
+        ids = serve_layer_ids(num_layers, connector, layers, aux_layers, _str(layers_from))
         from vllm_hidden.engine.quant import check_host
 
-        check_host(model, list(ctx.args))  # FP8 weights on a host without FP8 kernels: refused here, not in a worker
-        argv = serve_argv(model, ids, list(ctx.args), tp=tp)
-        prepare_environment(limits.to_env(), _str(fetch_dir))
+        check_host(model, vllm_args)  # FP8 weights on a host without FP8 kernels: refused here, not in a worker
+        argv = serve_argv(model, ids, vllm_args, tp=tp)
+        prepare_environment(limits.to_env(), _str(fetch_dir), connector)
     except (ValueError, ImportError, OSError) as e:
         _fail(str(e))
     try:

@@ -308,22 +308,31 @@ class ServeConfig:
     # states may hold (memory: /dev/shm), split evenly over the API server processes.
     fetch_ttl_s: float = 120.0
     max_unfetched_bytes: int = 8 << 30
+    # Connector form (`ConnectorConfig`): the bytes of files in the storage path that no client
+    # has deleted yet (split evenly over the API server processes; past it: HTTP 503 with
+    # Retry-After), and how long such a file is kept before the server deletes it (a client
+    # that died never will).
+    max_unread_bytes: int = 32 << 30
+    unread_ttl_s: float = 3600.0
 
     ENV = {"max_hidden_tokens": "VHIDDEN_MAX_TOKENS", "max_request_bytes": "VHIDDEN_MAX_REQUEST_BYTES",
            "max_concurrent": "VHIDDEN_MAX_CONCURRENT", "timeout_s": "VHIDDEN_TIMEOUT",
-           "fetch_ttl_s": "VHIDDEN_FETCH_TTL", "max_unfetched_bytes": "VHIDDEN_MAX_UNFETCHED_BYTES"}
+           "fetch_ttl_s": "VHIDDEN_FETCH_TTL", "max_unfetched_bytes": "VHIDDEN_MAX_UNFETCHED_BYTES",
+           "max_unread_bytes": "VHIDDEN_MAX_UNREAD_BYTES", "unread_ttl_s": "VHIDDEN_UNREAD_TTL"}
 
     def __post_init__(self) -> None:
-        for name in ("max_hidden_tokens", "max_request_bytes", "max_concurrent", "max_unfetched_bytes"):
+        for name in ("max_hidden_tokens", "max_request_bytes", "max_concurrent", "max_unfetched_bytes",
+                     "max_unread_bytes"):
             _positive_int(self._what(name), getattr(self, name))
-        for name in ("timeout_s", "fetch_ttl_s"):
+        for name in ("timeout_s", "fetch_ttl_s", "unread_ttl_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"{self._what(name)} must be a positive number, got {v!r}")
 
     FLAGS = {"max_hidden_tokens": "--max-hidden-tokens", "max_request_bytes": "--max-request-bytes",
              "max_concurrent": "--max-concurrent", "timeout_s": "--hidden-states-timeout",
-             "fetch_ttl_s": "--fetch-ttl", "max_unfetched_bytes": "--max-unfetched-bytes"}
+             "fetch_ttl_s": "--fetch-ttl", "max_unfetched_bytes": "--max-unfetched-bytes",
+             "max_unread_bytes": "--max-unread-bytes", "unread_ttl_s": "--unread-ttl"}
 
     def _what(self, name: str) -> str:
         return f"{self.FLAGS[name]} ({self.ENV[name]})"
@@ -343,3 +352,65 @@ class ServeConfig:
 
     def to_env(self) -> dict[str, str]:
         return {var: str(getattr(self, name)) for name, var in self.ENV.items()}
+
+
+# vLLM's hidden-states connectors a server stands in for (`ConnectorConfig`): name -> FP8 file layout
+CONNECTORS = {"ExampleHiddenStatesConnector": False, "FP8HiddenStatesConnector": True}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConnectorConfig:
+    """The connector form of `vllm-hidden serve`: started with the arguments speculators' launch
+    script gives `vllm serve` (`--speculative-config` with method extract_hidden_states and
+    `--kv-transfer-config` naming one of `CONNECTORS`), every completion and chat request gets its
+    prompt's states in a safetensors file under `storage_path`, laid out as that connector
+    writes it, and `kv_transfer_params.hidden_states_path` in its response. Passed to the API
+    server and engine processes in the environment (`ENV`)."""
+
+    connector: str
+    storage_path: str  # absolute
+    aux_layer_ids: tuple[int, ...]  # as given (vLLM's aux numbering; the file holds them ascending)
+    use_lock: bool = True  # a `.lock` file beside each (vLLM's `use_synchronization_lock`)
+
+    ENV = "VHIDDEN_CONNECTOR"
+
+    def __post_init__(self) -> None:
+        if self.connector not in CONNECTORS:
+            raise ValueError(f"kv_connector must be one of {sorted(CONNECTORS)}, got {self.connector!r}")
+        if not isinstance(self.storage_path, str) or not os.path.isabs(self.storage_path):
+            raise ValueError(f"shared_storage_path must be an absolute path, got {self.storage_path!r}")
+        ids = tuple(self.aux_layer_ids)
+        object.__setattr__(self, "aux_layer_ids", ids)
+        if not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+            raise ValueError(f"eagle_aux_hidden_state_layer_ids must be a non-empty list of ints, got {list(ids)!r}")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"eagle_aux_hidden_state_layer_ids has a repeated id: {list(ids)!r}")
+
+    @property
+    def fp8(self) -> bool:
+        return CONNECTORS[self.connector]
+
+    @property
+    def file_aux_ids(self) -> tuple[int, ...]:
+        """The layers in a file's order: ascending, as vLLM's model emits its aux states."""
+        return tuple(sorted(self.aux_layer_ids))
+
+    def to_env(self) -> dict[str, str]:
+        import json
+
+        return {self.ENV: json.dumps({"connector": self.connector, "storage_path": self.storage_path,
+                                      "aux_layer_ids": list(self.aux_layer_ids), "use_lock": self.use_lock})}
+
+    @classmethod
+    def from_env(cls, env: Any) -> "ConnectorConfig | None":
+        import json
+
+        raw = env.get(cls.ENV)
+        if not raw:
+            return None
+        try:
+            d = json.loads(raw)
+            return cls(connector=d["connector"], storage_path=d["storage_path"],
+                       aux_layer_ids=tuple(d["aux_layer_ids"]), use_lock=bool(d.get("use_lock", True)))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{cls.ENV} is not a connector config ({e}): {raw[:300]!r}") from None

@@ -300,20 +300,20 @@ class Server:
     plain `vllm serve` (layers None). Output goes to `log`."""
 
     def __init__(self, model: Path, log: Path, layers: str | None, *args: str, api_key: str | None = None,
-                 timeout: float = 600) -> None:
+                 timeout: float = 600, port: int | None = None) -> None:
         import time
         import urllib.request
 
         from vllm_hidden.warmup import free_port
 
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         common = ["--host", "127.0.0.1", "--port", str(self.port), *args]
         if api_key:
             common += ["--api-key", api_key]
-        if layers is not None:
-            cmd = [*CLI, "serve", str(model), "--layers", layers, *common]
+        if layers is not None:  # "": the layers come from the arguments (speculators' launch arguments)
+            cmd = [*CLI, "serve", str(model), *(["--layers", layers] if layers else []), *common]
         else:
             code = ("import sys; from vllm_hidden.engine.serving import run_vllm_serve; "
                     "run_vllm_serve(['serve', *sys.argv[1:]])")
@@ -376,6 +376,15 @@ class Server:
             except psutil.Error:
                 pass
         return total
+
+    def kill(self) -> None:
+        """SIGKILL to the server's every process, as a crash would."""
+        import signal
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+        self._log_f.close()
 
     def stop(self) -> None:
         import signal

@@ -126,11 +126,11 @@ class Publisher:
         self._socks[address] = sock
         return sock
 
-    def _send(self, sample_id: str, header: dict[str, Any], payload: Any = b"") -> None:
+    def _send(self, sample_id: str, header: dict[str, Any], *payload: Any) -> None:
         address, _, token = str(sample_id).rpartition("#")
         header["id"] = token
         try:
-            self._sock(address).send_multipart([json.dumps(header).encode(), payload], copy=False)
+            self._sock(address).send_multipart([json.dumps(header).encode(), *(payload or (b"",))], copy=False)
         except self._zmq.ZMQError as e:
             log.error("vllm-hidden: could not send hidden states for request %s to %s: %s", token, address, e)
 
@@ -138,7 +138,10 @@ class Publisher:
         hs = sample.hidden_states.contiguous()
         header = {"shape": list(hs.shape), "dtype": dtype_name(hs.dtype),
                   "finite": sample.finite}
-        self._send(sample.sample_id, header, hs.view(torch.uint8).numpy())  # zmq keeps a reference until sent
+        frames = [hs.view(torch.uint8).numpy()]  # zmq keeps a reference until sent
+        if sample.scale is not None:  # float8 rows: their float32 scales [T, K] ride as a third frame
+            frames.append(sample.scale.contiguous().view(torch.uint8).numpy())
+        self._send(sample.sample_id, header, *frames)
 
     def send_failure(self, sample_id: Any, message: str) -> None:
         self._send(sample_id, {"error": message})
@@ -146,10 +149,10 @@ class Publisher:
 
 class Receiver:
     """API-server side: an asyncio task pulling samples and handing each to `deliver(id,
-    rows or None, error or None, finite)` (`finite`: the worker's row statistics found no
-    NaN/Inf)."""
+    rows or None, error or None, finite, scale)` (`finite`: the worker's row statistics found
+    no NaN/Inf; `scale`: float8 rows' float32 scales [T, K], else None)."""
 
-    def __init__(self, address: str, deliver: Callable[[str, torch.Tensor | None, str | None, bool], None]) -> None:
+    def __init__(self, address: str, deliver: Callable[..., None]) -> None:
         import zmq
         import zmq.asyncio
 
@@ -176,14 +179,16 @@ class Receiver:
             try:
                 header = json.loads(bytes(frames[0].buffer))
                 if header.get("error") is not None:
-                    self._deliver(str(header["id"]), None, str(header["error"]), True)
+                    self._deliver(str(header["id"]), None, str(header["error"]), True, None)
                     continue
                 dtype = dtype_of(header["dtype"])
                 with warnings.catch_warnings():  # a read-only buffer; nothing writes to it
                     warnings.simplefilter("ignore")
                     raw = torch.frombuffer(frames[1].buffer, dtype=torch.uint8) if len(frames[1].buffer) \
                         else torch.empty(0, dtype=torch.uint8)
-                self._deliver(str(header["id"]), raw.view(dtype).reshape(header["shape"]), None,
-                              bool(header.get("finite", False)))
+                    rows = raw.view(dtype).reshape(header["shape"])
+                    scale = torch.frombuffer(frames[2].buffer, dtype=torch.float32).reshape(header["shape"][:2]) \
+                        if len(frames) > 2 else None
+                self._deliver(str(header["id"]), rows, None, bool(header.get("finite", False)), scale)
             except Exception:  # noqa: BLE001 - one bad message must not stop the channel
                 log.exception("vllm-hidden: bad message on the hidden-states channel")

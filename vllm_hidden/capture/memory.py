@@ -11,14 +11,17 @@ from vllm_hidden.capture.records import Sample, Sink
 
 
 class _MemSlot:
-    __slots__ = ("sample_id", "token_ids", "buf", "finite")
+    __slots__ = ("sample_id", "token_ids", "buf", "finite", "scale")
 
-    def __init__(self, sample_id: Any, token_ids: Sequence[int] | torch.Tensor, buf: torch.Tensor) -> None:
-        self.sample_id, self.token_ids, self.buf = sample_id, token_ids, buf
+    def __init__(self, sample_id: Any, token_ids: Sequence[int] | torch.Tensor, buf: torch.Tensor,
+                 scale: torch.Tensor | None) -> None:
+        self.sample_id, self.token_ids, self.buf, self.scale = sample_id, token_ids, buf, scale
         self.finite = True
 
     def place(self, pos: int, rows: torch.Tensor, stat: torch.Tensor) -> None:
         self.buf[pos : pos + rows.shape[0]].copy_(rows)
+        if self.scale is not None:  # float8 rows: their statistic is the scale they need
+            self.scale[pos : pos + rows.shape[0]].copy_(stat)
         if self.finite and not bool(torch.isfinite(stat).all()):  # [n, C] floats: cheap
             self.finite = False
 
@@ -31,7 +34,7 @@ class MemorySink(Sink):
 
     A `Sample` holds token ids and rows only: the final state's column, if the ring has one,
     stays the last column of its hidden states, and `line`, `loss_spans`, `num_prompt` and
-    `record` are accepted and not kept."""
+    `record` are accepted and not kept. Float8 rows (`dtype`) keep their scales (`Sample.scale`)."""
 
     def __init__(self, row_shape: tuple[int, int], dtype: torch.dtype, on_sample: Callable[[Sample], None],
                  on_failure: Callable[[Any, str], None] | None = None) -> None:
@@ -41,7 +44,10 @@ class MemorySink(Sink):
     def reserve(self, sample_id: Any, token_ids: Sequence[int] | torch.Tensor, *, rows: int | None = None,
                 line: int | None = None, loss_spans: list[list[int]] | None = None) -> _MemSlot:
         n = len(token_ids) if rows is None else rows
-        return _MemSlot(sample_id, token_ids, torch.empty((n, *self.row_shape), dtype=self.dtype))
+        return _MemSlot(sample_id, token_ids, torch.empty((n, *self.row_shape), dtype=self.dtype), self._scales(n))
+
+    def _scales(self, n: int) -> torch.Tensor | None:
+        return torch.empty((n, self.row_shape[0]), dtype=torch.float32) if self.dtype.itemsize == 1 else None
 
     def add_rows(self, sample_id: Any, token_ids: Sequence[int] | torch.Tensor, rows: torch.Tensor,
                  stat: torch.Tensor, *, loss_spans: list[list[int]] | None, num_prompt: int, record: str,
@@ -58,10 +64,14 @@ class MemorySink(Sink):
         # its own tensor, as a reserved sample has: the rows given may be a view of a larger buffer
         buf = torch.empty((n, *self.row_shape), dtype=self.dtype)
         buf.copy_(rows)
-        self.on_sample(Sample(sample_id, tok, buf, bool(torch.isfinite(stat).all())))
+        scale = self._scales(n)
+        if scale is not None:
+            scale.copy_(stat)
+        self.on_sample(Sample(sample_id, tok, buf, bool(torch.isfinite(stat).all()), scale))
 
     def commit(self, slot: _MemSlot) -> None:
-        self.on_sample(Sample(slot.sample_id, torch.tensor(slot.token_ids, dtype=torch.int64), slot.buf, slot.finite))
+        self.on_sample(Sample(slot.sample_id, torch.tensor(slot.token_ids, dtype=torch.int64), slot.buf, slot.finite,
+                              slot.scale))
 
     def drop(self, slot: _MemSlot) -> None:
         pass  # nothing outside the slot holds its rows

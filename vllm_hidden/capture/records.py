@@ -72,6 +72,7 @@ class Sample:
     token_ids: torch.Tensor  # int64 [T]
     hidden_states: torch.Tensor  # [T, K, H]
     finite: bool = True  # the rows' statistics found no NaN/Inf (MemorySink sets it)
+    scale: torch.Tensor | None = None  # float8 rows: their float32 scales [T, K] (value = fp8 * scale)
 
 
 class CaptureError(RuntimeError):

@@ -31,7 +31,7 @@ class StepTransfer:
     [C] (`quant`: the amax, or with fp8 values the scale), so one copy carries both."""
 
     def __init__(self, max_tokens: int, num_layers: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device, slots: int = 2, fp8: bool = False) -> None:
+                 device: torch.device, slots: int = 2, fp8: bool = False, per_token: bool = False) -> None:
         if max_tokens < 1 or num_layers < 1 or hidden_size < 1:
             raise ValueError(f"bad buffer shape ({max_tokens}, {num_layers}, {hidden_size})")
         if slots < 2:
@@ -41,6 +41,7 @@ class StepTransfer:
         self.cuda = self.device.type == "cuda"
         self.dtype = dtype  # what the model computes
         self.fp8 = fp8
+        self.per_token = per_token  # fp8: one scale per token (hs_connectors' layout), else per column
         self.values_dtype = quant.FP8 if fp8 else dtype  # what is stored
         self._values_bytes = num_layers * hidden_size * self.values_dtype.itemsize
         if self._values_bytes % 4:
@@ -120,7 +121,8 @@ class StepTransfer:
         kernels, no allocation."""
         if self.fp8:
             torch.stack([t[:n] for t in layers], dim=1, out=self._gather[:n])
-            quant.quantize(self._gather[:n], self._device_values[:n], self._device_stat[:n], self._work[:n])
+            quant.quantize(self._gather[:n], self._device_values[:n], self._device_stat[:n], self._work[:n],
+                           per_token=self.per_token)
             return
         values = self._device_values[:n]
         for k, t in enumerate(layers):  # the rows are packed: one copy per column, not one stack

@@ -12,6 +12,7 @@ separate thread.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from typing import Any
@@ -23,7 +24,7 @@ from vllm_hidden.capture.channel import Publisher, channel_key, routed_id
 from vllm_hidden.capture.memory import MemorySink
 from vllm_hidden.capture.records import CaptureError, NewRequest, Segment, StepRecord
 from vllm_hidden.capture.ring import StepTransfer
-from vllm_hidden.config import CaptureConfig, ShardConfig
+from vllm_hidden.config import CaptureConfig, ConnectorConfig, ShardConfig
 from vllm_hidden.engine import compat
 from vllm_hidden.engine.caches import StartProbe, describe
 from vllm_hidden.engine.serving import WORKER_KEY
@@ -63,23 +64,23 @@ class Capture:
         self.start_report: dict[str, Any] | None = None
         self.fresh = FreshStateSlots(runner)  # on every rank: each holds its own part of the states
 
-    def _new_transfer(self, columns: int, fp8: bool = False) -> StepTransfer:
+    def _new_transfer(self, columns: int, fp8: bool = False, per_token: bool = False) -> StepTransfer:
         sz = self.sizes
         return StepTransfer(sz.max_num_batched_tokens, columns, sz.hidden_size, sz.dtype, sz.device,
-                            self.cfg.ring_slots, fp8=fp8)
+                            self.cfg.ring_slots, fp8=fp8, per_token=per_token)
 
-    def _set_layout(self, final_state: bool, fp8: bool = False) -> None:
+    def _set_layout(self, final_state: bool, fp8: bool = False, per_token: bool = False) -> None:
         """--final-state post-norm: the device buffer and ring get a column for the model's own
         output (after the final norm), so it travels in the step's one gather and one copy;
         --storage-dtype fp8: the rows are quantized on the device, so the copy (and the disk)
         carry half the bytes. Set per sink at open (not in additional_config, which vLLM
         hashes: the compiled model is the same either way, so it must not recompile)."""
         columns = len(self.cfg.layer_ids) + final_state
-        if self.transfer.shape[1] != columns or self.transfer.fp8 != fp8:
+        if self.transfer.shape[1] != columns or self.transfer.fp8 != fp8 or self.transfer.per_token != per_token:
             self.transfer = None  # the old buffers go before the new ones are allocated...
             if self.sizes.device.type == "cuda":
                 torch.cuda.empty_cache()  # ...and back to the device: the KV cache took the rest of the budget
-            self.transfer = self._new_transfer(columns, fp8)
+            self.transfer = self._new_transfer(columns, fp8, per_token)
         self.final_state = final_state
 
     def finish_start(self, compilation_seconds: float | None) -> None:
@@ -159,7 +160,9 @@ class Capture:
         """A server's requests: samples go back over the result channel to the API server
         process each request names."""
         pub = Publisher()
-        self._set_layout(False)
+        connector = ConnectorConfig.from_env(os.environ)
+        fp8 = connector is not None and connector.fp8  # hs_connectors' FP8 files: quantized here, on the device
+        self._set_layout(False, fp8=fp8, per_token=fp8)
         sink = MemorySink(self.transfer.shape[1:], self.transfer.values_dtype, pub.send_sample, pub.send_failure)
         self.thread = AssemblerThread(Assembler(self.transfer, sink),
                                       cpus=compat.cpus_off_the_forward(self.runner.device))

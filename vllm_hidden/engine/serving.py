@@ -17,6 +17,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("vllm_hidden")
@@ -111,6 +112,120 @@ def _merge_additional_config(argv: list[str], ours: dict[str, Any]) -> list[str]
     return out
 
 
+_SPEC_FLAGS = ("--speculative-config", "--speculative_config", "-sc")
+_KV_FLAGS = ("--kv-transfer-config", "--kv_transfer_config")
+EXTRACT_METHOD = "extract_hidden_states"
+
+
+def _take_flag(argv: list[str], names: tuple[str, ...]) -> tuple[str | None, list[str]]:
+    """The value of the last of `names` in `argv` (`--x V` or `--x=V`) and argv without any of them."""
+    value, rest, i = None, [], 0
+    while i < len(argv):
+        a = argv[i]
+        name, eq, inline = a.partition("=")
+        if name in names:
+            if eq:
+                value, i = inline, i + 1
+            else:
+                if i + 1 >= len(argv):
+                    raise ValueError(f"{a} needs a value")
+                value, i = argv[i + 1], i + 2
+            continue
+        rest.append(a)
+        i += 1
+    return value, rest
+
+
+def _json_object(flag: str, raw: str) -> dict[str, Any]:
+    try:
+        v = json.loads(raw)
+    except ValueError:
+        raise ValueError(f"{flag} must be a JSON object, got {raw!r}") from None
+    if not isinstance(v, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {raw!r}")
+    return v
+
+
+def connector_from_argv(argv: list[str], num_layers: int) -> tuple[Any, list[str]]:
+    """speculators' launch arguments (`--speculative-config` with method extract_hidden_states
+    and `--kv-transfer-config` naming vLLM's hidden-states connector or hs_connectors' FP8 one,
+    either spelling of each flag) -> (config.ConnectorConfig, argv without them): this server
+    writes those files itself, so vLLM never sees them. (None, argv) when they are not there;
+    a speculative config of another method and other connectors stay vLLM's. Raises ValueError
+    naming the bad value."""
+    from vllm_hidden.config import CONNECTORS, ConnectorConfig
+
+    spec_raw, rest = _take_flag(list(argv), _SPEC_FLAGS)
+    kv_raw, rest2 = _take_flag(rest, _KV_FLAGS)
+    spec = _json_object("--speculative-config", spec_raw) if spec_raw is not None else None
+    kv = _json_object("--kv-transfer-config", kv_raw) if kv_raw is not None else None
+    name = kv.get("kv_connector") if kv else None
+    if spec is None or spec.get("method") != EXTRACT_METHOD:
+        if name in CONNECTORS:
+            raise ValueError(f"--kv-transfer-config names {name!r}, which needs --speculative-config with "
+                             f"\"method\": \"{EXTRACT_METHOD}\" and the layer ids, got {spec_raw!r}")
+        return None, list(argv)
+    if kv is None:
+        raise ValueError(f"--speculative-config method {EXTRACT_METHOD!r} needs --kv-transfer-config naming one of "
+                         f"{sorted(CONNECTORS)} with kv_connector_extra_config.shared_storage_path")
+    if name not in CONNECTORS:
+        raise ValueError(f"--kv-transfer-config: kv_connector must be one of {sorted(CONNECTORS)} "
+                         f"(the hidden-states connectors this server writes the files of), got {name!r}")
+    role = kv.get("kv_role", "kv_producer")
+    if role not in ("kv_producer", "kv_both"):
+        raise ValueError(f"--kv-transfer-config: kv_role must be 'kv_producer' (it writes states), got {role!r}")
+    extra = kv.get("kv_connector_extra_config") or {}
+    if not isinstance(extra, dict):
+        raise ValueError(f"--kv-transfer-config: kv_connector_extra_config must be an object, got {extra!r}")
+    path = extra.get("shared_storage_path")
+    if not path or not isinstance(path, str):
+        raise ValueError("--kv-transfer-config: kv_connector_extra_config.shared_storage_path (where the files go) "
+                         f"is missing, got {path!r}")
+    if extra.get("allow_custom_save_path"):
+        raise ValueError("--kv-transfer-config: allow_custom_save_path is not supported (a request could name any "
+                         f"path on the server), got {extra['allow_custom_save_path']!r}")
+    hf = ((spec.get("draft_model_config") or {}).get("hf_config") or {}) if isinstance(
+        spec.get("draft_model_config"), dict) else {}
+    aux = hf.get("eagle_aux_hidden_state_layer_ids") if isinstance(hf, dict) else None
+    if not isinstance(aux, list) or not aux:
+        raise ValueError("--speculative-config: draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids "
+                         f"(the layers, vLLM aux ids) must be a non-empty list, got {aux!r}")
+    for j in aux:
+        if isinstance(j, bool) or not isinstance(j, int) or not 1 <= j <= num_layers:
+            raise ValueError(f"--speculative-config: eagle_aux_hidden_state_layer_ids {aux!r}: aux id {j!r} is out "
+                             f"of range; the model has {num_layers} layers, aux ids are 1..{num_layers} (aux j = "
+                             f"input of layer j, {num_layers} = the last layer's output before the final norm; "
+                             "aux 0, the embeddings, is not captured)")
+    cfg = ConnectorConfig(connector=name, storage_path=os.path.abspath(os.path.expanduser(path)),
+                          aux_layer_ids=tuple(aux), use_lock=bool(extra.get("use_synchronization_lock", True)))
+    return cfg, rest2
+
+
+def serve_layer_ids(num_layers: int, connector: Any, layers: str | None, aux_layers: str | None,
+                    layers_from: str | None) -> list[int]:
+    """The server's layer ids: from --layers / --aux-layers / --layers-from, or from the
+    connector form's aux ids (then none of those may be given)."""
+    from vllm_hidden.layers import resolve_layer_ids
+
+    if connector is None:
+        return resolve_layer_ids(num_layers, layers, aux_layers, layers_from)
+    given = [n for n, v in (("--layers", layers), ("--aux-layers", aux_layers), ("--layers-from", layers_from))
+             if v is not None]
+    if given:
+        raise ValueError(f"the layers come from --speculative-config's eagle_aux_hidden_state_layer_ids "
+                         f"{list(connector.aux_layer_ids)}; drop {', '.join(given)}")
+    try:
+        Path(connector.storage_path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"shared_storage_path {connector.storage_path!r} cannot be made: {e}") from None
+    ids = [j - 1 for j in connector.file_aux_ids]
+    log.info(
+        "vllm-hidden: connector form (%s): files under %s hold aux ids %s (layer ids %s, input of layer j = output "
+        "of layer j-1; %d = the last layer's output before the norm), in that order", connector.connector,
+        connector.storage_path, list(connector.file_aux_ids), ids, num_layers)
+    return ids
+
+
 def with_tp(vllm_args: list[str], tp: int) -> list[str]:
     """vLLM arguments with `--tp` as --tensor-parallel-size (refused if they give another size)."""
     from vllm_hidden.engine.caches import TP_FLAGS, flag_values, resolve_tp
@@ -144,11 +259,16 @@ def run_vllm_serve(argv: list[str]) -> None:
     args.dispatch_function(args)
 
 
-def prepare_environment(serve_env: dict[str, str], fetch_parent: str | None = None) -> None:
-    """A fresh channel key, the fetch-form directory's name and the server limits, in the
-    environment the engine and API server processes inherit."""
+def prepare_environment(serve_env: dict[str, str], fetch_parent: str | None = None, connector: Any = None) -> None:
+    """A fresh channel key, the fetch-form directory's name, the server limits and the
+    connector form's config (or its absence), in the environment the engine and API server
+    processes inherit."""
     from vllm_hidden.capture.channel import ensure_dir_env, ensure_key
+    from vllm_hidden.config import ConnectorConfig
 
     os.environ.update(serve_env)
+    os.environ.pop(ConnectorConfig.ENV, None)
+    if connector is not None:
+        os.environ.update(connector.to_env())
     ensure_key(fresh=True)
     ensure_dir_env(fetch_parent, fresh=True)

@@ -128,12 +128,12 @@ def build_header(entries_: Mapping[str, Any], metadata: Mapping[str, str] | None
     return (total - 8).to_bytes(8, "little") + header + b" " * (total - 8 - len(header))
 
 
-def pieces(tensors: Mapping[str, torch.Tensor], multiple: int = 8) -> list:
+def pieces(tensors: Mapping[str, torch.Tensor], multiple: int = 8, metadata: Mapping[str, str] | None = None) -> list:
     """A safetensors file as [header, raw bytes of each tensor], the tensors not copied."""
     tensors = {name: t.contiguous() for name, t in tensors.items()}
     ents, _ = entries((name, t.dtype, t.shape) for name, t in tensors.items())
     raws = [t.view(torch.uint8).reshape(-1).numpy() if t.numel() else b"" for t in tensors.values()]
-    return [build_header(ents, multiple=multiple), *raws]
+    return [build_header(ents, metadata, multiple=multiple), *raws]
 
 
 def load(buf: bytearray | bytes) -> dict[str, torch.Tensor]:

@@ -115,13 +115,15 @@ async def send_body(send, parts: list, more: bool, chunk: int = SEND_CHUNK) -> N
         await send({"type": "http.response.body", "body": c, "more_body": more or i < len(chunks) - 1})
 
 
-async def send_json(send, status: int, payload: dict[str, Any]) -> None:
+async def send_json(send, status: int, payload: dict[str, Any], headers: tuple = ()) -> None:
     body = json.dumps(payload).encode()
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 async def send_error(send, err) -> None:
-    """A protocol.RequestError as vLLM's error JSON, with its status."""
-    await send_json(send, err.status, err.body())
+    """A protocol.RequestError as vLLM's error JSON, with its status (and Retry-After)."""
+    retry = getattr(err, "retry_after", None)
+    await send_json(send, err.status, err.body(), ((b"retry-after", str(retry).encode()),) if retry else ())

@@ -25,10 +25,12 @@ import json
 import logging
 import os
 import secrets
+import time
 from typing import Any
 
-from vllm_hidden.config import ServeConfig
+from vllm_hidden.config import ConnectorConfig, ServeConfig
 from vllm_hidden.engine.serving import RESERVED_PREFIX, TOKEN_KEY
+from vllm_hidden.format.quant import dequantize
 from vllm_hidden.server.asgi import (
     ScanningReceive,
     is_json,
@@ -41,10 +43,15 @@ from vllm_hidden.server.asgi import (
     splice_parts,
     with_length,
 )
+from vllm_hidden.server.connector import ConnectorStore
+from vllm_hidden.server.connector import file_pieces as connector_file
+from vllm_hidden.server.connector import row_bytes as connector_row_bytes
 from vllm_hidden.server.fetch_form import FetchForm
 from vllm_hidden.server.protocol import (
+    CONNECTOR,
     FETCH_PATH,
     FIELD,
+    HiddenStatesSpec,
     RequestError,
     fetch_parts,
     inline_parts,
@@ -58,6 +65,7 @@ from vllm_hidden.server.stream import StreamSplicer
 log = logging.getLogger("vllm_hidden")
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+_STARTED = time.time()  # files in a connector's storage path from before this are an earlier server's
 _MARKERS = (FIELD.encode(), RESERVED_PREFIX.encode())
 
 # what the middleware does with a request (`_route`)
@@ -138,6 +146,8 @@ class HiddenStatesMiddleware:
         self._address = ""
         self._slots: asyncio.Semaphore | None = None
         self._fetch_form = FetchForm(self.cfg)  # its store is made with the first fetch-form request or GET
+        self.connector = ConnectorConfig.from_env(os.environ)  # the connector form, if started with it
+        self._connector_store: ConnectorStore | None = None
         install_generate_hook(REGISTRY.get)
 
     # -- setup (first request; vLLM builds the app's state before serving) --------------
@@ -167,12 +177,35 @@ class HiddenStatesMiddleware:
         self._receiver.start()
         self._slots = asyncio.Semaphore(self.cfg.max_concurrent)
         mc = vcfg.model_config
-        self._hidden, self._itemsize = mc.get_hidden_size(), mc.dtype.itemsize
+        self._hidden, self._itemsize, self._dtype = mc.get_hidden_size(), mc.dtype.itemsize, mc.dtype
         self._fetch_form.processes = compat.api_process_count(vcfg)
+        if self.connector is not None:
+            self._open_connector(compat.api_process_rank(vcfg), self._fetch_form.processes)
         self._layers = tuple(cap.layer_ids)
         log.info("vllm-hidden: serving hidden states of layers %s on %s (API server process %s of %d)",
                  list(cap.layer_ids), ", ".join(ENDPOINTS), compat.api_process_rank(vcfg),
                  self._fetch_form.processes)
+
+    def _open_connector(self, rank: int, processes: int) -> None:
+        """This process's share of the connector form's storage path (process 0 also adopts
+        what an earlier server left), swept in the background."""
+        store = ConnectorStore(self.connector, max(1, self.cfg.max_unread_bytes // processes), self.cfg.unread_ttl_s)
+        if rank == 0:
+            store.adopt(_STARTED)
+        self._connector_store = store
+
+        async def sweep() -> None:
+            while True:
+                await asyncio.sleep(min(5.0, self.cfg.unread_ttl_s / 4))
+                try:
+                    store.sweep()
+                except OSError:
+                    log.exception("vllm-hidden: sweeping %s", store.root)
+
+        self._sweeper = asyncio.get_running_loop().create_task(sweep())
+        log.info("vllm-hidden: connector form (%s): every completion and chat request's prompt states go to a file "
+                 "under %s (%.1f GB of unread files at most in this process)", self.connector.connector, store.root,
+                 store.budget / 1e9)
 
     def _find_auth(self, scope: dict[str, Any]) -> None:
         """vLLM's --api-key check (its own middleware, which sits inside ours), to run before
@@ -238,12 +271,18 @@ class HiddenStatesMiddleware:
         """A request to an endpoint that serves hidden states, within the size limit: without
         the field, vLLM's (less any reserved key a client sent); with it, captured."""
         req = _marked_request(body)
+        if req is None and self.connector is not None:  # every request may be one for a file
+            req = parse_json(body)
+            req = req if isinstance(req, dict) else None
         if req is None:
             await self._pass(scope, receive, send, body)
             return
         stripped = _strip_reserved(req)
         if FIELD in req:
             await self._guarded(self._capturing(req, req.pop(FIELD), receive))(scope, receive, send)
+            return
+        if self.connector is not None and not req.get("stream"):
+            await self._guarded(self._capturing(req, CONNECTOR, receive))(scope, receive, send)
             return
         if stripped:
             body = json.dumps(req).encode()
@@ -274,7 +313,11 @@ class HiddenStatesMiddleware:
         """The field's spec for this server's layers (None: states not asked for), the request's
         shape checked; the server is set up on its first request."""
         self._setup(scope)
-        spec = parse_field(value, self._layers)
+        if value is CONNECTOR:
+            spec = HiddenStatesSpec(layer_ids=self._layers, columns=tuple(range(len(self._layers))),
+                                    transfer=CONNECTOR)
+        else:
+            spec = parse_field(value, self._layers)
         if spec is not None:
             _check_shape(req, path(scope))
         return spec
@@ -323,14 +366,18 @@ class HiddenStatesMiddleware:
     async def _serve(self, scope, receive, send, req: dict[str, Any], spec) -> None:
         token = secrets.token_urlsafe(18)
         admit = None
-        if spec.fetch:
-            try:
-                store = self._fetch_form.open_store()
-            except (RequestError, OSError) as e:
-                err = (e if isinstance(e, RequestError)
-                       else RequestError(f"the fetch form is unavailable: {e}", status=500))
-                return await send_error(send, err)
-            row_bytes = len(spec.columns) * self._hidden * self._itemsize + 8  # the rows and their token ids
+        if spec.fetch or spec.connector:
+            if spec.connector:
+                store = self._connector_store
+                row_bytes = connector_row_bytes(self.connector, len(spec.columns), self._hidden, self._itemsize)
+            else:
+                try:
+                    store = self._fetch_form.open_store()
+                except (RequestError, OSError) as e:
+                    err = (e if isinstance(e, RequestError)
+                           else RequestError(f"the fetch form is unavailable: {e}", status=500))
+                    return await send_error(send, err)
+                row_bytes = len(spec.columns) * self._hidden * self._itemsize + 8  # the rows and their token ids
 
             def admit(rows: int) -> str | None:
                 want = rows * row_bytes + 4096  # + the safetensors header
@@ -353,7 +400,7 @@ class HiddenStatesMiddleware:
         finally:
             REGISTRY.remove(token)
             if pending.reserved:  # never stored (an error, the client left)
-                self._fetch_form.store.release(pending.reserved)
+                store.release(pending.reserved)
 
     async def _serve_json(self, scope, receive, send, pending: Pending) -> None:
         start: dict[str, Any] | None = None
@@ -377,7 +424,10 @@ class HiddenStatesMiddleware:
         parts = [body]
         if start["status"] == 200 and body.lstrip()[:1] == b"{":  # not e.g. `null` after a hang-up
             try:
-                parts = splice_parts(body, FIELD.encode(), await self.hidden_states_json(pending))
+                if pending.spec.connector:
+                    parts = [await self.connector_response(body, pending)]
+                else:
+                    parts = splice_parts(body, FIELD.encode(), await self.hidden_states_json(pending))
             except RequestError as e:
                 return await send_error(send, e)
         headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
@@ -385,11 +435,10 @@ class HiddenStatesMiddleware:
         await send({**start, "headers": headers})
         await send_body(send, parts, more=False)
 
-    async def hidden_states_json(self, pending: Pending) -> list:
-        """Wait for the worker's rows, then encode them (off the event loop: it is MBs) into
-        JSON byte pieces: inline, or stored for one GET and the object saying where."""
+    async def _rows(self, pending: Pending):
+        """The worker's rows for this request: (rows, finite, float8 scales or None)."""
         try:
-            rows, error, finite = await asyncio.wait_for(asyncio.shield(pending.future), self.cfg.timeout_s)
+            rows, error, finite, scale = await asyncio.wait_for(asyncio.shield(pending.future), self.cfg.timeout_s)
         except asyncio.TimeoutError:
             raise RequestError(f"hidden states did not arrive within {self.cfg.timeout_s:g} s "
                                f"({ServeConfig.ENV['timeout_s']})", status=500) from None
@@ -397,6 +446,38 @@ class HiddenStatesMiddleware:
             raise RequestError(f"hidden-state capture failed: {error}", status=500)
         if pending.prompt_ids is None:
             raise RequestError("the engine returned no prompt token ids", status=500)
+        return rows, finite, scale
+
+    async def connector_response(self, body: bytes, pending: Pending) -> bytes:
+        """Wait for the prompt's rows, write them as the connector's file (whole before this
+        returns) and name it in the response's kv_transfer_params."""
+        rows, finite, scale = await self._rows(pending)
+        ids = pending.prompt_ids
+        t = len(ids)
+        if rows.shape[0] < t:
+            raise RequestError(f"hidden states incomplete: {rows.shape[0]} rows captured for {t} tokens", status=500)
+        if not finite:
+            log.warning("vllm-hidden: NaN/Inf in the hidden states of a %d-token prompt; written as they are", t)
+        try:
+            pieces = await asyncio.to_thread(connector_file, self.connector, rows[:t],
+                                             None if scale is None else scale[:t], ids)
+        except ValueError as e:
+            raise RequestError(f"could not build the hidden-states file: {e}", status=500) from None
+        reserved, pending.reserved = pending.reserved, 0
+        try:
+            path, _ = await self._connector_store.put(pieces, reserved)
+        except OSError as e:
+            raise RequestError(f"could not write the hidden-states file: {e}", status=500) from None
+        obj = json.loads(body)
+        obj["kv_transfer_params"] = {"hidden_states_path": path}
+        return json.dumps(obj).encode()
+
+    async def hidden_states_json(self, pending: Pending) -> list:
+        """Wait for the worker's rows, then encode them (off the event loop: it is MBs) into
+        JSON byte pieces: inline, or stored for one GET and the object saying where."""
+        rows, finite, scale = await self._rows(pending)
+        if scale is not None:  # a server whose rows travel as float8 (the FP8 connector form): values
+            rows = await asyncio.to_thread(dequantize, rows, scale, self._dtype)
         ids = returned_token_ids(pending.spec, pending.prompt_ids, pending.generated)
         prepared = await asyncio.to_thread(prepare, pending.spec, rows, ids, not finite)
         bad = prepared.meta["not_finite"]

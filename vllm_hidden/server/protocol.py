@@ -28,16 +28,19 @@ from vllm_hidden.format.quant import bad_values
 FIELD = "hidden_states"
 TOKENS_MODES = ("prompt", "all")
 TRANSFERS = ("inline", "fetch")
+CONNECTOR = "connector"
 FETCH_PATH = "/v1/hidden_states/"
 
 
 class RequestError(ValueError):
     """A bad request: answered with HTTP `status` and this message."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = FIELD) -> None:
+    def __init__(self, message: str, status: int = 400, param: str | None = FIELD,
+                 retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.param = param
+        self.retry_after = retry_after  # seconds, sent as the Retry-After header (a 503 that will pass)
 
     def body(self) -> dict[str, Any]:
         kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
@@ -61,6 +64,12 @@ class HiddenStatesSpec:
     @property
     def fetch(self) -> bool:
         return self.transfer == "fetch"
+
+    @property
+    def connector(self) -> bool:
+        """The connector form (server-made, never asked for in a request): a file in the
+        connector's storage path, named in the response's kv_transfer_params."""
+        return self.transfer == CONNECTOR
 
 
 def _show(v: Any, most: int = 300) -> str:

@@ -15,13 +15,15 @@ import torch
 
 from vllm_hidden.server.protocol import HiddenStatesSpec, RequestError
 
+RETRY_AFTER_S = 1  # a 503 for want of room: files are read and deleted within seconds
+
 
 @dataclass(eq=False, kw_only=True)
 class Pending:
     token: str
     spec: HiddenStatesSpec
     max_tokens: int  # most rows one response may carry
-    future: asyncio.Future  # -> (rows [R, K, H] | None, error | None, finite)
+    future: asyncio.Future  # -> (rows [R, K, H] | None, error | None, finite, float8 scales [R, K] | None)
     reply_to: str = ""  # this process's result channel address, for the worker
     root_path: str = ""  # the server's ASGI root path: the fetch URL starts with it
     # fetch form: room for `rows` rows' bytes, asked by the engine hook before the engine runs;
@@ -35,7 +37,8 @@ class Pending:
 
     def rejection(self) -> RequestError:
         return RequestError(self.rejected or "", status=self.rejected_status,
-                            param="max_tokens" if self.rejected_status == 400 else None)
+                            param="max_tokens" if self.rejected_status == 400 else None,
+                            retry_after=RETRY_AFTER_S if self.rejected_status == 503 else None)
 
 
 class Registry:
@@ -58,10 +61,11 @@ class Registry:
         if p is not None and not p.future.done():
             p.future.cancel()
 
-    def deliver(self, token: str, rows: torch.Tensor | None, error: str | None, finite: bool = False) -> None:
+    def deliver(self, token: str, rows: torch.Tensor | None, error: str | None, finite: bool = False,
+                scale: torch.Tensor | None = None) -> None:
         p = self._pending.get(token)
         if p is not None and not p.future.done():
-            p.future.set_result((rows, error, finite))
+            p.future.set_result((rows, error, finite, scale))
 
     def __len__(self) -> int:
         return len(self._pending)

@@ -42,6 +42,8 @@ class FetchStore:
     when its states are in, `open` for any GET. Call `sweep` now and then (the middleware's
     background task does)."""
 
+    BUDGET_FLAG = "--max-unfetched-bytes"
+
     def __init__(self, root: str, budget_bytes: int, ttl_s: float) -> None:
         if budget_bytes < 1:
             raise ValueError(f"the unfetched-states budget must be positive, got {budget_bytes!r} bytes")
@@ -53,8 +55,8 @@ class FetchStore:
         self._own: dict[str, _Entry] = {}
         free = shutil.disk_usage(self.root).free
         if free < self.budget:
-            log.warning("vllm-hidden: %s has %.1f GB free, less than this process's unfetched-states budget "
-                        "of %.1f GB (--max-unfetched-bytes / API processes)", self.root, free / 1e9, self.budget / 1e9)
+            log.warning("vllm-hidden: %s has %.1f GB free, less than this process's budget of %.1f GB (%s / API "
+                        "processes)", self.root, free / 1e9, self.budget / 1e9, self.BUDGET_FLAG)
 
     # -- the owner's side --------------------------------------------------------------
     def reserve(self, nbytes: int) -> str | None:
@@ -62,11 +64,14 @@ class FetchStore:
         if self.reserved + self.held + nbytes > self.budget:
             self.sweep()
         if self.reserved + self.held + nbytes > self.budget:
-            return (f"unfetched hidden states on this server hold {self.held + self.reserved} of "
-                    f"{self.budget} bytes, no room for {nbytes} more (--max-unfetched-bytes); fetch "
-                    f"earlier responses' states or wait up to {self.ttl:g} s for them to expire")
+            return self.full(nbytes)
         self.reserved += nbytes
         return None
+
+    def full(self, nbytes: int) -> str:
+        return (f"unfetched hidden states on this server hold {self.held + self.reserved} of "
+                f"{self.budget} bytes, no room for {nbytes} more (--max-unfetched-bytes); fetch "
+                f"earlier responses' states or wait up to {self.ttl:g} s for them to expire")
 
     def release(self, nbytes: int) -> None:
         self.reserved = max(0, self.reserved - nbytes)
