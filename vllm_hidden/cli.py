@@ -220,6 +220,7 @@ def serve(
         if fetch_dir is not None and not fetch_dir.is_dir():
             raise ValueError(f"--fetch-dir must be an existing directory, got {str(fetch_dir)!r}")
         from vllm_hidden.engine.serving import (
+            connector_cut,
             connector_from_argv,
             prepare_environment,
             run_vllm_serve,
@@ -234,7 +235,7 @@ def serve(
         from vllm_hidden.engine.quant import check_host
 
         check_host(model, vllm_args)  # FP8 weights on a host without FP8 kernels: refused here, not in a worker
-        argv = serve_argv(model, ids, vllm_args, tp=tp)
+        argv = serve_argv(model, ids, vllm_args, tp=tp, cut=connector_cut(model, connector, ids, num_layers, vllm_args))
         prepare_environment(limits.to_env(), _str(fetch_dir), connector)
     except (ValueError, ImportError, OSError) as e:
         _fail(str(e))

@@ -25,6 +25,7 @@ from tests.integration.helpers import token_prompt as prompt
 NUM_LAYERS = 8
 # scripts/launch_vllm.py's default: [2, N // 2, N - 3] and the last layer N appended
 AUX = [2, NUM_LAYERS // 2, NUM_LAYERS - 3, NUM_LAYERS]
+CUT_AUX = AUX[:-1]  # --no-include-last-layer: the model cut after layer 5
 BOUND = 1e-2  # rel. L2 against HF float32 for bf16 states
 FP8_BOUND = 6e-2  # e4m3 keeps 3 mantissa bits: ~2-3% rel. L2 seen on these states
 ROW_BYTES = len(AUX) * 256 * 2 + 8  # a token in a bf16 file: its 4 layers of 256 and its id
@@ -32,26 +33,30 @@ BUDGET = 2 * (200 * ROW_BYTES + 4096) + 1000  # two 200-token files fit, a third
 LENGTHS = [37, 300, 5, 128, 1, 190, 64, 250]  # 300: more than one chunk of the GDN kernels
 
 
-def launch_args(storage, backend: str = "file") -> list[str]:
+def launch_args(storage, backend: str = "file", aux: list[int] = AUX) -> list[str]:
     """What speculators' scripts/launch_vllm.py passes `vllm serve` (its speculative config; the
     transfer config from hs_connectors' own backend, as the script takes it)."""
     from hs_connectors.transfer import HiddenStatesBackend
 
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": AUX}}}
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux}}}
     kv = HiddenStatesBackend.registry[backend].build_kv_transfer_config(
         argparse.Namespace(hidden_states_path=str(storage)))
     return ["--speculative_config", json.dumps(spec), "--kv_transfer_config", json.dumps(kv)]
 
 
-def start(model, root, name: str, backend: str, port: int | None = None) -> Server:
-    return Server(model, root / f"{name}.log", "", *launch_args(root / "hs", backend), "--max-model-len", "1024",
-                  "--enforce-eager", "--max-unread-bytes", str(BUDGET), "--unread-ttl", "600", port=port)
+def start(model, root, name: str, backend: str, port: int | None = None, aux: list[int] = AUX) -> Server:
+    return Server(model, root / f"{name}.log", "", *launch_args(root / "hs", backend, aux), "--max-model-len",
+                  "1024", "--enforce-eager", "--max-unread-bytes", str(BUDGET), "--unread-ttl", "600", port=port)
 
 
 @pytest.fixture(scope="module")
-def model(tiny_models):
-    return tiny_models("qwen3_next", NUM_LAYERS)
+def model(tmp_path_factory):
+    """Its one MoE layer is layer 1 (vLLM's Qwen3-Next will not build without one, so a cut
+    keeps it), its top-k is every expert (no routing near-ties to confound the comparison)."""
+    from vllm_hidden.demo import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "qwen3_next", "qwen3_next", NUM_LAYERS, moe_layer=1)
 
 
 @pytest.fixture(scope="module")
@@ -75,15 +80,16 @@ def our_files(root) -> list:
     return sorted(p.name for p in (root / "hs").iterdir())
 
 
-def check_slots(ref: HFReference, row: dict, ids: list[int], bound: float = BOUND) -> None:
+def check_slots(ref: HFReference, row: dict, ids: list[int], bound: float = BOUND, aux: list[int] = AUX) -> None:
     """A sample as speculators' trainer reads it: hidden_states = the aux layers but the last,
     flattened; verifier_last_hidden_states = the last (aux N: before the final norm)."""
     assert row["input_ids"].tolist() == ids
     r = ref.model(torch.tensor([ids]), output_hidden_states=True)
     ref.states(ids)  # the hook: the last layer's output before the norm
-    for k, j in enumerate(AUX[:-1]):
+    for k, j in enumerate(aux[:-1]):
         assert rel_l2(row["hidden_states"][:, k * 256:(k + 1) * 256], r.hidden_states[j][0]) <= bound, (j, ids[:4])
-    assert rel_l2(row["verifier_last_hidden_states"], ref._last[0]) <= bound
+    last = ref._last[0] if aux[-1] == NUM_LAYERS else r.hidden_states[aux[-1]][0]
+    assert rel_l2(row["verifier_last_hidden_states"], last) <= bound
 
 
 def arrow_data(path, prompts: list[list[int]]):
@@ -218,18 +224,23 @@ def test_killed_server_restarted_as_fp8_the_client_retries_through(server, model
     """The bf16 server is killed (SIGKILL, every process) while speculators' dataset generates
     samples; a new server with hs_connectors' FP8 connector takes the same port and storage
     path. speculators' client retries with its own back-off; its FP8 reader dequantizes. Every
-    sample is whole and right: bf16 ones within bf16 noise, FP8 ones within e4m3's error."""
+    sample is whole and right: bf16 ones within bf16 noise, FP8 ones within e4m3's error.
+    (One start for three things: the new server is also launched without the last layer,
+    `--no-include-last-layer` in the launch script, so its model is cut after layer 5 and its
+    files hold aux 2, 4, 5: speculators reads aux 5 as the last slot.)"""
     from hs_connectors.transfer import FP8Transfer
     from safetensors import safe_open
     from speculators.train.data import ArrowDataset
 
     prompts = [prompt(400 + i, n) for i, n in enumerate([90, 40, 120, 33, 77, 150, 12, 60])]
     seen: list[str] = []
+    aux_of: list[list[int]] = []
 
     class Watching(FP8Transfer):  # speculators' reader, watched: which layout each file had
         def get_generated(self, params):
             with safe_open(params["hidden_states_path"], "pt") as f:
                 seen.append(str(f.get_slice("hidden_states").get_dtype()))
+                aux_of.append(json.loads(f.metadata()["aux_layer_ids"]))
             return super().get_generated(params)
 
     data = ArrowDataset(1024, arrow_data(root / "restart", prompts), transfer=Watching(root / "hs"),
@@ -249,14 +260,16 @@ def test_killed_server_restarted_as_fp8_the_client_retries_through(server, model
         time.sleep(0.05)
     server.kill()
     killed_at = len(seen)
-    restarted = start(model, root, "fp8", "fp8", port=server.port)
+    restarted = start(model, root, "fp8", "fp8", port=server.port, aux=CUT_AUX)
     try:
         t.join(600)
         assert not t.is_alive() and not errors, errors
         assert 2 <= killed_at < len(prompts) and seen[:2] == ["BF16", "BF16"] and seen[-1] == "F8_E4M3", seen
-        for row, p, dtype in zip(rows, prompts, seen):
+        assert aux_of[0] == AUX and aux_of[-1] == CUT_AUX
+        for row, p, dtype, aux in zip(rows, prompts, seen, aux_of):
             assert isinstance(row, dict), row
-            check_slots(ref, row, p, BOUND if dtype == "BF16" else FP8_BOUND)
+            check_slots(ref, row, p, BOUND if dtype == "BF16" else FP8_BOUND, aux)
+        assert "runs its first 5 decoder layers only" in restarted.log.read_text()
         # at most the one file of the request in flight at the kill is left (no reader will
         # come for it: deleted after --unread-ttl); never a partial one
         left = our_files(root)

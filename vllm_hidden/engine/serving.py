@@ -236,13 +236,63 @@ def with_tp(vllm_args: list[str], tp: int) -> list[str]:
     return [*vllm_args, "--tensor-parallel-size", str(n)]
 
 
-def serve_argv(model: str, layer_ids: list[int], vllm_args: list[str], tp: int = 1) -> list[str]:
+def connector_cut(model: str, connector: Any, layer_ids: list[int], num_layers: int,
+                  vllm_args: list[str]) -> list[str]:
+    """The connector form without the last layer asked for: the model cut after the deepest
+    one (as extract cuts it, `truncate`), since only the file matters there: --hf-overrides for
+    vLLM (empty where no cut is possible or useful). The sampled token of such a server is
+    not the model's."""
+    from vllm_hidden.engine.args import TRUNCATABLE_LOAD_FORMATS
+    from vllm_hidden.engine.caches import flag_values
+
+    if connector is None:
+        return []
+    from transformers import AutoConfig
+
+    from vllm_hidden.layers import layers_to_run, moe_layer_indices
+
+    config = AutoConfig.from_pretrained(model)
+    n = layers_to_run(num_layers, layer_ids, moe_layer_indices(config.get_text_config()))
+    if n >= num_layers:
+        return []
+    if flag_values(vllm_args, frozenset({"--hf-overrides", "--hf_overrides"})):
+        log.info("vllm-hidden: --hf-overrides given; running every decoder layer")
+        return []
+    fmt = (flag_values(vllm_args, frozenset({"--load-format", "--load_format"})) or ["auto"])[-1]
+    if fmt not in TRUNCATABLE_LOAD_FORMATS:
+        log.info("vllm-hidden: --load-format %s cannot drop the cut layers' weights; running every decoder layer", fmt)
+        return []
+    from vllm_hidden.engine.truncate import hf_overrides
+
+    log.info("vllm-hidden: the deepest aux id is %d of %d: the model runs its first %d decoder layers only (the "
+             "responses' sampled tokens are not the model's)", max(layer_ids) + 1, num_layers, n)
+    return ["--hf-overrides", json.dumps(hf_overrides(config, n))]
+
+
+def _cut_layers(cut: list[str] | None) -> int | None:
+    """The layer count a `connector_cut` gives the model (None: no cut)."""
+    if not cut:
+        return None
+    from vllm_hidden.engine.truncate import MARKER
+
+    def find(d: dict[str, Any]) -> int | None:
+        if MARKER in d:
+            return int(d["num_hidden_layers"])
+        return next((v for v in (find(x) for x in d.values() if isinstance(x, dict)) if v is not None), None)
+
+    return find(json.loads(cut[1]))
+
+
+def serve_argv(model: str, layer_ids: list[int], vllm_args: list[str], tp: int = 1,
+               cut: list[str] | None = None) -> list[str]:
     """The `vllm serve` argument list: the user's vLLM arguments plus our middleware, the
-    capture config and `--tp` as vLLM's --tensor-parallel-size."""
+    capture config, `--tp` as vLLM's --tensor-parallel-size and the cut (`connector_cut`)."""
     from vllm_hidden.config import CaptureConfig
 
-    argv = ["serve", model, *with_tp(vllm_args, tp)]
-    argv = _merge_additional_config(argv, CaptureConfig(layer_ids=tuple(layer_ids)).to_additional_config())
+    argv = ["serve", model, *with_tp(vllm_args, tp), *(cut or [])]
+    layers_run = _cut_layers(cut)
+    capture = CaptureConfig(layer_ids=tuple(layer_ids), layers_run=layers_run)
+    argv = _merge_additional_config(argv, capture.to_additional_config())
     return argv + ["--middleware", MIDDLEWARE]
 
 
