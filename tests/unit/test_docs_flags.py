@@ -40,7 +40,11 @@ OTHER_TOOLS: dict[str, set[str]] = {
     "b3sum": set(),
 }
 # Flags named in prose without their command: another project's tool.
-PROSE_ONLY: dict[str, str] = {}
+PROSE_ONLY: dict[str, str] = {
+    "--dry-run": "speculators' scripts/launch_vllm.py (not installed: a script in its repository)",
+    "--no-include-last-layer": "speculators' scripts/launch_vllm.py",
+    "--hidden-states-backend": "speculators' scripts/launch_vllm.py (and `speculators train`)",
+}
 
 FLAG = re.compile(r"(?<![\w/.#-])--[A-Za-z][\w-]*")  # not inside a path, a word or a link anchor
 FENCE = re.compile(r"^\s*(```|~~~)\s*([\w+-]*)")
@@ -127,8 +131,10 @@ def _parsers() -> dict[str, set[str]]:
 
 
 def vllm_flags() -> dict[str, set[str]]:
-    """vLLM's engine arguments (what `extract`/`warmup` pass on) and its `serve` options."""
-    return {k: _parsers()[k] for k in ("engine", "serve")}
+    """vLLM's engine arguments (what `extract`/`warmup` pass on) and its `serve` options, each
+    also with underscores (vLLM's parser reads `--a_b` as `--a-b`)."""
+    return {k: (v := _parsers()[k]) | {"--" + f[2:].replace("-", "_") for f in v if f.startswith("--")}
+            for k in ("engine", "serve")}
 
 
 def trainer_flags() -> dict[str, set[str]]:

@@ -8,13 +8,13 @@ import dataclasses
 import logging
 
 from vllm_hidden.config import CaptureConfig
+from vllm_hidden.engine.truncate import TRUNCATABLE_LOAD_FORMATS
 
 log = logging.getLogger("vllm_hidden")
 WORKER_EXTENSION = "vllm_hidden.engine.worker_ext.HiddenStatesWorkerExtension"
 
 # load formats read through vLLM's default loader, whose weight iterator drops a cut model's
 # extra layers (hooks.HOOKS, "loader.weights"), and random weights (nothing to drop)
-TRUNCATABLE_LOAD_FORMATS = frozenset({"auto", "safetensors", "pt", "npcache", "fastsafetensors", "dummy"})
 
 
 def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: CaptureConfig | None = None, *,

@@ -242,8 +242,8 @@ def connector_cut(model: str, connector: Any, layer_ids: list[int], num_layers: 
     one (as extract cuts it, `truncate`), since only the file matters there: --hf-overrides for
     vLLM (empty where no cut is possible or useful). The sampled token of such a server is
     not the model's."""
-    from vllm_hidden.engine.args import TRUNCATABLE_LOAD_FORMATS
     from vllm_hidden.engine.caches import flag_values
+    from vllm_hidden.engine.truncate import TRUNCATABLE_LOAD_FORMATS
 
     if connector is None:
         return []

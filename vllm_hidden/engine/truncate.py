@@ -22,6 +22,8 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+# load formats that read through vLLM's default loader, whose weight iterator drops the cut layers
+TRUNCATABLE_LOAD_FORMATS = frozenset({"auto", "safetensors", "pt", "npcache", "fastsafetensors", "dummy"})
 MARKER = "vllm_hidden_layers_of"  # on the text config: the full model's layer count (truncated engines only)
 
 # decoder-layer weights of the text model, as HF checkpoints name them (Llama/Qwen "model.layers.N",
