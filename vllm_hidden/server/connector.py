@@ -38,7 +38,7 @@ import torch
 from vllm_hidden.config import ConnectorConfig
 from vllm_hidden.format import header as st
 from vllm_hidden.layers import SEMANTICS
-from vllm_hidden.server.store import FetchStore, _Entry, _unlink, new_id
+from vllm_hidden.server.store import FetchStore, _Entry, _unlink, new_id, write_part
 
 log = logging.getLogger("vllm_hidden")
 
@@ -134,20 +134,7 @@ class ConnectorStore(FetchStore):
 
     def _write(self, name: str, pieces: list) -> int:
         part = self.root / f".{name.removesuffix(SUFFIX)}.{os.getpid()}.part"
-        size = 0
-        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            for p in pieces:
-                mv = memoryview(p).cast("B")
-                while mv:
-                    n = os.write(fd, mv)
-                    size += n
-                    mv = mv[n:]
-        except BaseException:
-            os.close(fd)
-            _unlink(part)
-            raise
-        os.close(fd)
+        size = write_part(part, pieces, mode=0o644)
         if self.cfg.use_lock:  # vLLM's readers open it; it is never held: the file is whole
             os.close(os.open(self.root / (name + LOCK), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
         os.rename(part, self.root / name)

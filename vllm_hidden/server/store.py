@@ -129,11 +129,11 @@ class FetchStore:
         return fd
 
 
-def _write(root: Path, entry: str, pieces: list, expires: float) -> int:
-    """The pieces into `root/entry`, visible only once whole; its mtime is its expiry."""
-    part = root / f".{entry}.part"
+def write_part(part: Path, pieces: list, mode: int = 0o600, expires: float | None = None) -> int:
+    """The pieces into a new file `part` (removed again on any failure): its size. `expires`:
+    its mtime."""
     size = 0
-    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
         for p in pieces:
             mv = memoryview(p).cast("B")
@@ -141,12 +141,20 @@ def _write(root: Path, entry: str, pieces: list, expires: float) -> int:
                 n = os.write(fd, mv)
                 size += n
                 mv = mv[n:]
-        os.utime(fd, (expires, expires))
+        if expires is not None:
+            os.utime(fd, (expires, expires))
     except BaseException:
         os.close(fd)
         _unlink(part)
         raise
     os.close(fd)
+    return size
+
+
+def _write(root: Path, entry: str, pieces: list, expires: float) -> int:
+    """The pieces into `root/entry`, visible only once whole; its mtime is its expiry."""
+    part = root / f".{entry}.part"
+    size = write_part(part, pieces, expires=expires)
     os.rename(part, root / entry)
     return size
 
