@@ -52,6 +52,8 @@ class StepTransfer:
         # fp8: the layers are gathered in the model's dtype first, then quantized into the rows
         self._gather = torch.empty(self.shape, dtype=dtype, device=self.device) if fp8 else None
         self._work = torch.empty(self.shape[:2], dtype=torch.float32, device=self.device) if fp8 else None
+        self._token_work = torch.empty((max_tokens, 1), dtype=torch.float32, device=self.device) \
+            if fp8 and per_token else None
         self._host_rows = [torch.empty((max_tokens, self.bytes_per_row), dtype=torch.uint8, pin_memory=self.cuda)
                            for _ in range(slots)]
         views = [self._views(r) for r in self._host_rows]
@@ -122,7 +124,7 @@ class StepTransfer:
         if self.fp8:
             torch.stack([t[:n] for t in layers], dim=1, out=self._gather[:n])
             quant.quantize(self._gather[:n], self._device_values[:n], self._device_stat[:n], self._work[:n],
-                           per_token=self.per_token)
+                           None if self._token_work is None else self._token_work[:n])
             return
         values = self._device_values[:n]
         for k, t in enumerate(layers):  # the rows are packed: one copy per column, not one stack

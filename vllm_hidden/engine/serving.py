@@ -96,13 +96,7 @@ def _merge_additional_config(argv: list[str], ours: dict[str, Any]) -> list[str]
         if a == "--additional-config" or a.startswith("--additional-config="):
             raw = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
             i += 1 if "=" in a else 2
-            try:
-                user = json.loads(raw)
-            except ValueError:
-                raise ValueError(f"--additional-config must be JSON, got {raw!r}") from None
-            if not isinstance(user, dict):
-                raise ValueError(f"--additional-config must be a JSON object, got {raw!r}")
-            out += ["--additional-config", json.dumps({**user, **ours})]
+            out += ["--additional-config", json.dumps({**_json_object("--additional-config", raw), **ours})]
             merged = True
             continue
         out.append(a)

@@ -23,15 +23,16 @@ def row_amax(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, work: torch.Tensor,
-             per_token: bool = False) -> None:
+             token_work: torch.Tensor | None = None) -> None:
     """x [N, C, H] (bf16/f16/f32) -> values [N, C, H] float8 e4m3 and scale [N, C] float32
     (amax / 448). `work` [N, C] float32 is scratch. Output views may be strided (they live in
-    the step buffer's packed rows); nothing is allocated but, with `per_token`, an [N, 1]
-    float32. `per_token`: one scale per token over all its columns (every column holds it), as
+    the step buffer's packed rows); nothing is allocated. With `token_work` ([N, 1] float32
+    scratch): one scale per token over all its columns (every column holds it), as
     hs_connectors' FP8 files store it."""
     row_amax(x, work)
-    if per_token:
-        work.copy_(work.amax(dim=1, keepdim=True).expand_as(work))  # amax propagates NaN
+    if token_work is not None:
+        torch.amax(work, dim=1, keepdim=True, out=token_work)  # amax propagates NaN
+        work.copy_(token_work.expand_as(work))
     torch.div(work, FP8_MAX, out=scale)
     torch.clamp(work, min=_TINY, out=work)  # keeps NaN: a non-finite row stays flagged by its scale
     torch.reciprocal(work, out=work)
