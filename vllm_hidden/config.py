@@ -70,11 +70,13 @@ DEFAULT_WRITER_THREADS = 4
 DEFAULT_S3_RETRY_S = 120.0
 
 
-LAYER_STATS_ENV = "VLLM_HIDDEN_LAYER_STATS"  # "0": shards without per-layer statistics
+LAYER_STATS_ENV = "VHIDDEN_LAYER_STATS"  # "0": shards without per-layer statistics
 
 
 def _layer_stats_default() -> bool:
-    value = os.environ.get(LAYER_STATS_ENV, "1")
+    from vllm_hidden import envs
+
+    value = envs.get(LAYER_STATS_ENV) or "1"
     if value not in ("0", "1"):
         raise ValueError(f"{LAYER_STATS_ENV} must be 0 or 1, got {value!r}")
     return value == "1"
@@ -98,7 +100,7 @@ class ShardConfig:
     generate: bool = False  # samples carry their prompt length and generation record (`generations` [B] uint8)
     fp8: bool = False  # values stored as float8 e4m3 with float32 scales per (token, layer)
     # per-layer statistics of the written rows (format.stats); off only to measure their cost:
-    # VLLM_HIDDEN_LAYER_STATS=0, read when the config is made (the driver's, handed to workers)
+    # VHIDDEN_LAYER_STATS=0, read when the config is made (the driver's, handed to workers)
     layer_stats: bool = field(default_factory=_layer_stats_default)
 
     def __post_init__(self) -> None:
@@ -315,8 +317,8 @@ class ServeConfig:
     max_unread_bytes: int = 32 << 30
     unread_ttl_s: float = 3600.0
 
-    ENV = {"max_hidden_tokens": "VHIDDEN_MAX_TOKENS", "max_request_bytes": "VHIDDEN_MAX_REQUEST_BYTES",
-           "max_concurrent": "VHIDDEN_MAX_CONCURRENT", "timeout_s": "VHIDDEN_TIMEOUT",
+    ENV = {"max_hidden_tokens": "VHIDDEN_MAX_HIDDEN_TOKENS", "max_request_bytes": "VHIDDEN_MAX_REQUEST_BYTES",
+           "max_concurrent": "VHIDDEN_MAX_CONCURRENT", "timeout_s": "VHIDDEN_HIDDEN_STATES_TIMEOUT",
            "fetch_ttl_s": "VHIDDEN_FETCH_TTL", "max_unfetched_bytes": "VHIDDEN_MAX_UNFETCHED_BYTES",
            "max_unread_bytes": "VHIDDEN_MAX_UNREAD_BYTES", "unread_ttl_s": "VHIDDEN_UNREAD_TTL"}
 
@@ -339,10 +341,12 @@ class ServeConfig:
 
     @classmethod
     def from_env(cls, env: dict[str, str]) -> "ServeConfig":
+        from vllm_hidden import envs
+
         kw: dict[str, Any] = {}
         for name, var in cls.ENV.items():
-            raw = env.get(var)
-            if raw is None or raw == "":
+            raw = envs.get(var, env)
+            if raw is None:
                 continue
             try:
                 kw[name] = float(raw) if name.endswith("_s") else int(raw)

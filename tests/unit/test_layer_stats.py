@@ -188,17 +188,30 @@ def test_statistics_fit_the_header_room_whatever_their_values(tmp_path):
 
 
 def test_statistics_off(tmp_path, monkeypatch):
-    """VLLM_HIDDEN_LAYER_STATS=0 (for benchmarks of their cost): shards without them, and an
+    """VHIDDEN_LAYER_STATS=0 (for benchmarks of their cost): shards without them, and an
     output whose statistics say so; any other value is refused."""
-    monkeypatch.setenv("VLLM_HIDDEN_LAYER_STATS", "0")
+    monkeypatch.setenv("VHIDDEN_LAYER_STATS", "0")
     shards = write_output(tmp_path, IDS, H, _samples(4), rows=8, writer_threads=2)
     assert all(s.stats is None for s in shards) and shard_header(tmp_path, shards[0]).stats is None
     assert Manifest.read(tmp_path).layer_stats is None
     res = _inspect(tmp_path, "--strict")
     assert res.exit_code == 0 and "no statistics" in res.output
-    monkeypatch.setenv("VLLM_HIDDEN_LAYER_STATS", "yes")
-    with pytest.raises(ValueError, match="VLLM_HIDDEN_LAYER_STATS must be 0 or 1, got 'yes'"):
+    monkeypatch.setenv("VHIDDEN_LAYER_STATS", "yes")
+    with pytest.raises(ValueError, match="VHIDDEN_LAYER_STATS must be 0 or 1, got 'yes'"):
         shard_writer(tmp_path / "b", IDS, H)
+
+
+def test_statistics_off_by_the_old_variable_name_warns(tmp_path, monkeypatch, caplog):
+    """The variable's name before VHIDDEN_ was the one prefix still works, with a warning naming the new one."""
+    from vllm_hidden import envs
+
+    monkeypatch.delenv("VHIDDEN_LAYER_STATS", raising=False)
+    monkeypatch.setenv("VLLM_HIDDEN_LAYER_STATS", "0")
+    monkeypatch.setattr(envs, "_warned", set())
+    with caplog.at_level("WARNING", logger="vllm_hidden"):
+        shards = write_output(tmp_path, IDS, H, _samples(2), rows=8, writer_threads=1)
+    assert all(s.stats is None for s in shards)
+    assert "VLLM_HIDDEN_LAYER_STATS is deprecated" in caplog.text and "set VHIDDEN_LAYER_STATS" in caplog.text
 
 
 # -- across shards and resumes -------------------------------------------------------------------

