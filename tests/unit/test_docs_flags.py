@@ -10,7 +10,8 @@ Each flag is checked against the command it belongs to:
   other tools (OTHER_TOOLS);
 - any other flag (prose, tables, comments) must be an option of some `vllm-hidden`
   subcommand or of vLLM's engine or server, or of a command named earlier in the same
-  paragraph, or be listed in PROSE_ONLY.
+  paragraph, or be listed in PROSE_ONLY; a flag in a block that is not shell (a command's
+  printed output) may also be one of a command the paragraph before the block names.
 Parsers are read from the objects themselves (typer/click, argparse, pytest's parser), never
 from help text. vLLM's parsers, the scripts and a fresh pytest parser are read in
 subprocesses, so nothing they import stays in this process.
@@ -297,10 +298,13 @@ def collect(path: Path, text: str | None = None) -> list[Flag]:
     lines = (text if text is not None else path.read_text()).split("\n")
     found: list[Flag] = []
     para: list[tuple[int, str]] = []
+    before: list[tuple[str, str]] = []  # commands the last paragraph named: a block after it may be their output
 
     def end_paragraph() -> None:
         if para:
-            found.extend(_prose(name, para[0][0], "\n".join(t for _, t in para)))
+            text = "\n".join(t for _, t in para)
+            found.extend(_prose(name, para[0][0], text))
+            before[:] = [c for m in CODE_SPAN.finditer(text) if (c := command_of(m.group(1))) is not None]
             para.clear()
 
     i = 0
@@ -325,9 +329,9 @@ def collect(path: Path, text: str | None = None) -> list[Flag]:
             for n, line in _logical_lines(body):
                 cmd = command_of(line)
                 found += _flags_at(name, n, line, cmd, [cmd] if cmd else [])
-        else:  # Python, JSON, layouts: prose rules, line by line
+        else:  # Python, JSON, layouts, printed output: prose rules, line by line
             for n, line in body:
-                found += _flags_at(name, n, line, None)
+                found += _flags_at(name, n, line, None, before)
     end_paragraph()
     return found
 
@@ -440,6 +444,12 @@ VHIDDEN_X=1 scripts/test.sh tests/unit --durations 5 --no-such-pytest-flag
 ```
 
 Run `python scripts/bench_writer.py --tail w-chat`, then `--tail` again and `--append`.
+
+It prints the flags for `speculators train`:
+
+```text
+flags: --data-path d --no-such-printed-flag
+```
 """
 
 
@@ -450,7 +460,8 @@ def test_the_check_finds_made_up_flags(pytestconfig):
     assert found == {("4", "--no-such-prose-flag"), ("8", "--no-such-extract-flag"), ("9", "--no-such-serve-flag"),
                      ("10", "--port"), ("11", "--no-such-script-flag"), ("12", "--no-such-ray-flag"),
                      ("13", "--no-such-speculators-flag"), ("14", "--no-such-vllm-flag"),
-                     ("15", "--no-such-pytest-flag"), ("18", "--append")}, "\n".join(bad)
+                     ("15", "--no-such-pytest-flag"), ("18", "--append"),
+                     ("23", "--no-such-printed-flag")}, "\n".join(bad)
     assert all(b.startswith("sample.md:") for b in bad)
 
 
