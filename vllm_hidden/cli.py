@@ -405,6 +405,12 @@ def check(
     device: Annotated[str, typer.Option(help="cpu or cuda (HF's forwards, or the LM head for --reference engine; "
                                         "cuda: float32 weights on one GPU).")] = "cpu",
     s3_endpoint_url: Annotated[Optional[str], typer.Option(help="S3 endpoint (default: boto3's chain).")] = None,
+    gdn_kernels: Annotated[Optional[str], typer.Option(help="With --reference hf: what runs HF's Gated-DeltaNet "
+                                                       "layers (Qwen3-Next, Qwen3.5/3.6): auto (default: "
+                                                       "flash-linear-attention's kernels with --device cuda where fla "
+                                                       "imports, else transformers' torch code), fla (required: "
+                                                       "fails without it) or torch (the slow fallback, "
+                                                       "for comparison). The report says which ran.")] = None,
 ) -> None:
     import sys
 
@@ -413,7 +419,8 @@ def check(
         from vllm_hidden.check import run_check
 
         r = run_check(output, model, reference, samples=samples, seed=seed, device=device, max_rel_l2=max_rel_l2,
-                      engine_args=list(ctx.args), s3_endpoint_url=s3_endpoint_url, progress=progress)
+                      engine_args=list(ctx.args), s3_endpoint_url=s3_endpoint_url, progress=progress,
+                      gdn_kernels=gdn_kernels)
     except (ValueError, ImportError, OSError) as e:
         _fail(str(e))
     if json_out:

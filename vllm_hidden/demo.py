@@ -219,11 +219,24 @@ def write_qwen3_32b_config(path: str | Path, num_layers: int = 64) -> Path:
     return path
 
 
-def make_qwen35_model(path: str | Path, num_layers: int = 4, vocab_size: int = 4096, seed: int = 0) -> Path:
+# Qwen3.5's layout at a CPU test's width: 4 gated attention heads (2 KV) and 2 GDN key / 4 value
+# heads, all of dim 64 (vLLM's CPU GDN kernel rejects 32); the rotary sections sized to the
+# 8 rotary frequencies of a 64-wide head at partial rotary 0.25
+QWEN35_TINY_WIDTHS = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                          linear_value_head_dim=64,
+                          rope_parameters=dict(rope_type="default", rope_theta=10_000_000, partial_rotary_factor=0.25,
+                                               mrope_section=[3, 3, 2], mrope_interleaved=True))
+
+
+def make_qwen35_model(path: str | Path, num_layers: int = 4, vocab_size: int = 4096, seed: int = 0,
+                      widths: dict | None = None) -> Path:
     """Write a random `Qwen3_5ForConditionalGeneration` checkpoint with Qwen3.6-27B's widths but
     few layers and a small vocabulary (bf16 safetensors, tiny vision tower, tiny tokenizer;
-    idempotent: reuses a complete one). Weights are drawn on the GPU when there is one, so the
-    values depend on the device; HF and vLLM read the same files either way."""
+    idempotent: reuses a complete one). `widths`: text-config sizes to use instead (e.g.
+    QWEN35_TINY_WIDTHS: the same layout at width 256, for CPU tests). Weights are drawn on the
+    GPU when there is one, so the values depend on the device; HF and vLLM read the same files
+    either way."""
     import math
 
     import torch
@@ -231,11 +244,13 @@ def make_qwen35_model(path: str | Path, num_layers: int = 4, vocab_size: int = 4
 
     path = Path(path)
     stamp = path / "vllm_hidden_tiny.json"
-    spec = {"arch": "qwen3_5", "num_layers": num_layers, "vocab_size": vocab_size, "seed": seed}
+    spec = {"arch": "qwen3_5", "num_layers": num_layers, "vocab_size": vocab_size, "seed": seed,
+            **({"widths": widths} if widths else {})}
     if stamp.is_file() and json.loads(stamp.read_text()) == spec:
         return path
     path.mkdir(parents=True, exist_ok=True)
-    text = {**qwen36_27b_text_config(num_layers, vocab_size), "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+    text = {**qwen36_27b_text_config(num_layers, vocab_size), **(widths or {}), "bos_token_id": 1, "eos_token_id": 2,
+            "pad_token_id": 2}
     vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=text["hidden_size"])
     top = _qwen35_config(text, vision)
     cfg = Qwen3_5Config(**{k: v for k, v in top.items() if k not in ("architectures", "model_type")})

@@ -187,7 +187,8 @@ def test_cli(model, outputs, tmp_path):
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(d) == {"path", "model", "device", "dtype", "samples", "bound", "layers", "final_state", "verdict",
-                      "worst", "seconds_per_sample"}
+                      "worst", "seconds_per_sample", "gdn_kernels"}
+    assert d["gdn_kernels"] is None  # Qwen3 has no Gated-DeltaNet layer
     assert d["verdict"] == "pass" and list(d["layers"]) == ["0", "2", "3"] and len(d["samples"]) == 2
     assert d["bound"] == {"ratio": RATIO, "floor": FLOOR, "fp8_factor": FP8_FACTOR}
     assert set(d["worst"]) == {"sample", "layer", "rel_l2", "bound"}

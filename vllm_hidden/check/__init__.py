@@ -18,9 +18,12 @@ if TYPE_CHECKING:
 
 def run_check(output: str, model: str | None, reference: str, *, samples: int, seed: int, device: str,
               max_rel_l2: float | None, engine_args: list[str], s3_endpoint_url: str | None,
-              progress: bool) -> CheckReport | EngineCheckReport | OutputsReport:
+              progress: bool, gdn_kernels: str | None = None) -> CheckReport | EngineCheckReport | OutputsReport:
     """`vllm-hidden check`: the options that go with `reference` (hf, engine, or another
     output's location), then that comparison's report."""
+    if reference != "hf" and gdn_kernels is not None:
+        raise ValueError(f"--gdn-kernels goes with --reference hf (HF runs no Gated-DeltaNet layer with --reference "
+                         f"{reference}), got --gdn-kernels {gdn_kernels}")
     if reference in ("hf", "engine"):
         if not model:
             raise ValueError(f"--model is required with --reference {reference}")
@@ -35,7 +38,7 @@ def run_check(output: str, model: str | None, reference: str, *, samples: int, s
                                     engine_args=list(engine_args), s3_endpoint_url=s3_endpoint_url, progress=progress)
     if reference == "hf":
         return check_output(output, model, samples=samples, seed=seed, device=device,
-                            s3_endpoint_url=s3_endpoint_url, progress=progress)
+                            s3_endpoint_url=s3_endpoint_url, progress=progress, gdn_kernels=gdn_kernels)
     from vllm_hidden.check.against_output import check_against_output
 
     return check_against_output(output, reference, samples=samples, seed=seed, max_rel_l2=max_rel_l2,

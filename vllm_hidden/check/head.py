@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_hidden.check.reference import ModelShape, decoder_of
+from vllm_hidden.check.reference import ModelShape, causal_lm, decoder_of
 
 # a decoder layer's, the MTP head's or the vision tower's own norms are not the final norm
 _ELSEWHERE = re.compile(r"(^|\.)(layers|mtp|visual)\.")
@@ -66,8 +66,11 @@ class Head(ModelShape):
 
         super().__init__(model, device)
         config, text = self.config, self.text
+        # the class Transformers maps for the checkpoint, from the text config of a composite one
+        # (Qwen3.5/3.6: Qwen3_5ForCausalLM), not from a config class another library registered
+        cls, build = causal_lm(config)
         with torch.device("meta"):
-            hf = AutoModelForCausalLM.from_config(config)
+            hf = AutoModelForCausalLM.from_config(config) if cls is None else cls._from_config(build)
         _, norm = decoder_of(hf, self.num_layers)
         lm_head = hf.get_output_embeddings()
         names = {id(p): n for n, p in hf.named_parameters()}

@@ -35,13 +35,48 @@ def decoder_of(model: Any, num_layers: int) -> tuple[torch.nn.ModuleList, torch.
     return layers, norm
 
 
+def hf_config(model: str) -> Any:
+    """`model`'s config as Transformers' own config class reads it. Another library may have
+    registered its own class for the model type in this process (vLLM 0.26 does for qwen3_5 and
+    qwen3_5_moe once it has loaded such a checkpoint): Transformers' model classes do not know
+    that class's sub-configs, so the checkpoint is read again with Transformers' own."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    config = AutoConfig.from_pretrained(model)
+    own = getattr(transformers, CONFIG_MAPPING_NAMES.get(config.model_type, ""), None)
+    if isinstance(own, type) and type(config) is not own:
+        config = own.from_pretrained(model)
+    return config
+
+
+def causal_lm(config: Any) -> tuple[Any, Any]:
+    """(the causal-LM class Transformers maps for `config`'s model type, the config to build it
+    with). A composite checkpoint (Qwen3.5/3.6: `Qwen3_5ForConditionalGeneration`, a text and a
+    vision config) maps to its text model (`Qwen3_5ForCausalLM`), built from the text config
+    (`get_text_config()`), which gets the checkpoint's quantization_config as Transformers' own
+    auto classes pass it on. (None, config) for a type Transformers does not map (remote code)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, ""), None)
+    if cls is None:
+        return None, config
+    text = config.get_text_config()
+    if text is not config and isinstance(text, getattr(cls, "config_class", ())):
+        quant = getattr(config, "quantization_config", None)
+        if quant is not None:
+            text.quantization_config = quant
+        return cls, text
+    return cls, config
+
+
 class ModelShape:
     """A checkpoint's HF config and its decoder's depth, width and vocabulary, on `device`."""
 
     def __init__(self, model: str, device: str = "cpu") -> None:
-        from transformers import AutoConfig
-
-        self.config = AutoConfig.from_pretrained(model)
+        self.config = hf_config(model)
         self.text = self.config.get_text_config()
         self.num_layers: int = self.text.num_hidden_layers
         self.hidden_size: int = self.text.hidden_size
@@ -51,10 +86,14 @@ class ModelShape:
 
 class Reference(ModelShape):
     """An HF causal LM loaded in float32 on `device`, with hooks that keep (on CPU, float32)
-    the states `run` is asked for and nothing else."""
+    the states `run` is asked for and nothing else. `gdn_kernels` ("fla" | "torch", see
+    check.gdn.choose) runs its Gated-DeltaNet layers; `self.gdn_kernels` says which ran (None:
+    the model has none)."""
 
-    def __init__(self, model: str, device: str = "cpu") -> None:
+    def __init__(self, model: str, device: str = "cpu", gdn_kernels: str = "torch") -> None:
         from transformers import AutoModelForCausalLM
+
+        from vllm_hidden.check.gdn import GdnKernels
 
         super().__init__(model, device)
         kw: dict[str, Any] = {}
@@ -62,9 +101,14 @@ class Reference(ModelShape):
             # straight onto the GPU (transformers needs accelerate for that); without it the
             # weights pass through host memory: a 27B model in float32 is ~110 GB
             kw["device_map"] = str(self.device)
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, **kw).eval()
+        cls, config = causal_lm(self.config)
+        if cls is None:
+            cls, config = AutoModelForCausalLM, None
+        self.model = cls.from_pretrained(model, config=config, dtype=torch.float32, **kw).eval()
         self.model.to(self.device)
         self.dtype = torch.float32
+        self._gdn = GdnKernels(self.model, gdn_kernels)
+        self.gdn_kernels = self._gdn.name
         layers, norm = decoder_of(self.model, self.num_layers)
         self._want: set[Any] = set()
         self._got: dict[Any, torch.Tensor] = {}
@@ -102,7 +146,8 @@ class Reference(ModelShape):
         self._want, self._got = set(want), {}
         t0 = time.perf_counter()
         try:
-            self.model(torch.tensor([token_ids], device=self.device), **self._kw)
+            with self._gdn.pinned():
+                self.model(torch.tensor([token_ids], device=self.device), **self._kw)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         finally:

@@ -28,6 +28,7 @@ class CheckReport:
     verdict: str  # "pass" | "fail"
     worst: Worst
     seconds_per_sample: float  # HF forwards (float32 + output dtype) per sample
+    gdn_kernels: str | None = None  # what ran HF's Gated-DeltaNet layers: "fla" | "torch" (None: the model has none)
 
     @property
     def ok(self) -> bool:
@@ -39,7 +40,8 @@ class CheckReport:
              "layers": {str(k): c.to_dict() for k, c in self.layers.items()}}
         if self.final_state is not None:
             d["final_state"] = self.final_state.to_dict()
-        d.update(verdict=self.verdict, worst=self.worst.to_dict(), seconds_per_sample=round(self.seconds_per_sample, 3))
+        d.update(verdict=self.verdict, worst=self.worst.to_dict(), seconds_per_sample=round(self.seconds_per_sample, 3),
+                 gdn_kernels=self.gdn_kernels)
         return d
 
     def table(self) -> list[str]:
@@ -64,8 +66,9 @@ class CheckReport:
         near = "" if col.neighbour_ok else " and closer to a neighbouring layer's state than to its own"
         head = (f"pass: {len(self.samples)} samples match HF Transformers on every layer" if self.ok
                 else "fail: the stored states do not match HF Transformers")
+        gdn = "" if self.gdn_kernels is None else f", Gated-DeltaNet kernels: {self.gdn_kernels}"
         return (f"{head}; worst {where}: rel L2 {w.rel_l2:.3g} vs bound {w.bound:.3g}{near} "
-                f"({self.seconds_per_sample:.1f} s of HF per sample on {self.device})")
+                f"({self.seconds_per_sample:.1f} s of HF per sample on {self.device}{gdn})")
 
 
 def aligned(rows: list[list[str]]) -> list[str]:
@@ -114,12 +117,17 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def check_output(path: str, model: str, samples: int = 8, seed: int = 0, device: str = "cpu",
-                 s3_endpoint_url: str | None = None, progress: bool = False) -> CheckReport:
+                 s3_endpoint_url: str | None = None, progress: bool = False,
+                 gdn_kernels: str | None = None) -> CheckReport:
     """Recompute `samples` samples of the output at `path` (a directory or s3://bucket/prefix)
     with HF Transformers from `model` in float32 and compare every stored layer (and the final
-    state) with it; see compare.py for the bound."""
+    state) with it; see compare.py for the bound. `gdn_kernels`: auto (None), fla or torch for
+    HF's Gated-DeltaNet layers (check.gdn)."""
+    from vllm_hidden.check.gdn import choose
+
     path = str(path)
     ds = open_output(path, samples, s3_endpoint_url, device)
+    kernels = choose(gdn_kernels, device)  # before the model loads: a 27B one takes minutes
     m = ds.manifest
     dtype = _dtype(m.dtype)
     final = m.final_state == "post-norm"
@@ -128,7 +136,7 @@ def check_output(path: str, model: str, samples: int = 8, seed: int = 0, device:
 
     from vllm_hidden.check.reference import Reference
 
-    ref = Reference(model, device)
+    ref = Reference(model, device, kernels)
     if ref.num_layers != m.num_model_layers or ref.hidden_size != m.hidden_size:
         raise ValueError(f"--model {model!r} has {ref.num_layers} layers of width {ref.hidden_size}; the output was "
                          f"written from one with {m.num_model_layers} of width {m.hidden_size} ({m.model!r})")
@@ -182,7 +190,7 @@ def check_output(path: str, model: str, samples: int = 8, seed: int = 0, device:
     return CheckReport(path=path, model=model, device=device, dtype=m.dtype, fp8=fp8, samples=list(tokens),
                        layers={c: columns[c] for c in cols if c != FINAL},
                        final_state=columns.get(FINAL), verdict=v, worst=worst,
-                       seconds_per_sample=ref.seconds / len(tokens))
+                       seconds_per_sample=ref.seconds / len(tokens), gdn_kernels=ref.gdn_kernels)
 
 
 class _Bar:
