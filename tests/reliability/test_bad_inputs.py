@@ -1,7 +1,8 @@
 """Bad input lines: every kind becomes one error record (its line, its id, a reason naming the
-value) and the run goes on; the good lines around them are extracted and match HF. An empty
-file is a complete, empty output. A 512 MiB input is streamed: the extract's memory does not
-grow with it."""
+value) and the run goes on; the good lines around them are extracted and match HF, and the
+bad ones are counted before the engine starts. A file without a usable record is refused
+before the engine starts, leaving nothing behind; a run that writes no sample exits 3. A
+512 MiB input is streamed: the extract's memory does not grow with it."""
 
 from __future__ import annotations
 
@@ -37,7 +38,9 @@ def _bad_lines():
         (b'[1, 2, 3]', ["not a JSON object", "list"]),
         (b'"just a string"', ["not a JSON object", "str"]),
         (b'\xff\xfe{"id": "binary"}', ["not UTF-8", "0xff"]),
-        (json.dumps({"id": "neither", "prompt": "hi"}).encode(), ["need exactly one of", "none"]),
+        (json.dumps({"id": "neither", "prompt": "hi"}).encode(),
+         ["unknown field 'prompt'", "expected one of token_ids, text, messages, conversations"]),
+        (json.dumps({"id": "no-kind"}).encode(), ["need exactly one of", "none"]),
         (json.dumps({"id": "both", "text": "a", "token_ids": [1]}).encode(),
          ["need exactly one of", "token_ids", "text"]),
         (json.dumps({"id": "empty-ids", "token_ids": []}).encode(), ["no tokens"]),
@@ -108,6 +111,11 @@ def test_every_bad_line_is_an_error_record_and_the_good_ones_match_hf(tiny_model
     assert r.returncode == 0, r.stderr[-3000:]
     summary = last_json(r)
     assert summary["samples"] == len(good) and summary["errors"] == len(bad), summary
+    # counted before the engine started: all but the one only tokenizing finds (huge-text), the
+    # first of them named (a BOM'd good line, then "{not json")
+    prepass = next((x for x in r.stderr.splitlines() if "records checked" in x), r.stderr[-3000:])
+    assert f"{len(bad) - 1} bad, skipped and recorded in errors.jsonl; the first: line 2 (id 1): invalid JSON" \
+        in prepass, prepass
 
     errors = [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
     by_line = {e["line"]: e for e in errors}
@@ -136,19 +144,74 @@ def test_every_bad_line_is_an_error_record_and_the_good_ones_match_hf(tiny_model
                                         "reasons": {str(e["id"]): e["reason"][:120] for e in errors}}
 
 
-def test_empty_input_is_a_complete_empty_output(tiny_models, tmp_path):
-    """A file of blank lines only (an empty file reads the same: tests/unit/test_inputs.py)."""
+def _refused(args, output):
+    """`extract` in this process: (exit code, its error line)."""
+    r = cli("extract", *args, "--output", output, "--no-progress", "--layers", "1")
+    return r.returncode, next((x for x in r.stderr.splitlines() if x.startswith("error: ")), r.stderr[-2000:])
+
+
+def test_a_file_of_no_usable_record_is_refused_before_the_engine_leaving_nothing(tiny_models, tmp_path, s3,
+                                                                                   monkeypatch, reliability_report):
+    """Every line names its prompt by a field we do not read, or the file holds no record: exit
+    code 2 before the engine starts, naming the line and the field; no output directory, no S3
+    object. With --dp 2 the coordinator refuses it alike."""
+    import vllm_hidden.extract.coordinator as co
+    from vllm_hidden.extract.extractor import Extractor
+
+    def started(*a, **k):
+        raise AssertionError("an engine was started")
+
+    monkeypatch.setattr(Extractor, "start", started)
+    monkeypatch.setattr(co, "LocalRanks", started)
+    url, bucket, client = s3
+    model = str(tiny_models("qwen3", 4))
+    wrong, blank = tmp_path / "wrong.jsonl", tmp_path / "blank.jsonl"
+    wrong.write_text("".join(json.dumps({"id": i, "promt": f"question {i}"}) + "\n" for i in range(5)))
+    blank.write_bytes(b"\n  \n\r\n\n")
+    cases = {
+        "wrong field": ([str(wrong)], ["wrong.jsonl line 1: unknown field 'promt'", "all 5 records are bad"]),
+        "wrong field, --dp 2": ([str(wrong), "--dp", "2"], ["wrong.jsonl line 1: unknown field 'promt'"]),
+        "blank lines only": ([str(blank)], ["blank.jsonl holds no records"]),
+    }
+    for what, (inp, words) in cases.items():
+        for output in (str(tmp_path / "out" / "run"), f"s3://{bucket}/run"):
+            code, line = _refused(["--model", model, "--input", *inp, "--s3-endpoint-url", url], output)
+            assert code == 2 and all(w in line for w in words), (what, output, line)
+            reliability_report.setdefault("input_refused", {})[what] = line[:240]
+    assert not (tmp_path / "out").exists()
+    assert client.list_objects_v2(Bucket=bucket).get("KeyCount", 0) == 0
+
+
+def test_a_run_that_writes_no_sample_exits_3(tiny_models, tmp_path, reliability_report):
+    """Records that pass the up-front checks but none of which fits once tokenized (each text
+    longer than --max-model-len): the run ends, every record is an error record, the output is
+    complete and empty, and the exit code says no sample was written."""
     model = tiny_models("qwen3", 4)
-    inp, out = tmp_path / "blank.jsonl", tmp_path / "out"
-    inp.write_bytes(b"\n  \n\r\n\n")
+    inp, out = tmp_path / "long.jsonl", tmp_path / "out"
+    inp.write_text("".join(json.dumps({"id": f"t{i}", "text": "a b c d " * 200}) + "\n" for i in range(3)))
     r = run_cli("extract", "--model", str(model), "--input", str(inp), "--output", str(out), "--layers", "1",
                 "--max-model-len", str(MAX_LEN), "--no-progress", *ENGINE)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 3, (r.returncode, r.stderr[-3000:])
+    assert "error: no sample was written: all 3 records were bad" in r.stderr, r.stderr[-2000:]
     summary = last_json(r)
-    assert summary["samples"] == 0 and summary["errors"] == 0
+    assert summary["samples"] == 0 and summary["errors"] == 3
+    errors = [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
+    assert sorted(e["id"] for e in errors) == ["t0", "t1", "t2"] and all("max_model_len" in e["reason"] for e in errors)
     assert json.loads((out / "manifest.json").read_text())["num_samples"] == 0
-    assert len(HiddenStatesDataset(out)) == 0
-    assert cli("inspect", str(out)).returncode == 0
+    assert cli("inspect", str(out)).returncode == 0  # complete, and empty
+    reliability_report["no_sample_written"] = {"exit_code": r.returncode, "errors": len(errors)}
+
+
+def test_the_exit_code_counts_samples_of_earlier_attempts(monkeypatch):
+    """Exit 3 only when the output holds no sample: a --resume that finds every sample done wrote
+    none itself and exits 0. (The CLI's reading of the run's summary, without an engine.)"""
+    import vllm_hidden.extract as extract_pkg
+    from vllm_hidden.extract.job import Summary
+
+    for summary, code in ((Summary(resumed=4), 0), (Summary(samples=2, errors=1), 0), (Summary(errors=2), 3)):
+        monkeypatch.setattr(extract_pkg, "run_extract", lambda cfg, s=summary: s)
+        r = cli("extract", "--model", "m", "--input", "in.jsonl", "--output", "out", "--no-progress")
+        assert r.returncode == code, (summary, r.returncode, r.stderr)
 
 
 def _peak_rss(args):

@@ -181,7 +181,8 @@ def test_a_thinking_template_that_marks_only_the_last_turn_still_gets_exact_mask
 
 def test_a_template_failure_is_an_error_record(tmp_path):
     tok = chat_model.tokenizer(tmp_path, "{{ raise_exception('roles must alternate') }}")
-    (p,) = reader(tmp_path, tok, [{"id": "x", "messages": [{"role": "user", "content": "a"}]}])
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    (p,) = reader(tmp_path, tok, [{"id": "x", "messages": msgs}])
     assert isinstance(p, BadLine) and "chat template failed" in p.reason and "roles must alternate" in p.reason
 
 

@@ -27,7 +27,7 @@ import vllm_hidden.extract.plan as plan
 from vllm_hidden.config import ExtractConfig, ModelInfo, Plan
 from vllm_hidden.extract.rank import RankDone, RankError, RankEvent, RankProgress, RankReady
 from vllm_hidden.format.shard import FORMAT
-from vllm_hidden.inputs import BadLine, Prompt
+from vllm_hidden.inputs import BadLine, InputScan, Prompt
 
 PLAN = Plan(info=ModelInfo(num_layers=4, hidden_size=8, vocab_size=100, max_positions=64),
                 layer_ids=[1, 2], max_prompt_len=64,
@@ -224,6 +224,10 @@ class Harness:
         monkeypatch.setattr(plan, "check_paths", lambda *a, **k: None)
         monkeypatch.setattr(plan, "plan_extract", lambda cfg: PLAN)
         monkeypatch.setattr(plan, "prompt_reader", lambda cfg, plan, input_path=None: _Reader(self.items))
+        # the up-front pass over the input reads a real file: here its records are the harness's items
+        monkeypatch.setattr(plan, "check_prompts",
+                            lambda cfg, plan, input_path=None: InputScan(str(self.input), records=len(self.items)))
+        monkeypatch.setattr(plan, "check_engine_options", lambda cfg, plan: None)  # vLLM's parser: test_bad_config
 
         def rank_envs(dp, tp, gpu=None):
             self.envs_calls.append((dp, tp))

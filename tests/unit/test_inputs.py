@@ -1,6 +1,11 @@
 import json
+import re
+from pathlib import Path
 
-from vllm_hidden.inputs import BadLine, Prompt, PromptReader, count_lines
+import pytest
+
+from vllm_hidden.inputs import BadLine, Prompt, PromptReader, count_lines, scan_input
+from vllm_hidden.inputs.scan import SYSTEMATIC
 
 
 class FakeTok:
@@ -82,3 +87,136 @@ def test_empty_and_blank_only_files_give_nothing(tmp_path):
         p = tmp_path / "in.jsonl"
         p.write_bytes(content)
         assert list(PromptReader(p, vocab_size=100, max_prompt_len=5, tokenizer_loader=FakeTok)) == [], content
+
+
+# -- the up-front pass (inputs.scan) -------------------------------------------------------------
+
+
+def scan(tmp_path, lines, name="in.jsonl", **kw):
+    p = tmp_path / name
+    p.write_text("".join(line + "\n" for line in lines))
+    return scan_input(PromptReader(p, vocab_size=kw.get("vocab", 100), max_prompt_len=kw.get("max_len", 5),
+                                   tokenizer_loader=FakeTok, loss_mask=kw.get("loss_mask"),
+                                   columns=kw.get("columns")))
+
+
+def test_a_wrong_field_on_every_line_stops_the_pass_naming_the_line_and_the_field(tmp_path):
+    lines = ["", *(json.dumps({"id": i, "promt": "hello"}) for i in range(3))]  # a blank first line: line 2
+    with pytest.raises(ValueError) as e:
+        scan(tmp_path, lines)
+    assert "in.jsonl line 2: unknown field 'promt' (expected one of token_ids, text, messages, conversations)" \
+        in str(e.value) and "all 3 records are bad" in str(e.value), e.value
+    # the field named otherwise is read through --input-columns: no longer a mistake
+    assert scan(tmp_path, lines, columns={"text": "promt"}).bad == 0
+
+
+def test_the_systematic_threshold_is_the_first_100_records(tmp_path):
+    bad = json.dumps({"token_ids": "1 2 3"})
+    good = json.dumps({"token_ids": [1, 2]})
+    with pytest.raises(ValueError, match=r"line 1: token_ids must be a list of ints, got str; the first 100 records"):
+        scan(tmp_path, [bad] * SYSTEMATIC + [good] * 5)
+    s = scan(tmp_path, [bad] * (SYSTEMATIC - 1) + [good] + [bad] * 50)  # one good record among the first 100
+    assert (s.records, s.bad, s.first_bad.line) == (SYSTEMATIC + 50, SYSTEMATIC + 49, 0)
+    with pytest.raises(ValueError, match="its only record is bad"):
+        scan(tmp_path, [bad])
+    for content in ([], ["", "  "]):
+        with pytest.raises(ValueError, match="holds no records"):
+            scan(tmp_path, content)
+
+
+def test_the_pass_finds_what_the_reader_finds_short_of_tokenizing(tmp_path):
+    """The same records through the pass and the reader: every bad one the reader yields without
+    tokenizing is counted by the pass, the first of them the same, with the same reason."""
+    lines = [
+        json.dumps({"id": "ok", "token_ids": [1, 2]}),
+        "{not json",
+        json.dumps({"id": "e", "token_ids": []}),
+        json.dumps({"id": "long", "token_ids": [1] * 6}),
+        json.dumps({"id": "oov", "token_ids": [1, 100]}),
+        json.dumps({"id": "both", "text": "a", "token_ids": [1]}),
+        json.dumps({"id": "ok", "token_ids": [2]}),  # a duplicate
+        json.dumps({"id": 1.5, "token_ids": [1]}),
+        json.dumps({"id": "m", "token_ids": [1, 2], "loss_mask": [1]}),
+        json.dumps({"id": "t", "text": ""}),
+        json.dumps({"id": "tools", "text": "a", "tools": []}),
+        json.dumps({"id": "role", "messages": [{"role": "robot", "content": "x"}]}),
+        json.dumps({"id": "sg", "conversations": [{"from": "alien", "value": "x"}]}),
+        json.dumps({"id": "noasst", "messages": [{"role": "user", "content": "x"}]}),
+        json.dumps({"id": "fine", "text": "a b"}),
+    ]
+    s = scan(tmp_path, lines)
+    yielded = [r for r in read(tmp_path, lines) if isinstance(r, BadLine)]
+    assert s.records == len(lines) and s.bad == len(yielded) == len(lines) - 2
+    assert s.first_bad == yielded[0]
+    assert f"{len(lines)} records checked" in s.describe() and f"; {s.bad} bad" in s.describe()
+    assert "the first: line 2 (id 1): invalid JSON" in s.describe(), s.describe()
+
+
+def test_parquet_rows_are_named_by_index(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"token_ids": [[1, 2], [1, 500], [3]]}), tmp_path / "in.parquet", row_group_size=2)
+    s = scan_input(PromptReader(tmp_path / "in.parquet", vocab_size=100, max_prompt_len=5))
+    assert (s.records, s.bad) == (3, 1) and "row 1 (id 1): token id 500" in s.describe(), s.describe()
+
+
+# -- the example lines of docs/extract.md --------------------------------------------------------
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "extract.md"
+SECTION = "## Example input lines"
+
+
+def docs_examples() -> list[str]:
+    """Every fenced block of the section, each one line (a JSONL line as a file holds it)."""
+    text = DOCS.read_text()
+    assert SECTION in text, f"{DOCS.name} has no {SECTION!r} section"
+    body = text.split(SECTION, 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"^```json\n(.*?)^```$", body, flags=re.S | re.M)
+    for b in blocks:
+        assert b.count("\n") == 1, f"an example is one line: {b!r}"
+    return [b.strip() for b in blocks]
+
+
+def test_every_example_line_of_the_docs_is_read_as_documented(tmp_path):
+    from tests import chat_model
+
+    tok = chat_model.tokenizer(tmp_path)
+    lines = docs_examples()
+    recs = [json.loads(line) for line in lines]
+    # the section shows each kind and form
+    shown = {
+        "token_ids with loss_mask": any("token_ids" in r and "loss_mask" in r for r in recs),
+        "text": any("text" in r for r in recs),
+        "messages with a system turn": any(r.get("messages", [{}])[0].get("role") == "system" for r in recs),
+        "messages with tools": any("messages" in r and "tools" in r for r in recs),
+        "conversations, role/content": any("role" in t for r in recs for t in r.get("conversations", [])),
+        "conversations, ShareGPT": any("from" in t for r in recs for t in r.get("conversations", [])),
+        "a string id, an int id, no id": {type(r.get("id")) for r in recs} == {str, int, type(None)},
+    }
+    assert all(shown.values()), shown
+    path = tmp_path / "examples.jsonl"
+    path.write_text("".join(line + "\n" for line in lines))
+
+    def reader(**kw):
+        return PromptReader(path, vocab_size=1 << 20, max_prompt_len=4096, tokenizer_loader=lambda: tok, **kw)
+
+    s = scan_input(reader())
+    assert (s.records, s.bad) == (len(lines), 0), s.describe()
+    out = list(reader())
+    assert all(isinstance(p, Prompt) for p in out), [p for p in out if isinstance(p, BadLine)]
+    for i, (rec, p) in enumerate(zip(recs, out)):
+        assert p.id == rec.get("id", i)
+        if "token_ids" in rec:
+            assert p.token_ids == rec["token_ids"]
+            assert [int(any(lo <= t < hi for lo, hi in p.loss_spans)) for t in range(len(p.token_ids))] \
+                == rec["loss_mask"]
+        elif "text" in rec:
+            assert p.token_ids == tok(rec["text"])["input_ids"]
+        else:  # the tokens and mask the template gives, worked out independently (tests/chat_model.py)
+            ids, mask = chat_model.expected(tok, chat_model.messages_of(rec), rec.get("tools"))
+            assert p.token_ids == ids and any(mask), rec["id"]
+            assert [int(any(lo <= t < hi for lo, hi in p.loss_spans)) for t in range(len(ids))] == mask, rec["id"]
+    # and each is a prompt --generate can answer
+    gen = list(reader(room=16))
+    assert all(isinstance(p, Prompt) for p in gen), [p for p in gen if isinstance(p, BadLine)]

@@ -4,7 +4,9 @@ to the captured layers, and the tapering scheduler for prefill-only runs."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import difflib
 import logging
 
 from vllm_hidden.config import CaptureConfig
@@ -12,6 +14,7 @@ from vllm_hidden.engine.truncate import TRUNCATABLE_LOAD_FORMATS
 
 log = logging.getLogger("vllm_hidden")
 WORKER_EXTENSION = "vllm_hidden.engine.worker_ext.HiddenStatesWorkerExtension"
+UNRECOGNIZED = "unrecognized arguments: "  # argparse's words for options no parser took
 
 # load formats read through vLLM's default loader, whose weight iterator drops a cut model's
 # extra layers (hooks.HOOKS, "loader.weights"), and random weights (nothing to drop)
@@ -28,22 +31,9 @@ def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: C
     requests never read the cache (engine.compat), so no row they store is skipped."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_hidden.engine import compat
-
-    parser = EngineArgs.add_cli_args(compat.argument_parser("vllm-hidden extract"))
-    try:
-        ns = parser.parse_args(["--model", model, *cli_args])
-    except SystemExit:
-        raise ValueError(f"invalid engine arguments: {' '.join(cli_args)!r}") from None
-    args = EngineArgs.from_cli_args(ns)
-    if prefix_cache:
-        args.enable_prefix_caching = bool(args.enable_prefix_caching)
-    elif args.enable_prefix_caching:
-        raise ValueError("--enable-prefix-caching: cached prompt tokens are not recomputed, so their "
-                         "hidden states would be missing; extract runs with prefix caching off (--generate "
-                         "allows it: only its uncaptured turns read the cache)")
-    else:
-        args.enable_prefix_caching = False
+    args = EngineArgs.from_cli_args(parse_cli(model, cli_args))
+    check_cli(args, prefix_cache=prefix_cache, capture=capture is not None)
+    args.enable_prefix_caching = bool(args.enable_prefix_caching)  # off unless given (and allowed)
     args.skip_tokenizer_init = True  # we tokenize (and validate) before the engine
     # room for the one sampled (discarded) token; --generate: for the response and one token past it
     args.max_model_len = max_prompt_len + 1 + generate_tokens
@@ -60,8 +50,6 @@ def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: C
 
     quant.check_platform(args.quantization, hf_config, model)
     if capture is not None:
-        if args.worker_extension_cls and args.worker_extension_cls != WORKER_EXTENSION:
-            raise ValueError(f"--worker-extension-cls {args.worker_extension_cls!r} cannot be combined with capture")
         args.worker_extension_cls = WORKER_EXTENSION
         if capture.layers_run is not None and not _can_truncate(args):
             capture = dataclasses.replace(capture, layers_run=None)
@@ -73,6 +61,66 @@ def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: C
         if not generate_tokens:
             _taper_the_end(args)
     return args
+
+
+class _ParseError(Exception):
+    pass
+
+
+def _parse_error(message: str):
+    raise _ParseError(message)
+
+
+def parse_cli(model: str, cli_args: list[str]) -> argparse.Namespace:
+    """`cli_args` (the options extract does not take itself) through vLLM's own CLI parser, as
+    `vllm serve` parses them: every engine flag of the installed vLLM passes. An option vLLM
+    does not know, or a bad value, is a ValueError naming it (argparse would print usage and
+    exit)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_hidden.engine import compat
+
+    parser = EngineArgs.add_cli_args(compat.argument_parser("vllm-hidden extract"))
+    parser.error = _parse_error  # argparse reports every mistake through error()
+    try:
+        return parser.parse_args(["--model", model, *cli_args])
+    except _ParseError as e:
+        raise ValueError(_explain(str(e))) from None
+    except SystemExit:  # --help and the like: argparse exits by itself
+        raise ValueError(f"invalid engine arguments: {' '.join(cli_args)!r}") from None
+
+
+def _explain(message: str) -> str:
+    """argparse's message, an unknown option named as such, with the closest of vLLM's engine
+    arguments where one is close."""
+    unknown = [a.split("=", 1)[0] for a in message.removeprefix(UNRECOGNIZED).split() if a.startswith("-")] \
+        if message.startswith(UNRECOGNIZED) else []
+    if not unknown:
+        return f"vLLM engine arguments: {message}"
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(EngineArgs)]
+    close = [m for u in unknown for m in difflib.get_close_matches(u, known, n=1)]
+    return (f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: not an extract "
+            "option, nor one of vLLM's engine arguments (extract passes the options it does not take to vLLM's "
+            "engine)" + (f"; did you mean {' or '.join(close)}?" if close else ""))
+
+
+def check_cli(args, *, prefix_cache: bool = False, capture: bool = True) -> None:
+    """Our rules on the engine's arguments that need nothing but them: `args` as `parse_cli`
+    gives them or as vLLM's EngineArgs (the same names). A data-parallel coordinator checks
+    them so, before anything is written; each engine then again, building its arguments."""
+    from vllm_hidden.engine import compat
+
+    if args.enable_prefix_caching and not prefix_cache:
+        raise ValueError("--enable-prefix-caching: cached prompt tokens are not recomputed, so their "
+                         "hidden states would be missing; extract runs with prefix caching off (--generate "
+                         "allows it: only its uncaptured turns read the cache)")
+    if not capture:
+        return
+    if args.worker_extension_cls and args.worker_extension_cls != WORKER_EXTENSION:
+        raise ValueError(f"--worker-extension-cls {args.worker_extension_cls!r} cannot be combined with capture")
+    compat.check_parallel(args.pipeline_parallel_size)
 
 
 def model_config(args):

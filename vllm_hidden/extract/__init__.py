@@ -20,7 +20,6 @@ def run_extract(cfg: ExtractConfig) -> Summary:
         from vllm_hidden.extract.coordinator import run_parallel
 
         return run_parallel(cfg)
-    from vllm_hidden.extract.job import extract_file, start_extractor
+    from vllm_hidden.extract.job import run_one
 
-    with start_extractor(cfg) as ex:
-        return extract_file(ex, cfg.input_path, cfg.output_dir)
+    return run_one(cfg)

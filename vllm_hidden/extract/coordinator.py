@@ -1,8 +1,9 @@
 """Data-parallel extract: N engines (local processes, or Ray actors) fed from one shared queue.
 
-The coordinator (this process; it starts no engine) reads and checks the prompt file once,
-so bad lines, duplicate ids and samples done by an earlier attempt are handled as in a
-one-engine run, and puts each good prompt on a bounded queue. Each engine takes prompts
+The coordinator (this process; it starts no engine) checks the prompt file and the engine
+options before anything is written (extract.plan), then reads the prompt file once, so bad
+lines, duplicate ids and samples done by an earlier attempt are handled as in a one-engine
+run, and puts each good prompt on a bounded queue. Each engine takes prompts
 only when it has room (a few steps' worth), so the engines finish within a prompt of each
 other whatever the lengths. They start taking prompts together (an engine more than a
 minute later than the first joins when ready). Rank r writes
@@ -25,7 +26,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 from vllm_hidden.config import ExtractConfig
 from vllm_hidden.extract.feed import QUEUE_PER_ENGINE, ReaderFeed, pack
 from vllm_hidden.extract.rank import RankDone, RankError, RankEvent, RankProgress, RankReady, rank_process
-from vllm_hidden.inputs import count_records
 
 if TYPE_CHECKING:
     from vllm_hidden.extract.job import ProgressBar, Summary
@@ -287,20 +287,23 @@ def run_parallel(cfg: ExtractConfig) -> Summary:
     """`vllm-hidden extract --dp N [--tp M] [--ray ADDRESS]`; returns the job's Summary (extract.job)."""
     from vllm_hidden.engine.caches import CacheDirs, resolve_tp
     from vllm_hidden.extract.job import ProgressBar, manifest_fields
-    from vllm_hidden.extract.plan import check_paths, plan_extract, prompt_reader
+    from vllm_hidden.extract.plan import check_engine_options, check_paths, check_prompts, plan_extract, prompt_reader
     from vllm_hidden.storage.output import Output
 
     CacheDirs.resolve(cfg.cache_dir).apply()  # every engine inherits the cache locations
     check_paths(cfg.model, cfg.input_path, cfg.output_dir, cfg.resume, cfg.s3_endpoint_url, cfg.input_columns)
     cfg = replace(cfg, tp=resolve_tp(cfg.engine_args, cfg.tp))  # each rank's devices depend on it
     plan = plan_extract(cfg)
+    # what each rank would refuse only after run.json exists, refused here, before anything is written
+    check_engine_options(cfg, plan)
+    scan = check_prompts(cfg, plan)
     engines = Engines(cfg)
     output = Output(cfg.output_dir, plan.identity, s3_endpoint_url=cfg.s3_endpoint_url, staging_dir=cfg.staging_dir,
                     s3_retry_s=cfg.s3_retry_s)
     state = output.begin(cfg.resume)
     reader = prompt_reader(cfg, plan)
     feed = ReaderFeed(reader, state.done_ids, output.record_error)
-    total = count_records(cfg.input_path)
+    total = scan.records
     reports = RankReports(t0=time.perf_counter())
     ok = False
     ranks: Ranks | None = None

@@ -12,9 +12,9 @@ from vllm_hidden import __version__
 from vllm_hidden.config import ExtractConfig, GenerateConfig, Plan
 from vllm_hidden.extract.extractor import Extractor
 from vllm_hidden.extract.feed import ReaderFeed
-from vllm_hidden.extract.plan import check_paths, plan_extract, prompt_reader
+from vllm_hidden.extract.plan import check_paths, check_prompts, plan_extract, prompt_reader
 from vllm_hidden.format.shard import FP8_STORAGE, ShardInfo
-from vllm_hidden.inputs import count_records, parse_columns
+from vllm_hidden.inputs import InputScan, parse_columns
 from vllm_hidden.layers import SEMANTICS
 from vllm_hidden.storage.output import Output
 
@@ -49,6 +49,11 @@ class Summary:
             "output_dir": self.output_dir,
             "capture_stats": self.capture_stats,
         }
+
+    @property
+    def wrote_nothing(self) -> bool:
+        """No sample is in the output: neither this run nor an earlier one (--resume) wrote any."""
+        return self.samples == 0 and self.resumed == 0
 
     def describe(self, generated: bool = False) -> str:
         """One line for a person (`generated`: a --generate run, whose response tokens are named)."""
@@ -100,14 +105,19 @@ class ProgressBar:
 
 
 def extract_config(*, generate: bool, sampling: dict[str, Any], input_columns: str | None,
-                   **fields: Any) -> ExtractConfig:
+                   engine_seed: int | None = None, **fields: Any) -> ExtractConfig:
     """`vllm-hidden extract`'s config: `fields` are ExtractConfig's; `sampling` holds the options
     that go with --generate only (None: not given), in the order their error names the first;
-    `input_columns` is the option's text."""
+    `input_columns` is the option's text; `engine_seed` (--engine-seed) is vLLM's own --seed,
+    which extract's --seed (the run seed of --generate) hides."""
     given = {k: v for k, v in sampling.items() if v is not None}
     if given and not generate:
-        raise ValueError(f"--{next(iter(given)).replace('_', '-')} goes with --generate")
+        first = next(iter(given))
+        hint = " (vLLM's engine seed is --engine-seed)" if first == "seed" else ""
+        raise ValueError(f"--{first.replace('_', '-')} goes with --generate{hint}")
     inflight = given.pop("max_inflight_bytes", None)
+    if engine_seed is not None:
+        fields["engine_args"] = [*fields.get("engine_args", []), "--seed", str(engine_seed)]
     return ExtractConfig(generate=GenerateConfig(**given) if generate else None, max_inflight_bytes=inflight,
                          input_columns=parse_columns(input_columns), **fields)
 
@@ -128,13 +138,16 @@ def manifest_fields(cfg: ExtractConfig, plan: Plan, engine: dict[str, Any], read
 
 
 def extract_file(ex: Extractor, input_path: str, output_dir: str, progress: bool | None = None,
-                 resume: bool | None = None) -> Summary:
-    """Run a prompt file through an engine into an output (new, or `resume`d), manifest last."""
+                 resume: bool | None = None, scan: InputScan | None = None) -> Summary:
+    """Run a prompt file through an engine into an output (new, or `resume`d), manifest last.
+    The file is checked first (`scan`: its up-front pass, if the caller made it already)."""
     cfg = ex.cfg
     resume = cfg.resume if resume is None else resume
     if ex.engine is None:
         raise RuntimeError("the extractor is closed")
     check_paths(cfg.model, input_path, output_dir, resume, cfg.s3_endpoint_url, cfg.input_columns)
+    if scan is None:
+        scan = check_prompts(cfg, ex.plan, input_path)
     output = Output(output_dir, ex.plan.identity, s3_endpoint_url=cfg.s3_endpoint_url, staging_dir=cfg.staging_dir,
                     s3_retry_s=cfg.s3_retry_s)
     state = output.begin(resume)
@@ -142,7 +155,7 @@ def extract_file(ex: Extractor, input_path: str, output_dir: str, progress: bool
     feed = ReaderFeed(reader, state.done_ids, output.record_error)
     summary = Summary(engine_init_seconds=ex.engine_init_seconds, output_dir=output.where,
                       engine_start=ex.start_report)
-    bar = ProgressBar(count_records(input_path), cfg.progress if progress is None else progress)
+    bar = ProgressBar(scan.records, cfg.progress if progress is None else progress)
     try:
         res = ex.extract(feed, output.shard_config(None, **cfg.shard_options()),
                          on_progress=lambda n, t: bar.update(n + feed.resumed, t, output.num_errors))
@@ -159,6 +172,18 @@ def extract_file(ex: Extractor, input_path: str, output_dir: str, progress: bool
     summary.first_sample_seconds = ex.first_sample_at or 0.0
     output.finish(res.shards, **manifest_fields(cfg, ex.plan, ex.engine_info(), reader))
     return summary
+
+
+def run_one(cfg: ExtractConfig) -> Summary:
+    """`vllm-hidden extract` with one engine: everything checked before the engine starts (the
+    paths, the plan, the engine's options through vLLM's parser, every record of the input),
+    then the run."""
+    check_paths(cfg.model, cfg.input_path, cfg.output_dir, cfg.resume, cfg.s3_endpoint_url, cfg.input_columns)
+    plan = plan_extract(cfg)
+    with Extractor(cfg, plan, start=False) as ex:  # its engine arguments built (and checked), nothing started
+        scan = check_prompts(cfg, plan)
+        ex.start()
+        return extract_file(ex, cfg.input_path, cfg.output_dir, scan=scan)
 
 
 def start_extractor(cfg: ExtractConfig, *, start: bool = True, check_io: bool = True) -> Extractor:

@@ -1,9 +1,11 @@
 """What an extract is, worked out and checked before any engine starts: the model's shape,
-the layer ids, the longest prompt, the output's identity (run.json), and the input and
-output paths. Reads the model's config with Transformers; no vLLM here."""
+the layer ids, the longest prompt, the output's identity (run.json), the input and output
+paths, every record of the input (short of tokenizing), and for engines started elsewhere
+their options. Reads the model's config with Transformers; vLLM only through engine.args."""
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -11,11 +13,13 @@ from pathlib import Path
 from vllm_hidden.config import ExtractConfig, ModelInfo, Plan
 from vllm_hidden.engine.quant import quantization_arg
 from vllm_hidden.format.shard import FORMAT
-from vllm_hidden.inputs import PromptReader, parse_columns
+from vllm_hidden.inputs import InputScan, PromptReader, parse_columns, scan_input
 from vllm_hidden.inputs.sources import check_input
 from vllm_hidden.layers import layer_source, layers_to_run, moe_layer_indices, resolve_layer_ids
 from vllm_hidden.storage.journal import RUN
 from vllm_hidden.storage.s3 import S3Location, is_s3
+
+log = logging.getLogger("vllm_hidden")
 
 
 def model_info(model: str) -> ModelInfo:
@@ -124,6 +128,30 @@ def plan_extract(cfg: ExtractConfig) -> Plan:
     return Plan(info=info, layer_ids=list(layer_ids), max_prompt_len=max_prompt_len, identity=identity,
                 layers_run=layers_run,
                 layer_source=layer_source(info.num_layers, cfg.layers, cfg.aux_layers, cfg.layers_from))
+
+
+def check_prompts(cfg: ExtractConfig, plan: Plan, input_path: str | None = None) -> InputScan:
+    """The up-front pass over the prompt file (inputs.scan), with the reader the run will use
+    but a tokenizer it never loads: a systematic mistake (no record, or the first records all
+    bad) is a ValueError before any engine starts and before anything is written; isolated bad
+    records are logged with the first of them (the run skips them, as errors.jsonl)."""
+    scan = scan_input(prompt_reader(cfg, plan, input_path))
+    (log.warning if scan.bad else log.info)("vllm-hidden: %s", scan.describe())
+    return scan
+
+
+def check_engine_options(cfg: ExtractConfig, plan: Plan) -> None:
+    """The engine options through vLLM's own parser and our rules on them, as each engine will
+    take them, for a run whose engines start elsewhere (--dp, --ray): a misspelled option is
+    refused here, before run.json, not by every rank after it. Reads no model and starts
+    nothing (vLLM's modules are imported)."""
+    from vllm_hidden.engine import compat
+    from vllm_hidden.engine.args import check_cli, parse_cli
+
+    args = parse_cli(cfg.model, cfg.engine_args)
+    check_cli(args, prefix_cache=cfg.generate is not None)
+    if cfg.ray_address is None and cfg.generate is not None and cfg.generate.seed is not None:
+        compat.check_seeded_generation(args)  # the engines start on this host (Ray's elsewhere)
 
 
 def prompt_reader(cfg: ExtractConfig, plan: Plan, input_path: str | None = None) -> PromptReader:

@@ -76,6 +76,22 @@ def check_messages(messages: Any, key: str = "messages") -> list[dict[str, Any]]
     return messages
 
 
+def check_tools(tools: Any) -> None:
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ValueError(f"tools must be a list of objects, got {str(tools)[:80]!r}")
+
+
+def masked_turns(messages: list[dict[str, Any]], rule: str) -> list[int] | None:
+    """The assistant turns loss-mask `rule` marks (None: the rule marks all tokens or none, not
+    turns); a rule of turns on a conversation without an assistant turn is an error."""
+    if rule in ("all", "none"):
+        return None
+    turns = [j for j, m in enumerate(messages) if m["role"] == "assistant"]
+    if not turns:
+        raise ValueError(f"loss mask {rule!r}: the conversation has no assistant turn")
+    return turns[-1:] if rule == "last-assistant" else turns
+
+
 def template_hash(tokenizer: Any) -> str | None:
     t = getattr(tokenizer, "chat_template", None)
     if isinstance(t, dict):  # several named templates
@@ -107,16 +123,12 @@ class ChatEncoder:
         """-> (token ids, loss spans [start, end) in tokens, or None under rule 'none')."""
         if not messages:
             raise ValueError("conversation is empty")
-        self._check_tools(tools)
+        check_tools(tools)
+        turns = masked_turns(messages, rule)
         full = self.render(messages, tools, False)
-        if rule in ("all", "none"):
+        if turns is None:
             ids = self._ids(full, offsets=False)[0]
             return ids, ([(0, len(ids))] if rule == "all" and ids else None)
-        turns = [j for j, m in enumerate(messages) if m["role"] == "assistant"]
-        if not turns:
-            raise ValueError(f"loss mask {rule!r}: the conversation has no assistant turn")
-        if rule == "last-assistant":
-            turns = turns[-1:]
         return self._with_spans(messages, tools, turns, full, False)
 
     def encode_prompt(self, messages: list[dict[str, Any]], tools: Any,
@@ -126,7 +138,7 @@ class ChatEncoder:
         (the response is the last one), all of it under 'all', None under 'none'."""
         if not messages:
             raise ValueError("conversation is empty")
-        self._check_tools(tools)
+        check_tools(tools)
         full = self.render(messages, tools, True)
         turns = [j for j, m in enumerate(messages) if m["role"] == "assistant"] if rule == "assistant" else []
         if rule in ("all", "none") or not turns:
@@ -161,11 +173,6 @@ class ChatEncoder:
             head = self._ids(closing, offsets=False)[0] if closing else []
             joints.append((head + self._ids(after[len(closing):], offsets=False)[0], len(head)))
         return ids, spans, joints
-
-    @staticmethod
-    def _check_tools(tools: Any) -> None:
-        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-            raise ValueError(f"tools must be a list of objects, got {str(tools)[:80]!r}")
 
     def _with_spans(self, messages: list[dict[str, Any]], tools: Any, turns: list[int], full: str,
                     generation_prompt: bool) -> tuple[list[int], list[tuple[int, int]]]:

@@ -17,11 +17,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_hidden.inputs.chat import MASK_RULES, ChatEncoder, check_messages, normalize_conversations, spans_from_mask
-from vllm_hidden.inputs.sources import input_format, parse_json, records
+from vllm_hidden.inputs.chat import (
+    MASK_RULES,
+    ChatEncoder,
+    check_messages,
+    check_tools,
+    masked_turns,
+    normalize_conversations,
+    spans_from_mask,
+)
+from vllm_hidden.inputs.sources import FIELDS, input_format, parse_json, records
 
 KINDS = ("token_ids", "text", "messages", "conversations")
 CHAT_KINDS = ("messages", "conversations")
+NO_TOKENS = "prompt has no tokens"
+# rules under which a token_ids record's own loss_mask is read: "given" (prefill), and under
+# --generate the default and the assistant rules (its prompt's mask beside the response's)
+OWN_MASK = (None, "given", "assistant", "last-assistant")
 # how each kind is tokenized (recorded in the manifest)
 SPECIAL_TOKENS = {"text": "the tokenizer's own (add_special_tokens=True)",
                   "chat": "written by the chat template (add_special_tokens=False)",
@@ -52,6 +64,26 @@ class BadLine:
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "line": self.line, "reason": self.reason}
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A record whose fields passed every check that needs no tokenizer (`PromptReader.check`):
+    its kind and value (token ids; text; a conversation as messages, ShareGPT turns normalized,
+    under --generate cut to what the response answers), its parsed tools, the loss-mask rule
+    of its own tokens, and a token_ids record's loss spans."""
+
+    line: int
+    id: Any
+    kind: str
+    value: Any
+    tools: Any = None
+    rule: str | None = None
+    spans: list[tuple[int, int]] | None = None
+
+
+def duplicate(sid: Any) -> str:
+    return f"duplicate id {sid!r}"
 
 
 def mask_rule_for(rule: str | None, kind: str, has_mask: bool) -> str:
@@ -150,26 +182,41 @@ class PromptReader:
         """One JSONL line (as read from the file)."""
         return self._record(i, parse_json(raw))
 
-    def _record(self, i: int, obj: dict[str, Any] | str) -> Prompt | BadLine:
+    def check(self, i: int, obj: dict[str, Any] | str) -> Record | BadLine:
+        """Record `i` (a dict, or the text of why its line is not one) checked for everything
+        that needs no tokenizer: its id, kind, fields and their types, token ids against the
+        vocabulary and --max-model-len, its loss mask, its turns and tools (and counts the
+        kinds it sees, for `describe`). Duplicate ids are the caller's to find (`duplicate`).
+        What reading the file yields, and the up-front pass over it (`inputs.scan`), both go
+        through here."""
         if isinstance(obj, str):
             return BadLine(i, i, obj)
         sid = obj.get("id", i)
         if not isinstance(sid, (int, str)) or isinstance(sid, bool):
             return BadLine(i, i, f"id must be a string or an integer, got {sid!r}")
         try:
-            ids, spans, source, turns = self._encode(obj)
+            return self._fields(i, sid, obj)
         except ValueError as e:
             return BadLine(i, sid, str(e))
+
+    def _record(self, i: int, obj: dict[str, Any] | str) -> Prompt | BadLine:
+        rec = self.check(i, obj)
+        if isinstance(rec, BadLine):
+            return rec
+        try:
+            ids, spans, source, turns = self._encode(rec)
+        except ValueError as e:
+            return BadLine(i, rec.id, str(e))
         except Exception as e:  # noqa: BLE001 - e.g. a tokenizer refusing a lone surrogate: this record, not the run
-            return BadLine(i, sid, f"cannot tokenize this record: {type(e).__name__}: {e}")
+            return BadLine(i, rec.id, f"cannot tokenize this record: {type(e).__name__}: {e}")
         if not ids:
-            return BadLine(i, sid, "prompt has no tokens")
+            return BadLine(i, rec.id, NO_TOKENS)
         if len(ids) > self.max_prompt_len:
-            return BadLine(i, sid, self._too_long(len(ids)))
-        if sid in self._seen:
-            return BadLine(i, sid, f"duplicate id {sid!r}")
-        self._seen.add(sid)
-        return Prompt(i, sid, ids, spans, source, turns)
+            return BadLine(i, rec.id, self._too_long(len(ids)))
+        if rec.id in self._seen:
+            return BadLine(i, rec.id, duplicate(rec.id))
+        self._seen.add(rec.id)
+        return Prompt(i, rec.id, ids, spans, source, turns)
 
     def _too_long(self, n: int) -> str:
         if self.room is None:
@@ -177,84 +224,107 @@ class PromptReader:
         return (f"prompt has {n} tokens, which leaves no room for --max-tokens {self.room} within max_model_len "
                 f"{self.max_prompt_len + self.room}")
 
-    def _encode(self, obj: dict[str, Any]) -> tuple[list[int], list[tuple[int, int]] | None, dict[str, Any] | None,
-                                                    tuple[tuple[list[int], int], ...]]:
-        """(token ids, loss spans, --generate's source, later turns: `Prompt`'s fields)."""
+    def _kind(self, obj: dict[str, Any]) -> str:
         keys = [k for k in KINDS if k in obj]
-        if len(keys) != 1:
+        if len(keys) == 1:
+            return keys[0]
+        unknown = [k for k in obj if k not in FIELDS]
+        if keys or not unknown:
             raise ValueError(f"need exactly one of {', '.join(KINDS)}; got {keys or 'none'}")
-        kind = keys[0]
+        # no kind, and a field we do not read: most likely the kind's field, named otherwise
+        mapped = f"; --input-columns maps {self.columns}" if self.columns else ""
+        raise ValueError(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown[:5]))} "
+                         f"(expected one of {', '.join(KINDS)}{mapped})")
+
+    def _fields(self, i: int, sid: Any, obj: dict[str, Any]) -> Record:
+        kind = self._kind(obj)
         val = obj[kind]
         if "loss_mask" in obj and kind != "token_ids":
             raise ValueError(f"loss_mask goes with token_ids; this record has {kind}")
         if "tools" in obj and kind not in CHAT_KINDS:
             raise ValueError(f"tools go with messages/conversations; this record has {kind}")
-        if self.room is not None:
-            return self._encode_prompt(obj, kind, val)
-        rule = mask_rule_for(self.loss_mask, kind, "loss_mask" in obj)
-        self.kinds[kind] += 1
-        if kind == "token_ids":
-            ids = self._check_ids(val)
-            if rule == "given":
-                return ids, spans_from_mask(obj["loss_mask"], len(ids)), None, ()
-        elif kind == "text":
-            ids = self._text_ids(val)
-        else:
-            msgs = normalize_conversations(val) if kind == "conversations" else check_messages(val)
-            if not msgs:
-                return [], None, None, ()
-            ids, spans = self._chat_encoder().encode(msgs, _tools(obj.get("tools")), rule)
-            self._check_vocab(ids)
-            return ids, spans, None, ()
-        self._check_vocab(ids)
-        return ids, ([(0, len(ids))] if rule == "all" and ids else None), None, ()
-
-    def _text_ids(self, val: Any) -> list[int]:
-        if not isinstance(val, str):
-            raise ValueError(f"text must be a string, got {type(val).__name__}")
-        return list(self.tokenizer()(val)["input_ids"]) if val else []
-
-    def _encode_prompt(self, obj: dict[str, Any], kind: str,
-                       val: Any) -> tuple[list[int], list[tuple[int, int]] | None, dict[str, Any],
-                                          tuple[tuple[list[int], int], ...]]:
-        """--generate: the record as the prompt of a response (see __init__)."""
-        rule = self.loss_mask
+        # --generate: the rule of the prompt's own tokens (the response is masked by the extractor)
+        rule = mask_rule_for(self.loss_mask, kind, "loss_mask" in obj) \
+            if kind in CHAT_KINDS or self.room is None else self.loss_mask
         self.kinds[kind] += 1
         if kind in CHAT_KINDS:
-            msgs = normalize_conversations(val) if kind == "conversations" else check_messages(val)
-            users = [j for j, m in enumerate(msgs) if m["role"] == "user"]
-            if not users:
-                raise ValueError("--generate: the conversation has no user turn to respond to")
             tools = _tools(obj.get("tools"))
-            if self.regenerate == "all":  # the target writes every assistant turn: only what it answers is kept
-                msgs = [m for m in msgs if m["role"] in ("system", "developer", "user")]
-                ids, spans, joints = self._chat_encoder().encode_turns(msgs, tools, rule or "assistant")
-                for joint, _ in joints:
-                    self._check_vocab(joint)
-            else:
-                msgs, joints = msgs[: users[-1] + 1], []
-                ids, spans = self._chat_encoder().encode_prompt(msgs, tools, rule or "assistant")
-            self._check_vocab(ids)
-            return ids, spans, {"messages": msgs, **({"tools": tools} if tools is not None else {})}, tuple(joints)
-        if kind == "token_ids":
-            ids = self._check_ids(val)
-            source: dict[str, Any] = {}
-        else:
-            ids = self._text_ids(val)
-            source = {"text": val}
-        self._check_vocab(ids)
+            check_tools(tools)
+            return Record(i, sid, kind, self._turns(kind, val, rule), tools, rule)
+        if kind == "text":
+            if not isinstance(val, str):
+                raise ValueError(f"text must be a string, got {type(val).__name__}")
+            if not val:
+                raise ValueError(NO_TOKENS)
+            return Record(i, sid, kind, val, rule=rule)
+        ids = self._check_ids(val)
+        if not ids:
+            raise ValueError(NO_TOKENS)
+        own = spans_from_mask(obj["loss_mask"], len(ids)) if "loss_mask" in obj and rule in OWN_MASK else None
+        return Record(i, sid, kind, ids, rule=rule, spans=self._plain_spans(rule, len(ids), own))
+
+    def _turns(self, kind: str, val: Any, rule: str) -> list[dict[str, Any]]:
+        """A conversation's turns as messages; under --generate, what the response answers (see
+        __init__)."""
+        msgs = normalize_conversations(val) if kind == "conversations" else check_messages(val)
+        if self.room is None:
+            if not msgs:
+                raise ValueError(NO_TOKENS)
+            masked_turns(msgs, rule)  # a rule of turns needs an assistant turn
+            return msgs
+        users = [j for j, m in enumerate(msgs) if m["role"] == "user"]
+        if not users:
+            raise ValueError("--generate: the conversation has no user turn to respond to")
+        if self.regenerate == "all":  # the target writes every assistant turn: only what it answers is kept
+            return [m for m in msgs if m["role"] in ("system", "developer", "user")]
+        return msgs[: users[-1] + 1]
+
+    def _plain_spans(self, rule: str | None, n: int,
+                     own: list[tuple[int, int]] | None) -> list[tuple[int, int]] | None:
+        """The loss spans of a token_ids or text prompt of n tokens (`own`: its loss_mask's)."""
         if rule == "none":
-            return ids, None, source, ()
+            return None
         if rule == "all":
-            return ids, [(0, len(ids))] if ids else [], source, ()
-        # the default, assistant and last-assistant: the response only (and a token_ids line's own mask)
-        return ids, (spans_from_mask(obj["loss_mask"], len(ids)) if "loss_mask" in obj else []), source, ()
+            return [(0, n)]
+        if rule == "given":
+            return own
+        # --generate, the default, assistant and last-assistant: the response only (and the record's own mask)
+        return own if own is not None else []
+
+    def _encode(self, rec: Record) -> tuple[list[int], list[tuple[int, int]] | None, dict[str, Any] | None,
+                                            tuple[tuple[list[int], int], ...]]:
+        """(token ids, loss spans, --generate's source, later turns: `Prompt`'s fields)."""
+        generate = self.room is not None
+        if rec.kind == "token_ids":
+            return rec.value, rec.spans, {} if generate else None, ()
+        if rec.kind == "text":
+            ids = list(self.tokenizer()(rec.value)["input_ids"])
+            self._check_vocab(ids)
+            return ids, self._plain_spans(rec.rule, len(ids), None), {"text": rec.value} if generate else None, ()
+        enc = self._chat_encoder()
+        if not generate:
+            ids, spans = enc.encode(rec.value, rec.tools, rec.rule)
+            self._check_vocab(ids)
+            return ids, spans, None, ()
+        joints: list[tuple[list[int], int]] = []
+        if self.regenerate == "all":
+            ids, spans, joints = enc.encode_turns(rec.value, rec.tools, rec.rule)
+            for joint, _ in joints:
+                self._check_vocab(joint)
+        else:
+            ids, spans = enc.encode_prompt(rec.value, rec.tools, rec.rule)
+        self._check_vocab(ids)
+        source = {"messages": rec.value, **({"tools": rec.tools} if rec.tools is not None else {})}
+        return ids, spans, source, tuple(joints)
 
     def _check_ids(self, val: Any) -> list[int]:
         if not isinstance(val, list):
             raise ValueError(f"token_ids must be a list of ints, got {type(val).__name__}")
         if len(val) > self.max_prompt_len:  # before looking at each id: a huge line is refused at once
             raise ValueError(self._too_long(len(val)))
+        # the common case at C speed (a bool's type is bool, not int); the loop names what is wrong
+        if not val or set(map(type, val)) == {int} and min(val) >= 0 and max(val) < self.vocab_size:
+            return val
         for t in val:
             if isinstance(t, bool) or not isinstance(t, int):
                 raise ValueError(f"token_ids must be ints, got {t!r}")
