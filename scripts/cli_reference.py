@@ -115,7 +115,8 @@ def render() -> str:
            "texts in `vllm_hidden/cli.py` and run the script again rather than editing this page. Every "
            "command also takes `--help`. What the options do in depth: [extract](extract.md), "
            "[serve](serve.md), [warmup](warmup.md), [check](check.md), [export](train-a-drafter.md), "
-           "[inspect](storage-and-resume.md).", "",
+           "[inspect](storage-and-resume.md); error messages and exit codes: "
+           "[troubleshooting](troubleshooting.md).", "",
            "Commands: " + ", ".join(f"[`{n}`](#vllm-hidden-{n})" for n in group.commands) + ".", "",
            "## `vllm-hidden`", "", "```", "vllm-hidden [OPTIONS] COMMAND [ARGS]...", "```", "",
            _cell(group.help), "", *_options_table(top_options), ""]
