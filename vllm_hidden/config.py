@@ -6,6 +6,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from vllm_hidden.envs import get as env_value
+
 ADDITIONAL_CONFIG_KEY = "vllm_hidden"
 
 
@@ -74,9 +76,7 @@ LAYER_STATS_ENV = "VHIDDEN_LAYER_STATS"  # "0": shards without per-layer statist
 
 
 def _layer_stats_default() -> bool:
-    from vllm_hidden import envs
-
-    value = envs.get(LAYER_STATS_ENV) or "1"
+    value = env_value(LAYER_STATS_ENV) or "1"
     if value not in ("0", "1"):
         raise ValueError(f"{LAYER_STATS_ENV} must be 0 or 1, got {value!r}")
     return value == "1"
@@ -341,11 +341,9 @@ class ServeConfig:
 
     @classmethod
     def from_env(cls, env: dict[str, str]) -> "ServeConfig":
-        from vllm_hidden import envs
-
         kw: dict[str, Any] = {}
         for name, var in cls.ENV.items():
-            raw = envs.get(var, env)
+            raw = env_value(var, env)
             if raw is None:
                 continue
             try:
