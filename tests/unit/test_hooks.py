@@ -1,16 +1,20 @@
 """The table of vLLM attributes we replace or set (engine.hooks), against the installed vLLM:
 every target exists, a missing one fails before anything is replaced with the version and
-its name, and installing twice wraps once."""
+its name, and installing twice wraps once. The plugin (engine.plugin) acts only in a vLLM
+process of ours, and there a missing target still fails."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from types import SimpleNamespace
 
 import pytest
 import vllm
 
-from vllm_hidden.engine import hooks
+from vllm_hidden.capture import channel
+from vllm_hidden.engine import hooks, plugin
 
 _ABSENT = object()
 
@@ -97,3 +101,97 @@ def test_an_instance_hook_wraps_that_object_only():
     r.execute_model(2, dummy_run=True)  # V2's dummy runs: nothing to clear or capture
     other.execute_model(3)
     assert calls == [("clear", 1), ("vllm", 1), ("capture", 1), ("vllm", 2), ("vllm", 3)]
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """This process's environment put back afterwards, the plugin not yet registered, and no
+    marker or key of ours to start from."""
+    saved = dict(os.environ)
+    monkeypatch.setattr(plugin, "_registered", False)
+    for k in [k for k in os.environ if k.startswith("VHIDDEN_")] + ["VLLM_PLUGINS", plugin.RAY_PREFIXES_ENV]:
+        os.environ.pop(k, None)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+MIDDLEWARE = "vllm_hidden.server.HiddenStatesMiddleware"
+
+
+@pytest.mark.parametrize("env, argv, ours", [
+    ({}, ["serve", "m", "--port", "8000"], False),
+    ({"VHIDDEN_PLUGIN": "1"}, ["serve", "m"], True),
+    ({"VHIDDEN_PLUGIN": "0"}, ["serve", "m"], False),
+    ({"VHIDDEN_PLUGIN": ""}, ["serve", "m"], False),
+    ({}, ["serve", "m", "--middleware", MIDDLEWARE], True),
+    ({}, ["serve", "m", f"--middleware={MIDDLEWARE}"], True),
+    ({}, ["serve", "m", "--additional-config", '{"vllm_hidden": {"layer_ids": [0, 2]}}'], True),
+    ({}, ["serve", "m", "--additional-config={\"vllm_hidden\": {}}"], True),
+    ({}, ["serve", "m", "--additional-config.vllm_hidden.layer_ids", "[0,2]"], True),
+    ({}, ["serve", "m", "--additional_config.vllm_hidden={}"], True),
+    ({}, ["serve", "m", "--additional-config", '{"other_plugin": {"vllm_hidden_x": 1}}'], False),
+    ({}, ["serve", "/models/vllm_hidden_test", "--served-model-name", "vllm_hidden"], False),
+    ({}, ["serve", "./vllm_hidden.ckpt"], False),
+])
+def test_ours_is_decided_by_the_marker_or_an_argument_naming_the_package(env, argv, ours):
+    assert plugin.is_ours(env=env, argv=argv) is ours
+
+
+@pytest.mark.parametrize("argv, ray", [
+    (["--distributed-executor-backend", "ray"], True),
+    (["--distributed-executor-backend=ray"], True),
+    (["--distributed_executor_backend", "ray"], True),
+    (["--data-parallel-backend", "ray"], True),
+    (["-dpb", "ray"], True),
+    (["--distributed-executor-backend", "mp"], False),
+    (["--data-parallel-backend=mp", "--served-model-name", "ray"], False),
+    (["--distributed-executor-backend"], False),
+    ([], False),
+])
+def test_ray_is_seen_in_the_engine_arguments(argv, ray):
+    assert plugin.uses_ray(argv) is ray
+
+
+def test_register_outside_our_processes_does_nothing(clean_env, monkeypatch):
+    seen = []
+    monkeypatch.setattr(sys, "argv", ["vllm", "serve", "m", "--port", "8000"])
+    monkeypatch.setattr(hooks, "install", lambda: seen.append("install"))
+    monkeypatch.setattr(hooks, "check", lambda *a: seen.append("check"))
+    monkeypatch.setattr(channel, "_remove_stale", lambda parent: seen.append("sweep"))
+    before = dict(os.environ)
+    plugin.register()
+    assert seen == [] and dict(os.environ) == before and not plugin._registered
+
+
+def test_register_in_a_vllm_serve_naming_the_middleware_marks_its_children(clean_env, monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(sys, "argv", ["vllm", "serve", "m", "--middleware", MIDDLEWARE,
+                                      "--distributed-executor-backend", "ray"])
+    monkeypatch.setattr(hooks, "install", lambda: seen.append("install"))
+    monkeypatch.setattr(channel, "default_parent", lambda: str(tmp_path))
+    os.environ[plugin.RAY_PREFIXES_ENV] = "MYLIB_"
+    plugin.register()
+    plugin.register()
+    assert seen == ["install"] and plugin._registered
+    assert os.environ[plugin.MARKER_ENV] == "1"  # what vLLM's API server and engine processes inherit
+    assert os.environ[plugin.RAY_PREFIXES_ENV] == "MYLIB_,VHIDDEN_"  # theirs kept, ours added once
+    assert channel.channel_key() and os.environ[channel.DIR_ENV].startswith(str(tmp_path))
+
+
+def test_in_our_processes_a_missing_target_still_fails_before_anything_is_replaced(clean_env, restored,
+                                                                                   monkeypatch, tmp_path):
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    monkeypatch.setattr(channel, "default_parent", lambda: str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["vllm-hidden", "extract"])
+    os.environ[plugin.MARKER_ENV] = "1"  # as inherited from one of our commands
+    monkeypatch.delattr(GPUModelRunner, "execute_model")
+    weights = vars(DefaultModelLoader)["get_all_weights"]
+    with pytest.raises(hooks.HookError, match=r"gpu\.model_runner\.GPUModelRunner\.execute_model \(no such attr"):
+        plugin.register()
+    assert not plugin._registered
+    assert vars(DefaultModelLoader)["get_all_weights"] is weights
+    with pytest.raises(hooks.HookError):  # our commands' own call, whatever vLLM's did
+        plugin.activate(["--enforce-eager"])

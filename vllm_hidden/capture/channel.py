@@ -5,9 +5,10 @@ without a copy). Each API server process binds its own IPC socket (vLLM may run 
 `--api-server-count`) and names it in each request it sends to the engine, so every sample
 goes back to the process that holds its HTTP request; a writer rank (one per engine, so also
 each data-parallel engine) keeps one PUSH socket per API server process. A key set in the
-environment before vLLM starts its processes (by the plugin's registration, which vLLM runs
-while parsing its arguments, or by `vllm-hidden serve`) proves a request came through an
-API server process: the worker connects only where such a request says.
+environment before vLLM starts its processes (by `vllm-hidden serve`, or, in a `vllm serve`
+naming vllm_hidden in its arguments, by the plugin's registration, which vLLM runs while
+parsing them; engine.plugin) proves a request came through an API server process: the worker
+connects only where such a request says.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from vllm_hidden.format.header import dtype_name, dtype_of
 
 log = logging.getLogger("vllm_hidden")
 
+# "1" in every vLLM process started for vllm-hidden: its plugin acts only there (engine.plugin)
+PLUGIN_ENV = "VHIDDEN_PLUGIN"
 KEY_ENV = "VHIDDEN_CHANNEL_KEY"
 # where a server keeps fetch-form states (server.store), shared by its API server processes
 DIR_ENV = "VHIDDEN_FETCH_DIR"

@@ -31,6 +31,9 @@ def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: C
     requests never read the cache (engine.compat), so no row they store is skipped."""
     from vllm.engine.arg_utils import EngineArgs
 
+    from vllm_hidden.engine import plugin
+
+    plugin.activate(cli_args)  # our engine: the hooks here and in every process it starts
     args = EngineArgs.from_cli_args(parse_cli(model, cli_args))
     check_cli(args, prefix_cache=prefix_cache, capture=capture is not None)
     args.enable_prefix_caching = bool(args.enable_prefix_caching)  # off unless given (and allowed)

@@ -4,7 +4,7 @@ replaces or sets them.
 A row names its target (module, class, attribute), what our code does there and why, the vLLM
 versions it was checked on and, by its `kind`, how it is installed:
 - "class": the class attribute is replaced by `wrap(original, ...)`, by `install()` (the
-  plugin's `register`, in every process vLLM starts) or, for `AsyncLLM.generate`, by
+  plugin's `activate`, in every vLLM process of ours: engine.plugin) or, for `AsyncLLM.generate`, by
   `install_generate_hook` (the middleware, in the API server process only);
 - "instance": replaced on one object, each model runner that capture installs on;
 - "field": a data attribute vLLM's `__init__` sets and we set too (it exists only on
@@ -40,7 +40,7 @@ WORKER = "vllm.v1.worker.gpu_worker"
 CPU_WORKER = "vllm.v1.worker.cpu_worker"
 SCHEDULER = "vllm.v1.core.sched.scheduler"
 ASYNC_SCHEDULER = "vllm.v1.core.sched.async_scheduler"
-PLUGIN = "plugin register"  # installed_by of the rows `install()` replaces
+PLUGIN = "plugin, each vLLM process of ours"  # installed_by of the rows `install()` replaces (engine.plugin)
 GENERATE = "engine.generate"
 SCHEDULER_BUDGET = "scheduler.max_num_scheduled_tokens"
 
@@ -317,7 +317,8 @@ def _replace(owner: Any, h: Hook, *context: Any) -> bool:
 
 
 def install() -> None:
-    """Check every row, then replace what the plugin replaces in every process (vLLM's classes;
+    """Check every row (a missing target raises HookError: capture never runs without its
+    hooks), then replace what the plugin replaces in each vLLM process of ours (vLLM's classes;
     pass-throughs unless the engine has a capture config or a truncated model). Idempotent."""
     check()
     for h in HOOKS:

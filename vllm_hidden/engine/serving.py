@@ -306,8 +306,9 @@ def run_vllm_serve(argv: list[str]) -> None:
 def prepare_environment(serve_env: dict[str, str], fetch_parent: str | None = None, connector: Any = None) -> None:
     """A fresh channel key, the fetch-form directory's name, the server limits and the
     connector form's config (or its absence), in the environment the engine and API server
-    processes inherit."""
-    from vllm_hidden.capture.channel import ensure_dir_env, ensure_key
+    processes inherit, and the plugin's marker: vLLM's call of the plugin, here while it parses
+    the arguments and in each of those processes, then installs the hooks (engine.plugin)."""
+    from vllm_hidden.capture.channel import PLUGIN_ENV, ensure_dir_env, ensure_key
     from vllm_hidden.config import ConnectorConfig
 
     os.environ.update(serve_env)
@@ -316,3 +317,4 @@ def prepare_environment(serve_env: dict[str, str], fetch_parent: str | None = No
         os.environ.update(connector.to_env())
     ensure_key(fresh=True)
     ensure_dir_env(fetch_parent, fresh=True)
+    os.environ[PLUGIN_ENV] = "1"
