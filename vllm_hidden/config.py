@@ -75,7 +75,7 @@ DEFAULT_S3_RETRY_S = 120.0
 LAYER_STATS_ENV = "VHIDDEN_LAYER_STATS"  # "0": shards without per-layer statistics
 
 
-def _layer_stats_default() -> bool:
+def layer_stats_default() -> bool:
     value = env_value(LAYER_STATS_ENV) or "1"
     if value not in ("0", "1"):
         raise ValueError(f"{LAYER_STATS_ENV} must be 0 or 1, got {value!r}")
@@ -101,7 +101,7 @@ class ShardConfig:
     fp8: bool = False  # values stored as float8 e4m3 with float32 scales per (token, layer)
     # per-layer statistics of the written rows (format.stats); off only to measure their cost:
     # VHIDDEN_LAYER_STATS=0, read when the config is made (the driver's, handed to workers)
-    layer_stats: bool = field(default_factory=_layer_stats_default)
+    layer_stats: bool = field(default_factory=layer_stats_default)
 
     def __post_init__(self) -> None:
         _non_negative("upload_retry_s", self.upload_retry_s)

@@ -13,7 +13,7 @@ from tests.outputs import random_sample, shard_writer, write_manifest, write_out
 from vllm_hidden.cli import app
 from vllm_hidden.format import quant
 from vllm_hidden.format.shard import ShardInfo
-from vllm_hidden.format.stats import KEYS, ColumnStats, flags, header_bytes
+from vllm_hidden.format.stats import KEYS, ColumnStats, aggregate, flags, header_bytes
 from vllm_hidden.storage.files import shard_header
 from vllm_hidden.storage.journal import read_journal, write_json_atomic
 from vllm_hidden.storage.manifest import Manifest
@@ -372,3 +372,81 @@ def test_a_std_jump_is_flagged_against_near_layers_only():
     stats["10"].update(std=0.0, zero_rows=10, absmax=0.0)
     assert [(f["layer"], f["flag"]) for f in flags(stats)] == [("10", "all_zero")]
     assert flags(None) == [] and flags({}) == []
+
+
+# -- row sums made beside the gather ------------------------------------------------------------
+
+
+def _through_the_ring(tmp_path, samples, *, final, fp8, generate, monkeypatch):
+    """Samples {id: (tok, hs[, fin])} through the real StepTransfer (row sums made in its fill, as
+    on the GPU), Assembler and ShardWriter, in steps of 8 rows; the writer may not reduce rows
+    itself. Returns the values read back per column (float64, dequantized)."""
+    from vllm_hidden.capture.assembler import Assembler
+    from vllm_hidden.capture.records import NewRequest, Segment, StepRecord
+    from vllm_hidden.capture.ring import StepTransfer
+
+    def host_reduction(*a, **kw):
+        raise AssertionError("the writer reduced rows that came with their sums")
+
+    monkeypatch.setattr(ColumnStats, "add_rows", host_reduction)
+    cols = K + final
+    tr = StepTransfer(8, cols, H, torch.bfloat16, torch.device("cpu"), 2, fp8=fp8, row_stats=True)
+    w = shard_writer(tmp_path, IDS, H, rows=20, writer_threads=2, final_state=final, fp8=fp8, generate=generate)
+    asm = Assembler(tr, w)
+    rows = {sid: torch.cat([s[1], s[2][:, None]], 1) if final else s[1] for sid, s in samples.items()}
+    queue = [(sid, pos) for sid, r in rows.items() for pos in range(r.shape[0])]
+    for first in range(0, len(queue), 8):
+        step = queue[first : first + 8]
+        new, segs = {}, []
+        for i, (sid, pos) in enumerate(step):
+            if pos == 0:
+                tok = samples[sid][0].tolist()
+                new[sid] = (NewRequest(sid, tok[:2], rows=len(tok), line=list(rows).index(sid), generate=True)
+                            if generate
+                            else NewRequest(sid, tok, line=0))
+            segs.append(Segment(sid, i, 1, pos))
+        block = torch.stack([rows[sid][pos] for sid, pos in step])
+        slot = tr.acquire()
+        tr.submit([block[:, c] for c in range(cols)], len(step), slot)
+        ends = []
+        if generate:  # each sample ends once its last row is in: prompt of 2, the rest its response
+            ends = [{"line": i, "turn": 0, "rows": rows[sid].shape[0], "token_ids": samples[sid][0].tolist(),
+                     "loss_spans": None, "num_prompt": 2, "record": "{}\n"}
+                    for i, sid in enumerate(rows) if any(s == sid and p == rows[sid].shape[0] - 1 for s, p in step)]
+        asm.process(StepRecord(slot, len(step), segs, new, frozenset()))
+        if ends:
+            asm.process(StepRecord(None, 0, [], ends=ends))
+    shards = w.close()
+    vals = {str(lid): [] for lid in IDS} | ({"final": []} if final else {})
+    for s in shards:
+        with safe_open(str(tmp_path / s.file), framework="pt") as f:
+            n = s.num_tokens
+            hs, fin = f.get_tensor("hidden_states")[:n], f.get_tensor("final_hidden_states")[:n] if final else None
+            if fp8:
+                hs = quant.dequantize(hs, f.get_tensor("hidden_states_scale")[:n], torch.float64)
+                if final:
+                    fin = quant.dequantize(fin, f.get_tensor("final_hidden_states_scale")[:n], torch.float64)
+        for k, lid in enumerate(IDS):
+            vals[str(lid)].append(hs[:, k].double())
+        if final:
+            vals["final"].append(fin.double())
+    return aggregate([s.stats for s in shards], H)[0], {name: torch.cat(v) for name, v in vals.items()}
+
+
+@pytest.mark.parametrize("final", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("generate", [False, True])
+def test_row_sums_made_beside_the_gather_give_the_statistics_of_the_rows_written(tmp_path, monkeypatch, final,
+                                                                                 fp8, generate):
+    samples = _samples(9, final=final)
+    for _, hs, *_ in samples.values():  # a large mean against the spread: the centring must hold
+        hs[:, 2] += 500
+    stats, cols = _through_the_ring(tmp_path, samples, final=final, fp8=fp8, generate=generate,
+                                    monkeypatch=monkeypatch)
+    assert list(stats) == list(cols)
+    for name, x in cols.items():
+        v = stats[name]
+        assert v["rows"] == x.shape[0] == sum(s[0].shape[0] for s in samples.values()), name
+        assert v["mean"] == pytest.approx(float(x.mean()), rel=1e-6, abs=1e-9), name
+        assert v["std"] == pytest.approx(float(x.std(correction=0)), rel=1e-5), name
+        assert v["absmax"] == pytest.approx(float(x.abs().max()), rel=1e-6), name

@@ -26,19 +26,23 @@ log = logging.getLogger(__name__)
 
 
 class _Staged:
-    """A generating request's rows [rows, C, H] and statistics [rows, C] (C: the ring's
-    columns, the final state's included, as `Sink.add_rows` takes them), until its end is known."""
+    """A generating request's rows [rows, C, H], statistics [rows, C] and, when the ring has
+    them, row sums [rows, 2, C] (C: the ring's columns, the final state's included, as
+    `Sink.add_rows` takes them), until its end is known."""
 
-    __slots__ = ("buf", "stat")
+    __slots__ = ("buf", "stat", "moments")
 
-    def __init__(self, rows: int, host: torch.Tensor, host_stat: torch.Tensor) -> None:
+    def __init__(self, rows: int, host: torch.Tensor, host_stat: torch.Tensor, moments: torch.Tensor | None) -> None:
         self.buf = torch.empty((rows, *host.shape[1:]), dtype=host.dtype)
         self.stat = torch.empty((rows, host_stat.shape[1]), dtype=host_stat.dtype)
+        self.moments = None if moments is None else torch.empty((rows, *moments.shape[1:]), dtype=moments.dtype)
 
-    def place(self, pos: int, rows: torch.Tensor, stat: torch.Tensor) -> None:
+    def place(self, pos: int, rows: torch.Tensor, stat: torch.Tensor, moments: torch.Tensor | None = None) -> None:
         n = rows.shape[0]
         self.buf[pos : pos + n].copy_(rows)
         self.stat[pos : pos + n].copy_(stat)
+        if self.moments is not None:
+            self.moments[pos : pos + n].copy_(moments)
 
 
 class _Partial:
@@ -84,10 +88,11 @@ class Assembler:
             t0 = time.perf_counter()
             host = self.transfer.wait(rec.slot)
             stat = self.transfer.host_stat[rec.slot]
+            moments = self.transfer.host_moments[rec.slot]
             self.wait_copy_s += time.perf_counter() - t0
             for seg in rec.segments:
                 try:
-                    self._take(seg, host, stat)
+                    self._take(seg, host, stat, moments)
                 except CaptureError as e:
                     part = self._partial.pop(seg.req_id, None)
                     if part is None or not self.sink.on_failure(part.req.sample_id, str(e)):
@@ -150,28 +155,31 @@ class Assembler:
         if part.filled >= part.total:
             del self._partial[rid]
             end = part.end
+            mom = part.slot.moments
             self.sink.add_rows(part.req.sample_id, end["token_ids"], part.slot.buf[: part.total],
                                part.slot.stat[: part.total], loss_spans=end["loss_spans"], num_prompt=end["num_prompt"],
-                               record=end["record"], line=part.req.line)
+                               record=end["record"], line=part.req.line,
+                               moments=None if mom is None else mom[: part.total])
         elif part.finished:  # no more rows will come
             del self._partial[rid]
             self._dropped(rid, part.req, f"the request ended with {part.filled} of its {part.total} rows captured")
 
-    def _take(self, seg: Segment, host: torch.Tensor, stat: torch.Tensor) -> None:
+    def _take(self, seg: Segment, host: torch.Tensor, stat: torch.Tensor, moments: torch.Tensor | None) -> None:
         part = self._partial.get(seg.req_id)
         if part is None:
             req = self._pending.pop(seg.req_id, None)
             if req is None:
                 return  # a request we were not asked to capture, or one already complete
             if req.generate:
-                slot = _Staged(req.rows, host, stat)
+                slot = _Staged(req.rows, host, stat, moments)
             elif req.rows is None:
                 slot = self.sink.reserve(req.sample_id, req.token_ids, line=req.line, loss_spans=req.loss_spans)
             else:
                 slot = self.sink.reserve(req.sample_id, req.token_ids, rows=req.rows)
             part = self._partial[seg.req_id] = _Partial(req, slot)
         if part.req.generate:
-            self._take_generated(seg, host, stat, part)
+            sel = slice(seg.row, seg.row + seg.count)
+            self._take_generated(seg, host[sel], stat[sel], None if moments is None else moments[sel], part)
             return
         total = part.total
         if seg.pos == 0:
@@ -185,22 +193,28 @@ class Assembler:
             )
         keep = min(seg.count, total - seg.pos)  # rows past `total`: tokens nobody asked for
         if keep > 0:
-            part.slot.place(seg.pos, host[seg.row : seg.row + keep], stat[seg.row : seg.row + keep])
+            sel = slice(seg.row, seg.row + keep)
+            if moments is None:
+                part.slot.place(seg.pos, host[sel], stat[sel])
+            else:
+                part.slot.place(seg.pos, host[sel], stat[sel], moments[sel])
             part.filled = seg.pos + keep
         if part.filled >= total and not part.req.until_finished:
             del self._partial[seg.req_id]
             self.sink.commit(part.slot)
 
-    def _take_generated(self, seg: Segment, host: torch.Tensor, stat: torch.Tensor, part: _Partial) -> None:
-        """Rows of a generating request. After a preemption its rows are computed again from
-        position 0: they overwrite the same places (equal states of the same tokens), so rows
-        already captured stay valid and nothing is reset."""
+    def _take_generated(self, seg: Segment, rows: torch.Tensor, stat: torch.Tensor, moments: torch.Tensor | None,
+                        part: _Partial) -> None:
+        """Rows of a generating request (this step's: `rows`, `stat`, `moments`). After a
+        preemption its rows are computed again from position 0: they overwrite the same places
+        (equal states of the same tokens), so rows already captured stay valid and nothing is
+        reset."""
         if seg.pos > part.filled:
             raise CaptureError(f"request {part.req.sample_id!r}: rows arrive at position {seg.pos} but "
                                f"{part.filled} rows were captured")
         keep = min(seg.count, part.total - seg.pos)
         if keep > 0:
-            part.slot.place(seg.pos, host[seg.row : seg.row + keep], stat[seg.row : seg.row + keep])
+            part.slot.place(seg.pos, rows[:keep], stat[:keep], None if moments is None else moments[:keep])
             part.filled = max(part.filled, seg.pos + keep)
         self._try_generated(seg.req_id, part)
 

@@ -82,9 +82,10 @@ class CaptureError(RuntimeError):
 class Slot(Protocol):
     buf: torch.Tensor  # [T, K, H], filled by the assembler
 
-    # rows [pos, pos + n) from the ring: values [n, C, H] and their per-column statistic [n, C]
-    # (C: the layers, then the final state's column if the ring has one)
-    def place(self, pos: int, rows: torch.Tensor, stat: torch.Tensor) -> None: ...
+    # rows [pos, pos + n) from the ring: values [n, C, H], their per-column statistic [n, C]
+    # (C: the layers, then the final state's column if the ring has one) and, when the ring
+    # has them, their sums and centred sums of squares [n, 2, C] (`capture.ring`)
+    def place(self, pos: int, rows: torch.Tensor, stat: torch.Tensor, moments: torch.Tensor | None = None) -> None: ...
 
 
 class Sink(ABC):
@@ -102,10 +103,11 @@ class Sink(ABC):
     @abstractmethod
     def add_rows(self, sample_id: Any, token_ids: Sequence[int] | torch.Tensor, rows: torch.Tensor,
                  stat: torch.Tensor, *, loss_spans: list[list[int]] | None, num_prompt: int, record: str,
-                 line: int | None = None) -> None:
+                 line: int | None = None, moments: torch.Tensor | None = None) -> None:
         """--generate: a whole sample at once, rows [T, C, H] and their statistics [T, C] as the
         ring's columns hold them (the layers, then the final state's column if the ring has one),
-        with its prompt length and its generation record (a JSON line)."""
+        with its prompt length and its generation record (a JSON line); `moments` [T, 2, C]: the
+        ring's row sums, when it has them."""
 
     @abstractmethod
     def commit(self, slot: Any) -> None:

@@ -1,7 +1,10 @@
 """The step transfer: gather -> ONE preallocated device buffer -> ONE async D2H copy into a
 preallocated (pinned on CUDA) host ring slot, completion tracked with events. Beside the
 values, each row carries its per-column statistic (`quant`), computed on the device in the
-same pass: the writer's finiteness check, and with fp8 storage the scale.
+same pass: the writer's finiteness check, and with fp8 storage the scale. With `row_stats`
+(an output that keeps per-layer statistics) each row also carries, per column, its sum and
+centred sum of squares (`format.stats.RowSums`), reduced on the device where the rows already
+are: the host then sums a few floats per row instead of reading every value again.
 
 Nothing here allocates per step. On CPU the "device" buffer is host memory and the copy is
 synchronous, but the code path is the same, so CPU tests exercise it.
@@ -15,6 +18,11 @@ from collections.abc import Sequence
 import torch
 
 from vllm_hidden.format import quant
+from vllm_hidden.format.stats import RowSums
+
+# values the device's row sums convert to float32 at a time (64 MiB of scratch): a few kernels
+# per step, against the host's 2 MiB chunks sized for a core's cache
+_DEVICE_SUM_CHUNK = 1 << 24
 
 
 class _NullEvent:
@@ -28,10 +36,12 @@ class _NullEvent:
 class StepTransfer:
     """Owns the device step buffer and `slots` host buffers of the same layout: per token one
     packed row holding its C columns' values [C, H] and their per-column float32 statistic
-    [C] (`quant`: the amax, or with fp8 values the scale), so one copy carries both."""
+    [C] (`quant`: the amax, or with fp8 values the scale), with `row_stats` then their sums and
+    centred sums of squares [2, C], so one copy carries them all."""
 
     def __init__(self, max_tokens: int, num_layers: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device, slots: int = 2, fp8: bool = False, per_token: bool = False) -> None:
+                 device: torch.device, slots: int = 2, fp8: bool = False, per_token: bool = False,
+                 row_stats: bool = False) -> None:
         if max_tokens < 1 or num_layers < 1 or hidden_size < 1:
             raise ValueError(f"bad buffer shape ({max_tokens}, {num_layers}, {hidden_size})")
         if slots < 2:
@@ -46,9 +56,14 @@ class StepTransfer:
         self._values_bytes = num_layers * hidden_size * self.values_dtype.itemsize
         if self._values_bytes % 4:
             raise ValueError(f"hidden size {hidden_size} leaves the row statistics unaligned")
-        self.bytes_per_row = self._values_bytes + 4 * num_layers
+        self.row_stats = row_stats
+        self.bytes_per_row = self._values_bytes + 4 * num_layers * (3 if row_stats else 1)
         self._device_rows = torch.empty((max_tokens, self.bytes_per_row), dtype=torch.uint8, device=self.device)
-        self._device_values, self._device_stat = self._views(self._device_rows)
+        self._device_values, self._device_stat, self._device_moments = self._views(self._device_rows)
+        if row_stats:  # contiguous scratch for the reductions' outputs, then one copy into the rows
+            self._row_sums = RowSums(num_layers * hidden_size, fp8, self.device,
+                                     _DEVICE_SUM_CHUNK if self.cuda else 1 << 19)
+            self._sums = torch.empty((2, max_tokens, num_layers), dtype=torch.float32, device=self.device)
         # fp8: the layers are gathered in the model's dtype first, then quantized into the rows
         self._gather = torch.empty(self.shape, dtype=dtype, device=self.device) if fp8 else None
         self._work = torch.empty(self.shape[:2], dtype=torch.float32, device=self.device) if fp8 else None
@@ -57,8 +72,10 @@ class StepTransfer:
         self._host_rows = [torch.empty((max_tokens, self.bytes_per_row), dtype=torch.uint8, pin_memory=self.cuda)
                            for _ in range(slots)]
         views = [self._views(r) for r in self._host_rows]
-        self.host = [v for v, _ in views]  # [max_tokens, C, H] values per slot (rows strided)
-        self.host_stat = [st for _, st in views]  # [max_tokens, C] float32 per slot
+        self.host = [v[0] for v in views]  # [max_tokens, C, H] values per slot (rows strided)
+        self.host_stat = [v[1] for v in views]  # [max_tokens, C] float32 per slot
+        # row_stats: [max_tokens, 2, C] float32 per slot (sum, centred sum of squares); else None
+        self.host_moments = [v[2] for v in views]
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device=self.device)
             self._gathered = torch.cuda.Event()
@@ -73,10 +90,11 @@ class StepTransfer:
         self._free = list(range(slots))
         self._cv = threading.Condition()
 
-    def _views(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _views(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         n, c, h = self.shape
         values = rows[:, : self._values_bytes].view(self.values_dtype).view(n, c, h)
-        return values, rows[:, self._values_bytes :].view(torch.float32)
+        floats = rows[:, self._values_bytes :].view(torch.float32)
+        return values, floats[:, :c], floats[:, c:].view(n, 2, c) if self.row_stats else None
 
     @property
     def slots(self) -> int:
@@ -121,15 +139,18 @@ class StepTransfer:
     def _fill(self, layers: Sequence[torch.Tensor], n: int) -> None:
         """The step's rows [0, n) of the device buffer: values and their statistic, a few
         kernels, no allocation."""
+        values = self._device_values[:n]
         if self.fp8:
             torch.stack([t[:n] for t in layers], dim=1, out=self._gather[:n])
-            quant.quantize(self._gather[:n], self._device_values[:n], self._device_stat[:n], self._work[:n],
+            quant.quantize(self._gather[:n], values, self._device_stat[:n], self._work[:n],
                            None if self._token_work is None else self._token_work[:n])
-            return
-        values = self._device_values[:n]
-        for k, t in enumerate(layers):  # the rows are packed: one copy per column, not one stack
-            values[:, k].copy_(t[:n])
-        quant.row_amax(values, self._device_stat[:n])
+        else:
+            for k, t in enumerate(layers):  # the rows are packed: one copy per column, not one stack
+                values[:, k].copy_(t[:n])
+            quant.row_amax(values, self._device_stat[:n])
+        if self.row_stats:  # of the values as stored (fp8: before their scale, as the host's are)
+            self._row_sums(values, self._sums[0, :n], self._sums[1, :n])
+            self._device_moments[:n].copy_(self._sums[:, :n].transpose(0, 1))
 
     def wait(self, slot: int) -> torch.Tensor:
         """Block until slot's copy landed; returns the slot's values [max_tokens, C, H]

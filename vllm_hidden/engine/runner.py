@@ -24,7 +24,7 @@ from vllm_hidden.capture.channel import Publisher, channel_key, routed_id
 from vllm_hidden.capture.memory import MemorySink
 from vllm_hidden.capture.records import CaptureError, NewRequest, Segment, StepRecord
 from vllm_hidden.capture.ring import StepTransfer
-from vllm_hidden.config import CaptureConfig, ConnectorConfig, ShardConfig
+from vllm_hidden.config import CaptureConfig, ConnectorConfig, ShardConfig, layer_stats_default
 from vllm_hidden.engine import compat
 from vllm_hidden.engine.caches import StartProbe, describe
 from vllm_hidden.engine.serving import WORKER_KEY
@@ -52,7 +52,9 @@ class Capture:
         self.transfer: StepTransfer | None = None
         self.final_state = False  # the model's output (final, normed) rides as one more column
         if self.writer_rank:
-            self.transfer = self._new_transfer(len(cfg.layer_ids))
+            # sized as an extract's default layout (row sums for its statistics), so the memory
+            # vLLM profiles at start is what a default open keeps
+            self.transfer = self._new_transfer(len(cfg.layer_ids), row_stats=layer_stats_default())
         self.max_model_len = self.sizes.max_model_len
         self.thread: AssemblerThread | None = None
         self.writer: ShardWriter | None = None
@@ -64,23 +66,27 @@ class Capture:
         self.start_report: dict[str, Any] | None = None
         self.fresh = FreshStateSlots(runner)  # on every rank: each holds its own part of the states
 
-    def _new_transfer(self, columns: int, fp8: bool = False, per_token: bool = False) -> StepTransfer:
+    def _new_transfer(self, columns: int, fp8: bool = False, per_token: bool = False,
+                      row_stats: bool = False) -> StepTransfer:
         sz = self.sizes
         return StepTransfer(sz.max_num_batched_tokens, columns, sz.hidden_size, sz.dtype, sz.device,
-                            self.cfg.ring_slots, fp8=fp8, per_token=per_token)
+                            self.cfg.ring_slots, fp8=fp8, per_token=per_token, row_stats=row_stats)
 
-    def _set_layout(self, final_state: bool, fp8: bool = False, per_token: bool = False) -> None:
+    def _set_layout(self, final_state: bool, fp8: bool = False, per_token: bool = False,
+                    row_stats: bool = False) -> None:
         """--final-state post-norm: the device buffer and ring get a column for the model's own
         output (after the final norm), so it travels in the step's one gather and one copy;
         --storage-dtype fp8: the rows are quantized on the device, so the copy (and the disk)
-        carry half the bytes. Set per sink at open (not in additional_config, which vLLM
-        hashes: the compiled model is the same either way, so it must not recompile)."""
+        carry half the bytes; an output with per-layer statistics: the rows' sums are reduced
+        on the device too (`capture.ring`). Set per sink at open (not in additional_config, which
+        vLLM hashes: the compiled model is the same either way, so it must not recompile)."""
         columns = len(self.cfg.layer_ids) + final_state
-        if self.transfer.shape[1] != columns or self.transfer.fp8 != fp8 or self.transfer.per_token != per_token:
-            self.transfer = None  # the old buffers go before the new ones are allocated...
+        t = self.transfer
+        if (t.shape[1] != columns or t.fp8 != fp8 or t.per_token != per_token or t.row_stats != row_stats):
+            self.transfer = t = None  # the old buffers go before the new ones are allocated...
             if self.sizes.device.type == "cuda":
                 torch.cuda.empty_cache()  # ...and back to the device: the KV cache took the rest of the budget
-            self.transfer = self._new_transfer(columns, fp8, per_token)
+            self.transfer = self._new_transfer(columns, fp8, per_token, row_stats)
         self.final_state = final_state
 
     def finish_start(self, compilation_seconds: float | None) -> None:
@@ -98,7 +104,7 @@ class Capture:
             return False
         if self.thread is not None:
             raise RuntimeError(f"a capture sink ({self.sink_kind}) is already open on this worker")
-        self._set_layout(shard_cfg.final_state, shard_cfg.fp8)
+        self._set_layout(shard_cfg.final_state, shard_cfg.fp8, row_stats=shard_cfg.layer_stats)
         self.writer = ShardWriter(shard_cfg, list(self.cfg.layer_ids), self.hidden_size, self.transfer.values_dtype)
         self.thread = AssemblerThread(Assembler(self.transfer, self.writer),
                                       cpus=compat.cpus_off_the_forward(self.runner.device))

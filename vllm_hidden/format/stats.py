@@ -1,6 +1,9 @@
-"""Per-layer statistics of the stored states: made by the shard writer's threads from the rows
-already in host memory, kept per shard (in its header metadata and its `ShardInfo` record),
-summed over shards into the manifest's `layer_stats`, and checked by `inspect` (`flags`).
+"""Per-layer statistics of the stored states: per row, a sum and a centred sum of squares
+(`RowSums`), made on the device beside the gather (`capture.ring`, when the output keeps
+statistics) and carried to the host in the step's one copy, or by the shard writer's threads
+from the rows in host memory when they came without them; summed per shard (in its header
+metadata and its `ShardInfo` record), summed over shards into the manifest's `layer_stats`,
+and checked by `inspect` (`flags`).
 
 A shard's record, per stored column (layer id as a string, then "final" for the final state):
 `rows` (rows written), `sum` and `sumsq` of the values (float64 sums over rows, each row
@@ -53,16 +56,19 @@ def header_bytes(columns: int) -> int:
 
 class RowSums:
     """Per-row sums and sums of squared deviations from the row's mean of [T, C, H] values in
-    float32, converted a chunk at a time into scratch that is reused (one per writer thread: no
-    full-size temporary). Centring each row first keeps the variance exact where the mean is
-    large against the spread (a raw float32 sum of squares loses it: 8% off at mean 1000,
-    std 0.8)."""
+    float32, converted a chunk at a time into scratch that is reused (one per writer thread, or
+    the step buffer's on the device: no full-size temporary, nothing allocated per call).
+    Centring each row first keeps the variance exact where the mean is large against the
+    spread (a raw float32 sum of squares loses it: 8% off at mean 1000, std 0.8). The same
+    code runs on the device and on the host, so either gives the same numbers (up to the
+    order of float32 additions)."""
 
-    def __init__(self, row_values: int, fp8: bool) -> None:
-        n = max(_CHUNK_VALUES, row_values)
+    def __init__(self, row_values: int, fp8: bool, device: torch.device | str = "cpu",
+                 chunk_values: int = _CHUNK_VALUES) -> None:
+        n = max(chunk_values, row_values)
         self.fp8 = fp8
-        self.f32 = torch.empty(n, dtype=torch.float32)
-        self.i16 = torch.empty(n, dtype=torch.int16) if fp8 else None
+        self.f32 = torch.empty(n, dtype=torch.float32, device=device)
+        self.i16 = torch.empty(n, dtype=torch.int16, device=device) if fp8 else None
 
     def __call__(self, x: torch.Tensor, sums: torch.Tensor, m2: torch.Tensor) -> None:
         """sums[t, c] = sum of x[t, c, :], m2[t, c] = sum of (x[t, c, :] - its mean) ** 2; for
@@ -104,8 +110,14 @@ class ColumnStats:
         s32 = torch.empty((t, c), dtype=torch.float32)
         m2_32 = torch.empty((t, c), dtype=torch.float32)
         sums(values, s32, m2_32)
+        self.add_sums(cols, s32, m2_32, stat, h, values.dtype == FP8)
+
+    def add_sums(self, cols: slice, s32: torch.Tensor, m2_32: torch.Tensor, stat: torch.Tensor, h: int,
+                 fp8: bool) -> None:
+        """Rows of columns `cols` as `RowSums` reduced them (`s32`, `m2_32` [T, C], on the device
+        or here) with their per-row statistics `stat` [T, C]; `h` values per row."""
         s, m2 = s32.to(torch.float64), m2_32.to(torch.float64)
-        if values.dtype == FP8:  # value = fp8 * scale, summed per row before the scale
+        if fp8:  # value = fp8 * scale, summed per row before the scale
             scale = stat.to(torch.float64) * _F16_SCALE
             s *= scale
             m2 *= scale.square()
@@ -119,13 +131,22 @@ class ColumnStats:
         self.zero_rows[cols] += (stat == 0).sum(0)
 
     def add_sample(self, sums: RowSums, buf: torch.Tensor, stat: torch.Tensor, final: torch.Tensor | None,
-                   final_stat: torch.Tensor | None) -> None:
+                   final_stat: torch.Tensor | None, moments: torch.Tensor | None = None) -> None:
         """A written sample: its layers' rows [T, K, H] and stats [T, K], and the final state's
-        [T, H] and [T] when the output stores it."""
+        [T, H] and [T] when the output stores it. `moments` [T, 2, C]: the rows' sums and
+        centred sums of squares made on the device (C: the layers, then the final state's
+        column), so the rows themselves are not read; None: reduced here."""
         k = buf.shape[1]
-        self.add_rows(sums, slice(0, k), buf, stat)
-        if final is not None:
-            self.add_rows(sums, slice(k, k + 1), final[:, None], final_stat[:, None])
+        fp8 = buf.dtype == FP8
+        if moments is not None:
+            self.add_sums(slice(0, k), moments[:, 0, :k], moments[:, 1, :k], stat, buf.shape[2], fp8)
+            if final is not None:
+                self.add_sums(slice(k, k + 1), moments[:, 0, k:], moments[:, 1, k:], final_stat[:, None],
+                              buf.shape[2], fp8)
+        else:
+            self.add_rows(sums, slice(0, k), buf, stat)
+            if final is not None:
+                self.add_rows(sums, slice(k, k + 1), final[:, None], final_stat[:, None])
         self.rows += buf.shape[0]
 
     def add_not_finite(self, stat: torch.Tensor, final_stat: torch.Tensor | None) -> None:

@@ -9,8 +9,9 @@ BLAKE3 from memory, rename), then the journal records it. So the end of a run wa
 last few samples, not for a whole shard. What a shard holds is `format.shard`.
 
 The writer threads also sum each written sample's per-layer statistics into its arena
-(`format.stats`), from the rows while they are in memory; the shard's header and record carry
-them.
+(`format.stats`): from the row sums the device made beside the gather (`capture.ring`), a few
+floats per row, or, for rows that came without them, from the rows while they are in memory;
+the shard's header and record carry them.
 
 The pool of arenas bounds host memory: when every arena is full or being finished,
 `reserve` blocks, the assembler stops taking steps, and the engine waits on the capture
@@ -122,7 +123,7 @@ class ShardWriter(Sink):
 
     # -- arenas ------------------------------------------------------------------------
     def _new_buffer(self, rows: int) -> Buffers:
-        return new_buffers(rows, self.row_shape, self.dtype, bool(self.final_row_bytes))
+        return new_buffers(rows, self.row_shape, self.dtype, bool(self.final_row_bytes), self.columns is not None)
 
     def _take_buffer(self) -> Buffers:
         t0 = time.perf_counter()
@@ -228,10 +229,11 @@ class ShardWriter(Sink):
         self.commit(slot)
 
     def add_rows(self, sample_id: Any, token_ids: Any, rows: torch.Tensor, stat: torch.Tensor, *,
-                 loss_spans: list[list[int]] | None, num_prompt: int, record: str, line: int | None = None) -> None:
-        """A generated sample, rows [T, C, H] and statistics [T, C] as the capture ring holds
-        them (the layers, then the final state's column if this output stores it), with its
-        generation record."""
+                 loss_spans: list[list[int]] | None, num_prompt: int, record: str, line: int | None = None,
+                 moments: torch.Tensor | None = None) -> None:
+        """A generated sample, rows [T, C, H] and statistics [T, C] (and the row sums [T, 2, C]
+        when the ring has them) as the capture ring holds them (the layers, then the final
+        state's column if this output stores it), with its generation record."""
         k = self.row_shape[0]
         if rows.shape[1] != k + bool(self.final_row_bytes) or rows.shape[0] != len(token_ids):
             raise ValueError(f"sample {sample_id!r}: rows of shape {tuple(rows.shape)} for {len(token_ids)} tokens")
@@ -239,7 +241,7 @@ class ShardWriter(Sink):
                             record=record.encode())
         # the copy into the arena is the writer threads' (several at once), not the caller's: a
         # wave of responses ending together is GBs, and the caller is what the engine waits on
-        slot.src, slot.src_stat = rows, stat
+        slot.src, slot.src_stat, slot.src_moments = rows, stat, moments
         self.commit(slot)
 
     def _resolve(self, slot: SampleSlot, state: int) -> None:
@@ -293,8 +295,8 @@ class ShardWriter(Sink):
             for s in batch:
                 if s.src is not None or not s.placed:  # deferred: its statistics are made here
                     if s.src is not None:
-                        s.place(0, s.src, s.src_stat)
-                        s.src = s.src_stat = None
+                        s.place(0, s.src, s.src_stat, s.src_moments)
+                        s.src = s.src_stat = s.src_moments = None
                     else:  # values written into buf by the caller: no statistics came with them
                         quant.row_amax(s.buf, s.stat)
                         if s.final is not None:
@@ -311,7 +313,8 @@ class ShardWriter(Sink):
                 nbytes += len(mv)
                 if acc is not None:
                     t1 = time.perf_counter()
-                    acc.add_sample(self._sums(), s.buf, s.stat, s.final, s.final_stat)
+                    acc.add_sample(self._sums(), s.buf, s.stat, s.final, s.final_stat,
+                                   s.moments if s.has_moments else None)
                     stats_s += time.perf_counter() - t1
             with self._cv:
                 if acc is not None:
