@@ -15,8 +15,17 @@ again, in other batches than the extract's, and batching alone moves bf16 result
 
 rounding: the same logprobs computed once in float32 and once at the engine's precision (the
 normed state and the LM head's product rounded to the output dtype), mean |difference|;
-noise: the engine's own logprobs with every checked sample in flight together against each
-sample alone, mean |difference| (the engine is asked twice);
+noise: how far the engine's own logprobs move between two ways of computing the same rows.
+Prefill noise: every checked sample in flight together against each sample alone, mean
+|difference| (the engine is asked twice). An `extract --generate` output's response rows
+(from the index's prompt length on) were computed in decode steps, one token per request per
+step (other kernels: Gated-DeltaNet's recurrent one instead of its chunked one; FP8
+activation scales of other batches), which batching prefills does not measure. For a sample
+with response rows the engine also generates its response greedily from its prompt: decode
+noise is mean |decode logprob - prefill logprob| at the response positions both computed from
+the same tokens (up to the first token the generation does not repeat), and the sample's
+noise is the mean of the prefill noise over its prompt rows and the decode noise over its
+response rows (the prefill noise where no response position could be compared, as reported);
 fp8 (fp8 storage only): the logprobs moved by e4m3 rounding of the stored rows, measured by
 rounding them once more on a grid shifted by a non-power-of-two factor. RATIO and
 FP8_FACTOR are check.compare's; FLOOR here is in logprob units.
@@ -32,6 +41,7 @@ import torch
 from vllm_hidden.check.compare import FP8_FACTOR, RATIO, _json
 from vllm_hidden.check.reference import ModelShape
 from vllm_hidden.check.run import _Bar, _dtype, aligned, choose_samples, open_output
+from vllm_hidden.engine.logprobs import Decoded, Logprobs
 
 FLOOR = 1e-3  # logprob units: a float32 output's rounding is ~1e-6, summation order still moves it
 SHIFT = 1.37  # the fp8 probe's grid: scales off by a factor no power of two, so no value stays on it
@@ -48,11 +58,15 @@ class Source:
     max_abs: float  # over every sample and compared token
     top1_agree: float  # share of positions where our most likely token (of the engine's top k) is the engine's
     rounding: float
-    noise: float  # the engine against itself, batched together vs each sample alone
+    noise: float  # the engine against itself, batched together vs each sample alone (+ decode vs prefill)
     fp8: float | None
     bound: float
     worst_sample: Any
     ok: bool
+    # the worst sample's, where it has response rows (an `extract --generate` output)
+    prefill_noise: float | None = None
+    decode_noise: float | None = None  # None: no response position could be compared
+    decode_positions: list[int] | None = None  # [response positions compared, response positions]
 
     def to_dict(self) -> dict[str, Any]:
         d = {"mean_abs": _json(self.mean_abs), "max_abs": _json(self.max_abs), "top1_agree": round(self.top1_agree, 4),
@@ -61,7 +75,16 @@ class Source:
              "ok": self.ok}
         if self.fp8 is not None:
             d["fp8"] = _json(self.fp8)
+        if self.decode_positions is not None:
+            d.update(prefill_noise=_json(self.prefill_noise), decode_positions=self.decode_positions,
+                     decode_noise=None if self.decode_noise is None else _json(self.decode_noise))
         return d
+
+    def decode_cell(self) -> str:
+        if self.decode_positions is None:
+            return "-"
+        compared, of = self.decode_positions
+        return f"{'none' if self.decode_noise is None else f'{self.decode_noise:.2e}'} ({compared}/{of})"
 
 
 @dataclass(kw_only=True)
@@ -74,22 +97,30 @@ class EngineCheckReport:
     positions: int  # compared positions over all samples
     sources: list[Source]
     verdict: str
+    # samples with response rows: {"positions": compared, "of": response positions, "fallback": [sample ids
+    # none of whose response positions could be compared]}; None for a prompt-only output
+    decode: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
         return self.verdict == "pass"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "model": self.model, "reference": "engine", "device": self.device,
-                "engine_args": self.engine_args, "samples": self.samples, "positions": self.positions,
-                "bound": {"ratio": RATIO, "floor": FLOOR, "fp8_factor": FP8_FACTOR},
-                "sources": {s.name: s.to_dict() for s in self.sources}, "verdict": self.verdict}
+        d = {"path": self.path, "model": self.model, "reference": "engine", "device": self.device,
+             "engine_args": self.engine_args, "samples": self.samples, "positions": self.positions,
+             "bound": {"ratio": RATIO, "floor": FLOOR, "fp8_factor": FP8_FACTOR},
+             "sources": {s.name: s.to_dict() for s in self.sources}, "verdict": self.verdict}
+        if self.decode is not None:
+            d["decode"] = self.decode
+        return d
 
     def table(self) -> list[str]:
-        head = ["stored", "mean |dlogprob|", "max", "top-1 agree", "rounding", "engine noise", "fp8", "bound", "ok"]
+        decode = any(s.decode_positions is not None for s in self.sources)
+        head = ["stored", "mean |dlogprob|", "max", "top-1 agree", "rounding", "engine noise",
+                *(["decode noise"] if decode else []), "fp8", "bound", "ok"]
         rows = [head] + [[s.name, f"{s.mean_abs:.2e}", f"{s.max_abs:.2e}", f"{s.top1_agree:.3f}",
-                          f"{s.rounding:.2e}", f"{s.noise:.2e}", "-" if s.fp8 is None else f"{s.fp8:.2e}",
-                          f"{s.bound:.2e}",
+                          f"{s.rounding:.2e}", f"{s.noise:.2e}", *([s.decode_cell()] if decode else []),
+                          "-" if s.fp8 is None else f"{s.fp8:.2e}", f"{s.bound:.2e}",
                           "ok" if s.ok else "FAIL"] for s in self.sources]
         return aligned(rows) + [self.message()]
 
@@ -97,8 +128,15 @@ class EngineCheckReport:
         w = max(self.sources, key=lambda s: (not s.ok, s.mean_abs / s.bound))
         head = (f"pass: {len(self.samples)} samples' stored states give the engine's own logprobs" if self.ok
                 else "fail: the stored states do not give the engine's logprobs")
-        return (f"{head}; worst: the {w.name} of sample {w.worst_sample!r}, mean |dlogprob| {w.mean_abs:.3g} "
-                f"vs bound {w.bound:.3g} over {self.positions} positions")
+        msg = (f"{head}; worst: the {w.name} of sample {w.worst_sample!r}, mean |dlogprob| {w.mean_abs:.3g} "
+               f"vs bound {w.bound:.3g} over {self.positions} positions")
+        if self.decode is not None:
+            msg += (f"; decode vs prefill compared at {self.decode['positions']} of {self.decode['of']} response "
+                    "positions")
+            if self.decode["fallback"]:
+                msg += (f"; none for samples {self.decode['fallback']!r} (the engine's greedy response begins "
+                        "with another token): their bounds use the prefill noise alone")
+        return msg
 
 
 def fp8_regrid(x: torch.Tensor) -> torch.Tensor:
@@ -130,14 +168,26 @@ def check_against_engine(path: str, model: str, samples: int = 8, seed: int = 0,
     args = engine_cli_args(m, engine_args or [])
     chosen = choose_samples(len(ds), samples, seed)
     tokens = {}
+    decode: dict[Any, int] = {}  # sample id -> prompt length, for samples with compared response rows
     for i in chosen:
         s = ds[i]
         tokens[s["id"]] = s["token_ids"].tolist()
+        p = s.get("num_prompt_tokens")
+        if p is not None and len(tokens[s["id"]]) - 1 > p:  # a row is compared when a token follows it
+            decode[s["id"]] = p
 
-    from vllm_hidden.engine.logprobs import prompt_logprobs  # the engine first: it takes the GPU's memory
+    # the engine first: it takes the GPU's memory
+    if decode:
+        from vllm_hidden.engine.logprobs import prompt_and_decode_logprobs
 
-    together, alone = prompt_logprobs(model, args, list(tokens.values()), top_k)
-    eng, again = dict(zip(tokens, together)), dict(zip(tokens, alone))
+        together, alone, decoded = prompt_and_decode_logprobs(model, args, list(tokens.values()), top_k,
+                                                               [decode.get(sid) for sid in tokens])
+    else:
+        from vllm_hidden.engine.logprobs import prompt_logprobs
+
+        together, alone = prompt_logprobs(model, args, list(tokens.values()), top_k)
+        decoded = [None] * len(tokens)
+    eng, again, dec = dict(zip(tokens, together)), dict(zip(tokens, alone)), dict(zip(tokens, decoded))
     head = Head(model, device)
     columns = ([("last layer", ds.layer_ids.index(last))] if last in ds.layer_ids else []) \
         + ([("final state", None)] if final else [])
@@ -154,14 +204,16 @@ def check_against_engine(path: str, model: str, samples: int = 8, seed: int = 0,
                 bar.advance()
                 continue
             positions += len(set(rows.tolist()))
-            noise = _noise(again[sid], rows, cols, ref)
+            noises = {"noise": _noise(again[sid], rows, cols, ref)}
+            if sid in decode:
+                noises = _with_decode(noises["noise"], dec[sid], eng[sid], tokens[sid], decode[sid])
             for name, k in columns:
                 x = s["final_hidden_states"] if k is None else s["hidden_states"][:, k]
                 normed = k is None
                 ours = head.logprobs(x, rows, cols, normed=normed)
                 low = head.logprobs(x, rows, cols, normed=normed, dtype=dtype)
                 d = {"mean_abs": (ours - ref).abs().mean().item(), "max_abs": (ours - ref).abs().max().item(),
-                     "rounding": (ours - low).abs().mean().item(), "noise": noise, "top1": _top1(rows, ours, ref)}
+                     "rounding": (ours - low).abs().mean().item(), "top1": _top1(rows, ours, ref), **noises}
                 if m.storage is not None:
                     d["fp8"] = (ours - head.logprobs(fp8_regrid(x), rows, cols, normed=normed)).abs().mean().item()
                 per[name][sid] = d
@@ -171,9 +223,15 @@ def check_against_engine(path: str, model: str, samples: int = 8, seed: int = 0,
     if not positions:
         raise ValueError(f"the {len(tokens)} chosen samples have one token each: no position to compare")
     sources = [_source(name, per[name]) for name, _ in columns]
+    summary = None
+    if decode:
+        d = per[columns[0][0]]
+        summary = {"positions": sum(d[sid]["decode_positions"][0] for sid in decode),
+                   "of": sum(d[sid]["decode_positions"][1] for sid in decode),
+                   "fallback": [sid for sid in decode if d[sid]["decode_noise"] is None]}
     return EngineCheckReport(path=path, model=model, device=device, engine_args=args, samples=list(tokens),
                              positions=positions, sources=sources,
-                             verdict="pass" if all(s.ok for s in sources) else "fail")
+                             verdict="pass" if all(s.ok for s in sources) else "fail", decode=summary)
 
 
 def engine_cli_args(manifest: Any, given: list[str]) -> list[str]:
@@ -201,6 +259,45 @@ def _noise(alone: list[dict[int, float] | None], rows: torch.Tensor, cols: torch
     return sum(diffs) / len(diffs) if diffs else 0.0
 
 
+def decode_noise(decoded: Decoded | None, prefill: Logprobs, tokens: list[int],
+                 num_prompt: int) -> tuple[float | None, int]:
+    """(mean |decode - prefill| over the (position, token) pairs both report, response positions
+    compared; None where none was). The generated token j >= 1 is predicted from row num_prompt
+    + j - 1, a row its decode step computed (j = 0 comes from the prompt's prefill: not one);
+    the prefill's logprobs of that row are at position num_prompt + j. Both see the same
+    tokens only while the generation repeats the stored response: a position is compared while
+    every token generated before it is the stored one (so the first differing token's own
+    position still is, and none after it)."""
+    if decoded is None:
+        return None, 0
+    gen, lps = decoded
+    p = num_prompt
+    diffs: list[float] = []
+    compared = 0
+    for j in range(1, min(len(gen), len(lps), len(tokens) - p)):
+        if gen[j - 1] != tokens[p + j - 1]:
+            break  # the contexts differ from here on
+        ref = prefill[p + j] or {}
+        pairs = [abs(v - ref[c]) for c, v in lps[j].items() if c in ref]
+        if pairs:
+            diffs += pairs
+            compared += 1
+    return (sum(diffs) / len(diffs) if diffs else None), compared
+
+
+def _with_decode(prefill_noise: float, decoded: Decoded | None, prefill: Logprobs, tokens: list[int],
+                 num_prompt: int) -> dict[str, Any]:
+    """A sample's noise with response rows: the prefill noise over its num_prompt prompt rows and
+    the decode noise over its response rows (compared ones: num_prompt .. n - 2), each weighted by
+    its rows, as the extract computed them; the prefill noise stands in where no response
+    position could be compared."""
+    dn, compared = decode_noise(decoded, prefill, tokens, num_prompt)
+    response = len(tokens) - 1 - num_prompt
+    blended = (num_prompt * prefill_noise + response * (prefill_noise if dn is None else dn)) / (num_prompt + response)
+    return {"noise": blended, "prefill_noise": prefill_noise, "decode_noise": dn,
+            "decode_positions": [compared, response]}
+
+
 def _top1(rows: torch.Tensor, ours: torch.Tensor, ref: torch.Tensor) -> float:
     """Share of rows whose highest logprob among the compared tokens is at the same token."""
     agree = total = 0
@@ -221,4 +318,5 @@ def _source(name: str, per: dict[Any, dict[str, float]]) -> Source:
     return Source(name=name, mean_abs=w["mean_abs"], max_abs=max(d["max_abs"] for d in per.values()),
                   top1_agree=sum(d["top1"] for d in per.values()) / len(per), rounding=w["rounding"], noise=w["noise"],
                   fp8=max(fp8s) if fp8s else None, bound=bound_of(w), worst_sample=worst,
-                  ok=all(d["mean_abs"] <= bound_of(d) for d in per.values()))
+                  ok=all(d["mean_abs"] <= bound_of(d) for d in per.values()), prefill_noise=w.get("prefill_noise"),
+                  decode_noise=w.get("decode_noise"), decode_positions=w.get("decode_positions"))
