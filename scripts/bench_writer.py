@@ -1,18 +1,34 @@
-"""Shard writer throughput vs one-thread `safetensors.torch.save_file`, on the same data.
+"""Shard writer throughput vs one-thread `safetensors.torch.save_file`, on the same data; and the
+whole host side of an extract (assembler + writers + statistics + BLAKE3) fed step records.
 
     python scripts/bench_writer.py --dir /dev/shm/wb --dir .bench/wb          # tmpfs and disk
     python scripts/bench_writer.py --dir /dev/shm/wb --s3                     # + upload to a local S3 (moto)
     python scripts/bench_writer.py --dir .bench/wb --tail w-chat              # the end of a run (flush)
+    python scripts/bench_writer.py --dir /dev/shm/wb --pipeline w-short,w-chat  # the host side, flat out
 
 Data: samples of 27B-shaped rows ([T, 5, 5120] bf16, 51.2 KB per token). `save_file` gets each
 shard's tensors already concatenated (its concatenation is not timed) and writes them one
 shard after another on one thread. The shard writer gets the samples one by one, as the
-assembler hands them over (one copy into its arena), and writes with --threads threads;
-its time runs until every shard is durable (and, with --s3, uploaded). Peak RSS is sampled.
+assembler hands them over: each sample's rows with their per-row statistics and row sums, as
+the capture ring brings them from the device (`--stats device`, what an extract does: made
+once before the clock starts, they are the device's work), or without the sums, so its
+threads reduce the rows themselves (`--stats host`, how the statistics were made before), or
+with no statistics at all (`--stats off`); one copy into its arena, then written with
+--threads threads; its time runs until every shard is durable (and, with --s3, uploaded).
+Peak RSS is sampled.
+
+--pipeline: a workload's prompts (bench.py's lengths) cut into engine steps as vLLM's scheduler
+cuts them (--step-tokens a step), each step's rows in a slot of the real capture ring (pinned
+host memory on a GPU host; filled once before the clock starts: the device's gather and copy
+are not the host's work) and its StepRecord through the real AssemblerThread and ShardWriter
+as fast as the host side takes them (the ring's backpressure included). GB/s of rows from the
+first step to every shard durable, with the assembler's and writers' busy seconds.
 """
 
 from __future__ import annotations
 
+import gc
+import itertools
 import json
 import os
 import shutil
@@ -67,20 +83,35 @@ def bench_save_file(data, d: Path, shard_bytes: int) -> dict:
     return {"seconds": dt, "bytes": nbytes, "gb_per_s": nbytes / dt / 1e9, "shards": len(tensors)}
 
 
+def ring_sums(hs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the capture ring brings with rows [T, C, H]: their per-row amax [T, C] and row sums
+    [T, 2, C] (sum, centred sum of squares), made as the device makes them."""
+    from vllm_hidden.format import quant
+    from vllm_hidden.format.stats import RowSums
+
+    t, c, h = hs.shape
+    stat = torch.empty((t, c), dtype=torch.float32)
+    quant.row_amax(hs, stat)
+    sums = torch.empty((2, t, c), dtype=torch.float32)
+    RowSums(c * h, False)(hs, sums[0], sums[1])
+    return stat, sums.transpose(0, 1).contiguous()
+
+
 def bench_writer(data, d: Path, shard_bytes: int, threads: int, k: int, h: int, upload: str | None = None,
-                 endpoint: str | None = None) -> dict:
+                 endpoint: str | None = None, stats: str = "device") -> dict:
     from vllm_hidden.config import ShardConfig
     from vllm_hidden.storage.shards import ShardWriter
 
     shutil.rmtree(d, ignore_errors=True)
     cfg = ShardConfig(output_dir=str(d), max_shard_bytes=shard_bytes, writer_threads=threads,
-                      upload_uri=upload, s3_endpoint_url=endpoint)
+                      upload_uri=upload, s3_endpoint_url=endpoint, layer_stats=stats != "off")
+    ring = [ring_sums(hs) for _, _, hs in data]  # the device's work: before the clock
     with RssPeak() as rss:
         w = ShardWriter(cfg, list(range(k)), h, torch.bfloat16)
         t0 = time.perf_counter()
-        for sid, tok, hs in data:
+        for (sid, tok, hs), (stat, mom) in zip(data, ring):
             slot = w.reserve(sid, tok)
-            slot.buf.copy_(hs)
+            slot.place(0, hs, stat, mom if stats == "device" else None)
             w.commit(slot)
         t1 = time.perf_counter()
         shards = w.close()
@@ -88,9 +119,65 @@ def bench_writer(data, d: Path, shard_bytes: int, threads: int, k: int, h: int, 
         dt = t2 - t0
     nbytes = sum(s.bytes for s in shards)
     shutil.rmtree(d, ignore_errors=True)
-    return {"seconds": dt, "bytes": nbytes, "gb_per_s": nbytes / dt / 1e9, "shards": len(shards),
-            "tail_seconds": t2 - t1, "peak_rss_bytes": rss.peak,
-            "stats": w.stats()}
+    return {"statistics": stats, "seconds": dt, "bytes": nbytes, "gb_per_s": nbytes / dt / 1e9,
+            "shards": len(shards), "tail_seconds": t2 - t1, "peak_rss_bytes": rss.peak, "stats": w.stats()}
+
+
+def bench_pipeline(d: Path, workload: str, threads: int, k: int, h: int, budget: int, stats: str,
+                   slots: int = 2, gb: float | None = None) -> dict:
+    """The host side of an extract flat out: steps of a workload through the real ring slots,
+    AssemblerThread and ShardWriter (module docstring); `gb`: only its first prompts, up to
+    that many GB of rows (the output must fit in --dir)."""
+    from vllm_hidden.capture.assembler import Assembler, AssemblerThread
+    from vllm_hidden.capture.records import NewRequest, Segment, StepRecord
+    from vllm_hidden.capture.ring import StepTransfer
+    from vllm_hidden.config import ShardConfig
+    from vllm_hidden.storage.shards import ShardWriter
+
+    lengths = [len(p) for p in benchlib.make_prompts(benchlib.WORKLOADS[workload], 248320)]
+    if gb is not None:
+        cum = itertools.accumulate(n * k * h * 2 for n in lengths)
+        lengths = lengths[: max(1, sum(1 for c in cum if c <= gb * 1e9))]
+    steps = steps_of(lengths, budget, taper=False)
+    cuda = torch.cuda.is_available()
+    tr = StepTransfer(budget, k, h, torch.bfloat16, torch.device("cpu"), slots, row_stats=stats == "device")
+    if cuda:  # the ring's host slots pinned, as a GPU host's are
+        tr._host_rows = [r.pin_memory() for r in tr._host_rows]
+        views = [tr._views(r) for r in tr._host_rows]
+        tr.host, tr.host_stat, tr.host_moments = ([v[i] for v in views] for i in range(3))
+    g = torch.Generator().manual_seed(0)
+    layers = [torch.randn(budget, h, generator=g).to(torch.bfloat16) for _ in range(k)]
+    for slot in range(slots):  # the device's gather and copy, once per slot: not timed
+        tr.submit(layers, budget, tr.acquire())
+        tr.release(slot)
+    shutil.rmtree(d, ignore_errors=True)
+    w = ShardWriter(ShardConfig(output_dir=str(d), writer_threads=threads, layer_stats=stats != "off"),
+                    list(range(k)), h, torch.bfloat16)
+    thread = AssemblerThread(Assembler(tr, w))
+    tokens = [list(range(n)) for n in lengths]
+    t0 = time.perf_counter()
+    for step in steps:
+        slot = tr.acquire()  # blocks while the host side is behind: the engine would wait here
+        segs, new, row = [], {}, 0
+        for i, pos, c in step:
+            if pos == 0:
+                new[str(i)] = NewRequest(i, tokens[i], line=i)
+            segs.append(Segment(str(i), row, c, pos))
+            row += c
+        thread.put(StepRecord(slot, row, segs, new))
+    t1 = time.perf_counter()
+    thread.close()
+    shards = w.close()
+    t2 = time.perf_counter()
+    shutil.rmtree(d, ignore_errors=True)
+    rows = sum(lengths)
+    row_bytes = k * h * 2
+    return {"workload": workload, "statistics": stats, "threads": threads, "pinned_ring": cuda,
+            "samples": len(lengths), "rows": rows, "steps": len(steps), "row_bytes": row_bytes,
+            "seconds": t2 - t0, "steps_seconds": t1 - t0, "gb_per_s": rows * row_bytes / (t2 - t0) / 1e9,
+            "rows_per_s": rows / (t2 - t0), "assembler_busy_s": round(thread.busy_s, 3),
+            "assembler_wait_copy_s": round(thread.assembler.wait_copy_s, 3), "bytes": sum(s.bytes for s in shards),
+            "writer": w.stats()}
 
 
 def steps_of(lengths: list[int], budget: int, taper: bool) -> list[list[tuple[int, int, int]]]:
@@ -170,9 +257,39 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--taper", choices=["on", "off", "both"], default="both",
                     help="the end of a run tapered (engine.scheduler)")
+    ap.add_argument("--stats", default="device",
+                    help="comma-separated: device (row sums come with the rows, as an extract's), host (the "
+                         "writer reduces the rows, as before), off (no per-layer statistics)")
+    ap.add_argument("--pipeline", default=None,
+                    help="comma-separated workloads (bench.py's): the host side of an extract fed step records")
+    ap.add_argument("--pipeline-gb", type=float, default=None,
+                    help="--pipeline: only each workload's first prompts, up to this many GB of rows")
     ap.add_argument("--result", default=None)
     a = ap.parse_args()
     k, h = 5, 5120
+    modes = a.stats.split(",")
+    bad = [m for m in modes if m not in ("device", "host", "off")]
+    if bad:
+        raise SystemExit(f"--stats: unknown mode(s) {bad} (device, host, off)")
+    if a.pipeline:
+        runs = []
+        for _ in range(a.repeat):
+            for workload in a.pipeline.split(","):
+                for mode in modes:
+                    gc.collect()  # the last run's arenas (slots and arenas refer to each other) go first
+                    r = bench_pipeline(Path(a.dir[0]), workload, a.threads, k, h, a.step_tokens, mode,
+                                       gb=a.pipeline_gb)
+                    runs.append(r)
+                    print(f"{workload} statistics={mode} threads={a.threads}: {r['gb_per_s']:.2f} GB/s "
+                          f"({r['rows_per_s']:.0f} rows/s), assembler busy {r['assembler_busy_s']} s of "
+                          f"{r['seconds']:.2f}, writers busy {r['writer']['writer_busy_s']} s "
+                          f"(statistics {r['writer']['writer_stats_s']} s)", flush=True)
+        path = benchlib.result_path(a.result, f"writer-pipeline-{benchlib.stamp()}.json")
+        benchlib.write_json(path, {"command": benchlib.command_line(__file__), "cpus": os.cpu_count(),
+                                   "versions": benchlib.versions("torch", "blake3", "safetensors"),
+                                   "runs": runs})
+        print(f"wrote {path}")
+        return
     if a.tail:
         runs = []
         for _ in range(a.repeat):
@@ -189,11 +306,14 @@ def main() -> None:
            "threads": a.threads, "targets": {}}
     for d in a.dir:
         base = bench_save_file(data, Path(d) / "save_file", a.shard_bytes)
-        ours = bench_writer(data, Path(d) / "writer", a.shard_bytes, a.threads, k, h)
-        res["targets"][d] = {"save_file_1_thread": base, "shard_writer": ours,
-                             "speedup": round(ours["gb_per_s"] / base["gb_per_s"], 3)}
-        print(f"{d}: save_file {base['gb_per_s']:.2f} GB/s, shard writer ({a.threads} threads) "
-              f"{ours['gb_per_s']:.2f} GB/s = {ours['gb_per_s'] / base['gb_per_s']:.2f}x", flush=True)
+        res["targets"][d] = {"save_file_1_thread": base}
+        for mode in modes:
+            gc.collect()
+            ours = bench_writer(data, Path(d) / "writer", a.shard_bytes, a.threads, k, h, stats=mode)
+            res["targets"][d][f"shard_writer_stats_{mode}"] = ours
+            res["targets"][d][f"speedup_stats_{mode}"] = round(ours["gb_per_s"] / base["gb_per_s"], 3)
+            print(f"{d}: save_file {base['gb_per_s']:.2f} GB/s, shard writer ({a.threads} threads, statistics "
+                  f"{mode}) {ours['gb_per_s']:.2f} GB/s = {ours['gb_per_s'] / base['gb_per_s']:.2f}x", flush=True)
     if a.s3:
         import boto3
 
@@ -205,7 +325,8 @@ def main() -> None:
         try:
             boto3.client("s3", endpoint_url=server.url).create_bucket(Bucket="bench")
             d = Path(a.dir[0]) / "stage"
-            up = bench_writer(data, d, a.shard_bytes, a.threads, k, h, upload="s3://bench/run", endpoint=server.url)
+            up = bench_writer(data, d, a.shard_bytes, a.threads, k, h, upload="s3://bench/run", endpoint=server.url,
+                              stats=modes[0])
             res["s3_local_moto"] = {"staging": str(d), **up}
             print(f"s3 (moto on 127.0.0.1, staging {d}): write + upload {up['gb_per_s']:.2f} GB/s", flush=True)
         finally:
