@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The GPU items of "the host never the bottleneck": FP8 targets against plain vLLM, the host side
+# alone on the GPU host's CPUs, and the GPU tests the change touches. Run from the repo root in a
+# call that carries the kit's last piece (.kit/deps, with .kit/extra), or in any later call on the
+# same warm host. Each STEP fits one 10-minute call (a cold 27B engine takes ~4 min to start):
+#   STEP=tests    tests/gpu/test_gpu_fp8.py and test_gpu_capture.py (parity with HF through the
+#                 device's row sums), then scripts/bench_writer.py --pipeline on this host's CPUs
+#   STEP=plain    scripts/bench.py --qwen36-27b plain-fp8w on W-chat and W-short
+#   STEP=extract  ... extract-fp8w, merged into the same result (run STEP=plain first on this host,
+#                 or pass RESULT=<an earlier call's result file in the working tree>)
+#   STEP=server   tests/gpu/test_gpu_server.py (~3.5 min)
+#   STEP=bf16     bench.py plain and extract (two cold engines: one call each with CASES=plain, then
+#                 CASES=extract)
+#   STEP=fp8b     bench.py plain-fp8b, then extract-fp8b (CASES= as for bf16)
+#   STEP=generate scripts/bench_generate.py single turn (TURNS=3 for turn by turn)
+# Environment: OUT (required: results and logs go there), RESULT (see STEP=extract), CASES.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT to the output folder of the call}"
+STEP=${STEP:?set STEP to tests, plain, extract, server, bf16, fp8b or generate}
+mkdir -p "$OUT"
+
+env_sh=$(ls .kit/*/device-env.sh /tmp/kitstage/device-env.sh 2>/dev/null | head -1)
+[ -n "$env_sh" ] || { echo "gpu_host_side: no kit piece carried and no /tmp/kitstage: ship the kit first"; exit 3; }
+# shellcheck disable=SC1090
+source "$env_sh" > /dev/null
+[ -f /tmp/kitsite/.ok ] || { echo "gpu_host_side: the kit is not complete on this host (carry p1, p2, deps)"; exit 3; }
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 3
+export VHIDDEN_CACHE_DIR=/tmp/vhc  # compile caches kept on a warm host
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+lscpu | grep -m1 "Model name" || true
+
+# one result file for the bench.py cases of one host: kept in /tmp while the host is warm
+BENCH=/tmp/vh-results/bench-fp8.json
+mkdir -p /tmp/vh-results
+if [ -n "${RESULT:-}" ] && [ -f "$RESULT" ] && [ ! -f "$BENCH" ]; then cp "$RESULT" "$BENCH"; fi
+
+quiet() { grep -v "^INFO\|^(EngineCore\|^WARNING\|^(Worker\|^(APIServer" "$1" | tail -"${2:-30}"; }
+bench() {  # bench.py cases $1 on both workloads, merged into $BENCH
+  local append=()
+  [ -f "$BENCH" ] && append=(--append)
+  timeout -s TERM "${BENCH_TIMEOUT:-560}" python3 scripts/bench.py --qwen36-27b --workloads w-chat,w-short \
+    --cases "$1" --result "$BENCH" "${append[@]}" > "$OUT/bench-$1.log" 2>&1
+  local rc=$?
+  quiet "$OUT/bench-$1.log" 25
+  cp "$BENCH" "$OUT/" 2>/dev/null
+  return $rc
+}
+
+rc=0
+case "$STEP" in
+  tests)
+    timeout 420 python3 -m pytest -q -s -x -p no:cacheprovider tests/gpu/test_gpu_fp8.py > "$OUT/gpu-fp8.log" 2>&1
+    rc=$?
+    quiet "$OUT/gpu-fp8.log" 30
+    timeout 150 python3 -m pytest -q -s -x -p no:cacheprovider tests/gpu/test_gpu_capture.py \
+      > "$OUT/gpu-capture.log" 2>&1
+    rc=$(( rc || $? ))
+    quiet "$OUT/gpu-capture.log" 15
+    df -h /dev/shm | tail -1
+    timeout 120 python3 scripts/bench_writer.py --dir /dev/shm/vh-wb --pipeline w-short,w-chat --pipeline-gb 8 \
+      --threads 4 --stats device,host --result "$OUT/writer-pipeline.json" 2>&1 | tail -6
+    ;;
+  plain) bench plain-fp8w; rc=$? ;;
+  extract) bench extract-fp8w; rc=$? ;;
+  bf16) bench "${CASES:-plain}"; rc=$? ;;
+  fp8b) bench "${CASES:-plain-fp8b}"; rc=$? ;;
+  server)
+    timeout 540 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_server.py -rxXf \
+      > "$OUT/gpu-server.log" 2>&1
+    rc=$?
+    quiet "$OUT/gpu-server.log" 30
+    ;;
+  generate)
+    timeout 560 python3 scripts/bench_generate.py --qwen36-27b --turns "${TURNS:-1}" \
+      --max-tokens "$([ "${TURNS:-1}" = 1 ] && echo 256 || echo 128)" --result "$OUT/generate.json" \
+      > "$OUT/generate.log" 2>&1
+    rc=$?
+    quiet "$OUT/generate.log" 25
+    ;;
+  *) echo "gpu_host_side: unknown STEP=$STEP"; exit 2 ;;
+esac
+exit $rc
