@@ -85,6 +85,17 @@ def test_gpu_capture_matches_hf_graphs_and_eager(arch, tiny_models, tmp_path):
                 worst[m][k] = max(worst[m][k], err)
                 assert err <= BOUND, (arch, m, sid, k, err)
     print(f"{arch} worst rel L2 per layer [0, 3, 7]: {worst}")
+    # the per-layer statistics, reduced on the device beside the gather: those of the rows written
+    for m, out in outs.items():
+        stats = json.loads((out / "manifest.json").read_text())["layer_stats"]
+        rows = torch.cat([s["hidden_states"] for s in by_id[m].values()]).double()
+        for k, lid in enumerate([0, 3, 7]):
+            x, v = rows[:, k], stats[str(lid)]
+            std = float(x.std(correction=0))
+            assert v["rows"] == x.shape[0] and v["nonfinite_rows"] == 0, (arch, m, lid, v)
+            assert v["mean"] == pytest.approx(float(x.mean()), rel=1e-5, abs=1e-6 * std), (arch, m, lid, v)
+            assert v["std"] == pytest.approx(std, rel=1e-5), (arch, m, lid, v)
+            assert v["absmax"] == float(x.abs().max()), (arch, m, lid, v)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], f"gpu-parity-{arch}.json"), "w") as f:
             json.dump({"arch": arch, "worst_rel_l2": worst, "layers": [0, 3, 7], "model_runner": runners}, f)
