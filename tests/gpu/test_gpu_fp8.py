@@ -75,6 +75,29 @@ def _per_layer(a, b, cols_a, cols_b):
     return worst
 
 
+def _stats_are_the_rows(out):
+    """The per-layer statistics (row sums reduced on the device, fp8 ones before their scale)
+    are those of the stored values, dequantized in float64."""
+    from vllm_hidden.data import HiddenStatesDataset
+    from vllm_hidden.format import quant
+    from vllm_hidden.storage.manifest import Manifest
+
+    ds = HiddenStatesDataset(out, dequantize=False)
+    rows = [ds[i] for i in range(len(ds))]
+    cols = {str(lid): torch.cat([quant.dequantize(r["hidden_states"][:, k], r["hidden_states_scale"][:, k],
+                                                  torch.float64) for r in rows])
+            for k, lid in enumerate(ds.layer_ids)}
+    cols["final"] = torch.cat([quant.dequantize(r["final_hidden_states"], r["final_hidden_states_scale"],
+                                                torch.float64) for r in rows])
+    stats = Manifest.read(out).layer_stats
+    for name, x in cols.items():
+        v, std = stats[name], float(x.std(correction=0))
+        assert v["rows"] == x.shape[0], (name, v)
+        assert v["mean"] == pytest.approx(float(x.mean()), rel=1e-5, abs=1e-6 * std), (name, v)
+        assert v["std"] == pytest.approx(std, rel=1e-5), (name, v)
+        assert v["absmax"] == pytest.approx(float(x.abs().max()), rel=1e-6), (name, v)
+
+
 def _engine_check(out, model, engine):
     from vllm_hidden.check.against_engine import check_against_engine
 
@@ -122,6 +145,7 @@ def test_gpu_fp8_targets(tmp_path):
     m = Manifest.read(tmp_path / "blocks")
     assert m.quantization["source"] == "checkpoint" and m.quantization["weight_block_size"] == [128, 128], m
     result["blocks_check"] = _engine_check(tmp_path / "blocks", fp8_model, EAGER)
+    _stats_are_the_rows(tmp_path / "blocks")
     _, blocks = _rows(tmp_path / "blocks")
     result["blocks_vs_bf16_rel_l2"] = _per_layer(blocks, bf16, range(4), range(4))
 
