@@ -294,3 +294,43 @@ def test_a_conversation_outgrowing_max_model_len_keeps_its_completed_turns():
     assert got.end == {"line": 0, "turn": 0, "drop": "continued"} and got.rows == 0
     assert got.next.token_ids == [10, 11, 12, 20, EOS, 60, 61, 62]
     assert got.next.params.extra_args["vllm_hidden_turn"] == 1
+
+
+def test_a_staging_buffer_is_reused_only_once_the_sink_is_done_with_it():
+    """A generating request's rows are staged until its end; the buffer serves a later request
+    only after the sink said it reads it no more (`done`), and then holds that request's rows."""
+
+    class Keeping(Sink):
+        def add_rows(self, sample_id, token_ids, rows, stat, **kw):
+            super().add_rows(sample_id, token_ids, rows, stat, **kw)
+            self.added[-1] = (*self.added[-1], rows)  # the staged rows themselves, not a copy
+
+    h = _gen_harness()
+    h.sink = Keeping()
+    h.asm = Assembler(h.tr, h.sink)
+
+    def one(rid, sample, line):
+        h.step([(rid, sample, 20, 0, 3)], new={rid: NewRequest(rid, [1, 2, 3], rows=8, line=line, generate=True)})
+        h.asm.process(_record(ends=[_end(3, line=line)]))
+        return h.sink.added[-1]
+
+    a = one("a", 0, 0)
+    b = one("b", 1, 1)  # a's buffer is still the sink's: b gets another
+    assert b[4].data_ptr() != a[4].data_ptr() and torch.equal(a[4], truth(0, 20)[:3])
+    a[3]["done"]()
+    c = one("c", 2, 2)  # a's buffer again, with c's rows
+    assert c[4].data_ptr() == a[4].data_ptr() and torch.equal(c[4], truth(2, 20)[:3])
+
+
+def test_the_shard_writer_says_done_once_it_copied_a_generated_samples_rows(tmp_path):
+    w = shard_writer(tmp_path, [0, 1], 4, dtype=torch.float32, generate=True)
+    rows = torch.arange(6 * 2 * 4, dtype=torch.float32).reshape(6, 2, 4)
+    calls = []
+    w.add_rows("s", [5, 6, 7, 8, 9, 10], rows, rows.abs().amax(-1), loss_spans=None, num_prompt=2, record="r\n",
+               done=lambda: calls.append(rows.clone()))
+    (info,) = w.close()
+    assert len(calls) == 1 and torch.equal(calls[0], rows)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / info.file), framework="pt") as f:
+        assert torch.equal(f.get_tensor("hidden_states")[:6], calls[0])

@@ -30,12 +30,13 @@ class _Staged:
     them, row sums [rows, 2, C] (C: the ring's columns, the final state's included, as
     `Sink.add_rows` takes them), until its end is known."""
 
-    __slots__ = ("buf", "stat", "moments")
+    __slots__ = ("buf", "stat", "moments", "nbytes")
 
     def __init__(self, rows: int, host: torch.Tensor, host_stat: torch.Tensor, moments: torch.Tensor | None) -> None:
         self.buf = torch.empty((rows, *host.shape[1:]), dtype=host.dtype)
         self.stat = torch.empty((rows, host_stat.shape[1]), dtype=host_stat.dtype)
         self.moments = None if moments is None else torch.empty((rows, *moments.shape[1:]), dtype=moments.dtype)
+        self.nbytes = sum(t.numel() * t.element_size() for t in (self.buf, self.stat, self.moments) if t is not None)
 
     def place(self, pos: int, rows: torch.Tensor, stat: torch.Tensor, moments: torch.Tensor | None = None) -> None:
         n = rows.shape[0]
@@ -43,6 +44,38 @@ class _Staged:
         self.stat[pos : pos + n].copy_(stat)
         if self.moments is not None:
             self.moments[pos : pos + n].copy_(moments)
+
+
+class _StagePool:
+    """Staging buffers of generating requests, kept for the next ones: a fresh buffer's pages are
+    faulted in as its rows arrive (~3 GB/s against ~12 reused, on the assembler thread the
+    engine waits on), and a wave of requests needs the same sizes again. Sizes are rounded up
+    to GRAIN rows; the buffers kept are bounded by `cap_bytes` (more go back to the allocator).
+    `give` may be called from any thread (the sink's writer threads, once they copied the rows)."""
+
+    GRAIN = 128
+
+    def __init__(self, cap_bytes: int = 8 << 30) -> None:
+        self.cap_bytes = cap_bytes
+        self._free: dict[int, list[_Staged]] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, rows: int, host: torch.Tensor, host_stat: torch.Tensor, moments: torch.Tensor | None) -> _Staged:
+        n = -(-rows // self.GRAIN) * self.GRAIN
+        with self._lock:
+            kept = self._free.get(n)
+            if kept:
+                s = kept.pop()
+                self._bytes -= s.nbytes
+                return s
+        return _Staged(n, host, host_stat, moments)
+
+    def give(self, s: _Staged) -> None:
+        with self._lock:
+            if self._bytes + s.nbytes <= self.cap_bytes:
+                self._free.setdefault(s.buf.shape[0], []).append(s)
+                self._bytes += s.nbytes
 
 
 class _Partial:
@@ -70,6 +103,7 @@ class Assembler:
         self._by_line: dict[tuple[int, int], str] = {}  # --generate: (input line, turn) -> the engine's request id
         self.dropped: list[str] = []
         self.wait_copy_s = 0.0  # waiting for D2H copies to land
+        self._stages = _StagePool()
 
     def process(self, rec: StepRecord) -> None:
         try:  # the ring slot goes back whatever happens, or the engine would wait for it forever
@@ -97,8 +131,7 @@ class Assembler:
                     part = self._partial.pop(seg.req_id, None)
                     if part is None or not self.sink.on_failure(part.req.sample_id, str(e)):
                         raise
-                    if not part.req.generate:  # a generating request's rows were never the sink's
-                        self.sink.drop(part.slot)
+                    self._discard(part)
         finally:
             if rec.slot is not None:
                 self.transfer.release(rec.slot)
@@ -123,6 +156,14 @@ class Assembler:
         if req is not None:
             self._dropped(rid, req, "the request ended before its prompt rows were all computed")
 
+    def _discard(self, part: _Partial) -> None:
+        """A request's rows go nowhere: the sink drops its slot, or (generating) its staging
+        buffer is kept for another request."""
+        if part.req.generate:  # a generating request's rows were never the sink's
+            self._stages.give(part.slot)
+        else:
+            self.sink.drop(part.slot)
+
     def _dropped(self, rid: str, req: NewRequest, why: str) -> None:
         """The sink's `on_failure` hears of it at once (the server's takes it, so the waiting
         response fails fast); if the sink does not take it, the id is kept for the run's
@@ -134,7 +175,9 @@ class Assembler:
         """--generate: the driver knows where request `rid`'s response ended."""
         if "drop" in end:  # an error record, or a turn whose rows a later turn computes again: its rows go
             self._pending.pop(rid, None)
-            self._partial.pop(rid, None)
+            part = self._partial.pop(rid, None)
+            if part is not None:
+                self._stages.give(part.slot)
             return
         part = self._partial.get(rid)
         if part is None:
@@ -155,13 +198,14 @@ class Assembler:
         if part.filled >= part.total:
             del self._partial[rid]
             end = part.end
-            mom = part.slot.moments
-            self.sink.add_rows(part.req.sample_id, end["token_ids"], part.slot.buf[: part.total],
-                               part.slot.stat[: part.total], loss_spans=end["loss_spans"], num_prompt=end["num_prompt"],
-                               record=end["record"], line=part.req.line,
-                               moments=None if mom is None else mom[: part.total])
+            staged, n = part.slot, part.total
+            self.sink.add_rows(part.req.sample_id, end["token_ids"], staged.buf[:n], staged.stat[:n],
+                               loss_spans=end["loss_spans"], num_prompt=end["num_prompt"], record=end["record"],
+                               line=part.req.line, moments=None if staged.moments is None else staged.moments[:n],
+                               done=lambda: self._stages.give(staged))
         elif part.finished:  # no more rows will come
             del self._partial[rid]
+            self._stages.give(part.slot)
             self._dropped(rid, part.req, f"the request ended with {part.filled} of its {part.total} rows captured")
 
     def _take(self, seg: Segment, host: torch.Tensor, stat: torch.Tensor, moments: torch.Tensor | None) -> None:
@@ -171,7 +215,7 @@ class Assembler:
             if req is None:
                 return  # a request we were not asked to capture, or one already complete
             if req.generate:
-                slot = _Staged(req.rows, host, stat, moments)
+                slot = self._stages.take(req.rows, host, stat, moments)
             elif req.rows is None:
                 slot = self.sink.reserve(req.sample_id, req.token_ids, line=req.line, loss_spans=req.loss_spans)
             else:
@@ -222,8 +266,7 @@ class Assembler:
         """Drop every request still incomplete (end of a run); returns their request ids."""
         gone = list(self._partial) + list(self._pending)
         for part in self._partial.values():
-            if not part.req.generate:  # a generating request's rows were never the sink's
-                self.sink.drop(part.slot)
+            self._discard(part)
         self._partial.clear()
         self._pending.clear()
         self.dropped.extend(gone)

@@ -51,9 +51,10 @@ class MemorySink(Sink):
 
     def add_rows(self, sample_id: Any, token_ids: Sequence[int] | torch.Tensor, rows: torch.Tensor,
                  stat: torch.Tensor, *, loss_spans: list[list[int]] | None, num_prompt: int, record: str,
-                 line: int | None = None, moments: torch.Tensor | None = None) -> None:
+                 line: int | None = None, moments: torch.Tensor | None = None,
+                 done: Callable[[], None] | None = None) -> None:
         """A whole sample: rows [T, C, H] and statistics [T, C], handed on as one Sample (no
-        per-layer statistics here: `moments` is not kept)."""
+        per-layer statistics here: `moments` is not kept); copied before this returns."""
         tok = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
         n = tok.shape[0]
         if tuple(rows.shape) != (n, *self.row_shape):
@@ -68,6 +69,8 @@ class MemorySink(Sink):
         scale = self._scales(n)
         if scale is not None:
             scale.copy_(stat)
+        if done is not None:
+            done()
         self.on_sample(Sample(sample_id, tok, buf, bool(torch.isfinite(stat).all()), scale))
 
     def commit(self, slot: _MemSlot) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -103,11 +103,13 @@ class Sink(ABC):
     @abstractmethod
     def add_rows(self, sample_id: Any, token_ids: Sequence[int] | torch.Tensor, rows: torch.Tensor,
                  stat: torch.Tensor, *, loss_spans: list[list[int]] | None, num_prompt: int, record: str,
-                 line: int | None = None, moments: torch.Tensor | None = None) -> None:
+                 line: int | None = None, moments: torch.Tensor | None = None,
+                 done: Callable[[], None] | None = None) -> None:
         """--generate: a whole sample at once, rows [T, C, H] and their statistics [T, C] as the
         ring's columns hold them (the layers, then the final state's column if the ring has one),
         with its prompt length and its generation record (a JSON line); `moments` [T, 2, C]: the
-        ring's row sums, when it has them."""
+        ring's row sums, when it has them. `done`, if given, is called (from any thread) once
+        the sink reads `rows`, `stat` and `moments` no more: the caller reuses them then."""
 
     @abstractmethod
     def commit(self, slot: Any) -> None:

@@ -69,8 +69,8 @@ class SampleSlot:
     when the ring brings them the rows' sums `moments` [T, 2, C] (`has_moments`)."""
 
     __slots__ = ("arena", "sample_id", "token_ids", "row", "buf", "final", "stat", "final_stat", "state", "line",
-                 "loss_spans", "num_prompt", "record", "src", "src_stat", "src_moments", "placed", "digest",
-                 "moments", "has_moments")
+                 "loss_spans", "num_prompt", "record", "src", "src_stat", "src_moments", "src_done", "placed",
+                 "digest", "moments", "has_moments")
     # NOT_FINITE: committed, then refused by its writer thread (NaN/Inf); left out like DROPPED
     RESERVED, COMMITTED, DROPPED, NOT_FINITE = 0, 1, 2, 3
 
@@ -83,6 +83,7 @@ class SampleSlot:
         self.src: torch.Tensor | None = None  # rows [T, C, H] its writer thread places (add_rows)
         self.src_stat: torch.Tensor | None = None
         self.src_moments: torch.Tensor | None = None
+        self.src_done: Any = None  # called once `src` is copied in (add_rows' `done`)
         self.sample_id = sample_id
         self.token_ids = token_ids
         self.row = row

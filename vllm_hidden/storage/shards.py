@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from pathlib import Path
@@ -230,7 +231,7 @@ class ShardWriter(Sink):
 
     def add_rows(self, sample_id: Any, token_ids: Any, rows: torch.Tensor, stat: torch.Tensor, *,
                  loss_spans: list[list[int]] | None, num_prompt: int, record: str, line: int | None = None,
-                 moments: torch.Tensor | None = None) -> None:
+                 moments: torch.Tensor | None = None, done: Callable[[], None] | None = None) -> None:
         """A generated sample, rows [T, C, H] and statistics [T, C] (and the row sums [T, 2, C]
         when the ring has them) as the capture ring holds them (the layers, then the final
         state's column if this output stores it), with its generation record."""
@@ -241,7 +242,7 @@ class ShardWriter(Sink):
                             record=record.encode())
         # the copy into the arena is the writer threads' (several at once), not the caller's: a
         # wave of responses ending together is GBs, and the caller is what the engine waits on
-        slot.src, slot.src_stat, slot.src_moments = rows, stat, moments
+        slot.src, slot.src_stat, slot.src_moments, slot.src_done = rows, stat, moments, done
         self.commit(slot)
 
     def _resolve(self, slot: SampleSlot, state: int) -> None:
@@ -297,7 +298,10 @@ class ShardWriter(Sink):
                 if s.src is not None or not s.placed:  # deferred: its statistics are made here
                     if s.src is not None:
                         s.place(0, s.src, s.src_stat, s.src_moments)
-                        s.src = s.src_stat = s.src_moments = None
+                        done, s.src = s.src_done, None
+                        s.src_stat = s.src_moments = s.src_done = None
+                        if done is not None:
+                            done()  # the caller's buffer is free: it is not read again
                     else:  # values written into buf by the caller: no statistics came with them
                         quant.row_amax(s.buf, s.stat)
                         if s.final is not None:
