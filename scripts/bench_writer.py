@@ -32,6 +32,7 @@ import itertools
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -123,6 +124,85 @@ def bench_writer(data, d: Path, shard_bytes: int, threads: int, k: int, h: int, 
             "shards": len(shards), "tail_seconds": t2 - t1, "peak_rss_bytes": rss.peak, "stats": w.stats()}
 
 
+def ring(k: int, h: int, budget: int, stats: str, slots: int = 2):
+    """A capture ring whose host slots already hold a step of rows (pinned on a GPU host, as
+    there): the device's gather and copy are not the host's work, so they happen once, here."""
+    from vllm_hidden.capture.ring import StepTransfer
+
+    tr = StepTransfer(budget, k, h, torch.bfloat16, torch.device("cpu"), slots, row_stats=stats == "device")
+    if torch.cuda.is_available():
+        tr._host_rows = [r.pin_memory() for r in tr._host_rows]
+        views = [tr._views(r) for r in tr._host_rows]
+        tr.host, tr.host_stat, tr.host_moments = ([v[i] for v in views] for i in range(3))
+    g = torch.Generator().manual_seed(0)
+    layers = [torch.randn(budget, h, generator=g).to(torch.bfloat16) for _ in range(k)]
+    for slot in range(slots):
+        tr.submit(layers, budget, tr.acquire())
+        tr.release(slot)
+    return tr
+
+
+def bench_generate_wave(d: Path, workload: str, requests: int, max_tokens: int, threads: int, k: int, h: int,
+                        budget: int, stats: str, pool: bool, waves: int = 2) -> dict:
+    """extract --generate's host side: `waves` waves, one after the other, each of `requests` of
+    a workload's prompts prefilled in steps of `budget` tokens, then `max_tokens` decode steps
+    of one row per request (EOS ignored, as bench_generate.py's), every response of the wave
+    ending at the same step, each end told by the driver right after its last row. `pool` off:
+    every request's staging buffer is fresh (as before they were kept). Reported, for the last
+    wave: seconds per decode step on the assembler thread, and the burst: from its last step
+    handed over to every shard durable."""
+    from vllm_hidden.capture import assembler as asm_mod
+    from vllm_hidden.capture.records import NewRequest, Segment, StepRecord
+    from vllm_hidden.config import ShardConfig
+    from vllm_hidden.storage.shards import ShardWriter
+
+    lengths = [len(p) for p in benchlib.make_prompts(benchlib.WORKLOADS[workload], 248320)][:requests]
+    tr = ring(k, h, budget, stats, 2)
+    shutil.rmtree(d, ignore_errors=True)
+    w = ShardWriter(ShardConfig(output_dir=str(d), writer_threads=threads, layer_stats=stats != "off",
+                                generate=True), list(range(k)), h, torch.bfloat16)
+    a = asm_mod.Assembler(tr, w)
+    if not pool:
+        a._stages.cap_bytes = 0
+    t0 = time.perf_counter()
+    for wave in range(waves):
+        first = wave * len(lengths)  # the wave's sample ids and input lines
+        thread = asm_mod.AssemblerThread(a)
+        for step in steps_of(lengths, budget, taper=False):  # prefill
+            segs, new, row = [], {}, 0
+            for i, pos, c in step:
+                rid = str(first + i)
+                if pos == 0:
+                    new[rid] = NewRequest(first + i, list(range(lengths[i])), rows=lengths[i] + max_tokens,
+                                          line=first + i, generate=True)
+                segs.append(Segment(rid, row, c, pos))
+                row += c
+            thread.put(StepRecord(tr.acquire(), row, segs, new))
+        thread.close()  # prefill done: the decode steps are timed on their own
+        prefill_busy = thread.busy_s
+        thread = asm_mod.AssemblerThread(a)
+        t1 = time.perf_counter()
+        for j in range(max_tokens):
+            segs = [Segment(str(first + i), i, 1, n + j) for i, n in enumerate(lengths)]
+            thread.put(StepRecord(tr.acquire(), len(lengths), segs))
+        thread.close()
+        t2 = time.perf_counter()
+        ends = [{"line": first + i, "turn": 0, "rows": n + max_tokens, "token_ids": list(range(n + max_tokens)),
+                 "loss_spans": None, "num_prompt": n, "record": "{}\n"} for i, n in enumerate(lengths)]
+        thread = asm_mod.AssemblerThread(a)
+        thread.put(StepRecord(None, 0, [], ends=ends))
+        thread.close()  # the next wave starts at once, as the scheduler admits it: the writers still busy
+    shards = w.close()
+    t4 = time.perf_counter()
+    shutil.rmtree(d, ignore_errors=True)
+    rows = waves * (sum(lengths) + len(lengths) * max_tokens)
+    return {"workload": workload, "requests": len(lengths), "waves": waves, "max_tokens": max_tokens,
+            "statistics": stats, "stage_pool": pool, "threads": threads, "rows": rows,
+            "bytes": sum(s.bytes for s in shards), "last_wave_prefill_assembler_busy_s": round(prefill_busy, 3),
+            "decode_steps": max_tokens, "decode_assembler_s_per_step": round((t2 - t1) / max_tokens, 5),
+            "burst_seconds": round(t4 - t2, 3), "seconds": round(t4 - t0, 3), "writer": w.stats()}
+
+
 def bench_pipeline(d: Path, workload: str, threads: int, k: int, h: int, budget: int, stats: str,
                    slots: int = 2, gb: float | None = None) -> dict:
     """The host side of an extract flat out: steps of a workload through the real ring slots,
@@ -130,7 +210,6 @@ def bench_pipeline(d: Path, workload: str, threads: int, k: int, h: int, budget:
     that many GB of rows (the output must fit in --dir)."""
     from vllm_hidden.capture.assembler import Assembler, AssemblerThread
     from vllm_hidden.capture.records import NewRequest, Segment, StepRecord
-    from vllm_hidden.capture.ring import StepTransfer
     from vllm_hidden.config import ShardConfig
     from vllm_hidden.storage.shards import ShardWriter
 
@@ -139,17 +218,7 @@ def bench_pipeline(d: Path, workload: str, threads: int, k: int, h: int, budget:
         cum = itertools.accumulate(n * k * h * 2 for n in lengths)
         lengths = lengths[: max(1, sum(1 for c in cum if c <= gb * 1e9))]
     steps = steps_of(lengths, budget, taper=False)
-    cuda = torch.cuda.is_available()
-    tr = StepTransfer(budget, k, h, torch.bfloat16, torch.device("cpu"), slots, row_stats=stats == "device")
-    if cuda:  # the ring's host slots pinned, as a GPU host's are
-        tr._host_rows = [r.pin_memory() for r in tr._host_rows]
-        views = [tr._views(r) for r in tr._host_rows]
-        tr.host, tr.host_stat, tr.host_moments = ([v[i] for v in views] for i in range(3))
-    g = torch.Generator().manual_seed(0)
-    layers = [torch.randn(budget, h, generator=g).to(torch.bfloat16) for _ in range(k)]
-    for slot in range(slots):  # the device's gather and copy, once per slot: not timed
-        tr.submit(layers, budget, tr.acquire())
-        tr.release(slot)
+    tr = ring(k, h, budget, stats, slots)
     shutil.rmtree(d, ignore_errors=True)
     w = ShardWriter(ShardConfig(output_dir=str(d), writer_threads=threads, layer_stats=stats != "off"),
                     list(range(k)), h, torch.bfloat16)
@@ -172,7 +241,7 @@ def bench_pipeline(d: Path, workload: str, threads: int, k: int, h: int, budget:
     shutil.rmtree(d, ignore_errors=True)
     rows = sum(lengths)
     row_bytes = k * h * 2
-    return {"workload": workload, "statistics": stats, "threads": threads, "pinned_ring": cuda,
+    return {"workload": workload, "statistics": stats, "threads": threads, "pinned_ring": torch.cuda.is_available(),
             "samples": len(lengths), "rows": rows, "steps": len(steps), "row_bytes": row_bytes,
             "seconds": t2 - t0, "steps_seconds": t1 - t0, "gb_per_s": rows * row_bytes / (t2 - t0) / 1e9,
             "rows_per_s": rows / (t2 - t0), "assembler_busy_s": round(thread.busy_s, 3),
@@ -244,6 +313,52 @@ def bench_tail(d: Path, workload: str, threads: int, k: int, h: int, tok_per_s: 
             "stats": w.stats()}
 
 
+def main_generate_wave(a, k: int, h: int, modes: list[str]) -> None:
+    if a.stage_pool != "both":  # one run, in this process (see below)
+        r = bench_generate_wave(Path(a.dir[0]), "w-chat", a.generate_wave, 256, a.threads, k, h, a.step_tokens,
+                                modes[0], a.stage_pool == "on")
+        print("RESULT " + json.dumps(r), flush=True)
+        return
+    runs = []
+    for _ in range(a.repeat):
+        for pool in ("off", "on"):  # each in a process of its own: the allocator's state is not carried over
+            args = ["--dir", a.dir[0], "--generate-wave", str(a.generate_wave), "--threads", str(a.threads),
+                    "--step-tokens", str(a.step_tokens), "--stats", modes[0], "--stage-pool", pool]
+            out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
+                                 check=True).stdout
+            r = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:])
+            runs.append(r)
+            print(f"generate: {r['waves']} waves of {r['requests']} (w-chat prompts, 256 tokens), stage pool "
+                  f"{pool}: {r['decode_assembler_s_per_step'] * 1e3:.2f} ms per decode step "
+                  f"on the assembler, burst "
+                  f"{r['burst_seconds']} s, last prefill's assembler busy {r['last_wave_prefill_assembler_busy_s']} s",
+                  flush=True)
+    path = benchlib.result_path(a.result, f"writer-generate-{benchlib.stamp()}.json")
+    benchlib.write_json(path, {"command": benchlib.command_line(__file__), "cpus": os.cpu_count(),
+                               "versions": benchlib.versions("torch", "blake3", "safetensors"), "runs": runs})
+    print(f"wrote {path}")
+
+
+def main_pipeline(a, k: int, h: int, modes: list[str]) -> None:
+    runs = []
+    for _ in range(a.repeat):
+        for workload in a.pipeline.split(","):
+            for mode in modes:
+                gc.collect()  # the last run's arenas (slots and arenas refer to each other) go first
+                r = bench_pipeline(Path(a.dir[0]), workload, a.threads, k, h, a.step_tokens, mode,
+                                   gb=a.pipeline_gb)
+                runs.append(r)
+                print(f"{workload} statistics={mode} threads={a.threads}: {r['gb_per_s']:.2f} GB/s "
+                      f"({r['rows_per_s']:.0f} rows/s), assembler busy {r['assembler_busy_s']} s of "
+                      f"{r['seconds']:.2f}, writers busy {r['writer']['writer_busy_s']} s "
+                      f"(statistics {r['writer']['writer_stats_s']} s)", flush=True)
+    path = benchlib.result_path(a.result, f"writer-pipeline-{benchlib.stamp()}.json")
+    benchlib.write_json(path, {"command": benchlib.command_line(__file__), "cpus": os.cpu_count(),
+                               "versions": benchlib.versions("torch", "blake3", "safetensors"),
+                               "runs": runs})
+    print(f"wrote {path}")
+
+
 def main() -> None:
     ap = benchlib.parser(__doc__)
     ap.add_argument("--dir", action="append", required=True, help="target directory (repeat: tmpfs, disk)")
@@ -262,6 +377,11 @@ def main() -> None:
                          "writer reduces the rows, as before), off (no per-layer statistics)")
     ap.add_argument("--pipeline", default=None,
                     help="comma-separated workloads (bench.py's): the host side of an extract fed step records")
+    ap.add_argument("--generate-wave", type=int, default=None,
+                    help="extract --generate's host side: this many W-chat requests, 256 decode steps, ending "
+                         "together; with fresh staging buffers, then with the pool")
+    ap.add_argument("--stage-pool", choices=["on", "off", "both"], default="both",
+                    help="--generate-wave: staging buffers kept (on), fresh (off), or each in a process of its own")
     ap.add_argument("--pipeline-gb", type=float, default=None,
                     help="--pipeline: only each workload's first prompts, up to this many GB of rows")
     ap.add_argument("--result", default=None)
@@ -271,25 +391,10 @@ def main() -> None:
     bad = [m for m in modes if m not in ("device", "host", "off")]
     if bad:
         raise SystemExit(f"--stats: unknown mode(s) {bad} (device, host, off)")
+    if a.generate_wave:
+        return main_generate_wave(a, k, h, modes)
     if a.pipeline:
-        runs = []
-        for _ in range(a.repeat):
-            for workload in a.pipeline.split(","):
-                for mode in modes:
-                    gc.collect()  # the last run's arenas (slots and arenas refer to each other) go first
-                    r = bench_pipeline(Path(a.dir[0]), workload, a.threads, k, h, a.step_tokens, mode,
-                                       gb=a.pipeline_gb)
-                    runs.append(r)
-                    print(f"{workload} statistics={mode} threads={a.threads}: {r['gb_per_s']:.2f} GB/s "
-                          f"({r['rows_per_s']:.0f} rows/s), assembler busy {r['assembler_busy_s']} s of "
-                          f"{r['seconds']:.2f}, writers busy {r['writer']['writer_busy_s']} s "
-                          f"(statistics {r['writer']['writer_stats_s']} s)", flush=True)
-        path = benchlib.result_path(a.result, f"writer-pipeline-{benchlib.stamp()}.json")
-        benchlib.write_json(path, {"command": benchlib.command_line(__file__), "cpus": os.cpu_count(),
-                                   "versions": benchlib.versions("torch", "blake3", "safetensors"),
-                                   "runs": runs})
-        print(f"wrote {path}")
-        return
+        return main_pipeline(a, k, h, modes)
     if a.tail:
         runs = []
         for _ in range(a.repeat):
