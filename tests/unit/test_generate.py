@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from tests.outputs import shard_writer
-from tests.unit.test_assembler_open_ended import Harness, truth
+from tests.unit.test_assembler_open_ended import H, Harness, K, truth
 from vllm_hidden.capture import records
-from vllm_hidden.capture.assembler import Assembler
-from vllm_hidden.capture.records import NewRequest
+from vllm_hidden.capture.assembler import Assembler, _StagePool
+from vllm_hidden.capture.memory import MemorySink
+from vllm_hidden.capture.records import CaptureError, NewRequest, Segment, StepRecord
+from vllm_hidden.capture.ring import StepTransfer
 from vllm_hidden.config import GenerateConfig
 from vllm_hidden.extract.generate import Ended, Responses, sample_seed
 from vllm_hidden.inputs import BadLine, Prompt
@@ -197,8 +199,6 @@ def test_a_request_finished_short_of_its_end_is_dropped_and_a_drop_end_frees_it(
 
 
 def _record(ends):
-    from vllm_hidden.capture.records import StepRecord
-
     return StepRecord(None, 0, [], ends=ends)
 
 
@@ -334,3 +334,196 @@ def test_the_shard_writer_says_done_once_it_copied_a_generated_samples_rows(tmp_
 
     with safe_open(str(tmp_path / info.file), framework="pt") as f:
         assert torch.equal(f.get_tensor("hidden_states")[:6], calls[0])
+
+
+# Many generating requests at once: a step's rows are placed with a scatter per slab of staging
+# buffers, not a copy per request (`Assembler._place_generated`).
+
+
+def _vals(sample, length):
+    """Distinct rows per (sample, position), their spreads differing row to row (so do their row sums)."""
+    t = torch.arange(length * K * H, dtype=torch.float32).reshape(length, K, H)
+    return t * (1 + torch.arange(length) % 5)[:, None, None] + 100000 * sample
+
+
+class _Ring:
+    """A real ring (CPU), with row sums, feeding an assembler; keeps the statistic and row sums
+    it computed for each (sample, position), to check what reaches the sink."""
+
+    def __init__(self, sink, max_tokens=64, row_stats=True, slab_rows=None):
+        self.tr = StepTransfer(max_tokens, K, H, torch.float32, torch.device("cpu"), 2, row_stats=row_stats)
+        self.asm = Assembler(self.tr, sink)
+        if slab_rows is not None:  # small slabs: requests spread over several
+            row_bytes = 4 * (K * H + K * (3 if row_stats else 1))
+            self.asm._stages = _StagePool(slab_bytes=slab_rows * row_bytes)
+        self.seen = {}
+
+    def step(self, parts, new=None, ends=(), listed=list):
+        """parts: (req_id, sample, pos, count); the rows are _vals(sample, ...)[pos : pos + count], in
+        this order; the record lists their segments in `listed(segments)`'s order."""
+        rows, segs, r = [], [], 0
+        for rid, s, pos, count in parts:
+            rows.append(_vals(s, pos + count)[pos:])
+            segs.append(Segment(rid, r, count, pos))
+            r += count
+        step = torch.cat(rows)
+        slot = self.tr.acquire(timeout=5)
+        self.tr.submit([step[:, k].contiguous() for k in range(K)], r, slot)
+        moments = self.tr.host_moments[slot]
+        for (_, s, pos, count), seg in zip(parts, segs):
+            for j in range(count):
+                i = seg.row + j
+                self.seen[s, pos + j] = (self.tr.host_stat[slot][i].clone(),
+                                         None if moments is None else moments[i].clone())
+        self.asm.process(StepRecord(slot, r, list(listed(segs)), new or {}, ends=list(ends)))
+
+    def check(self, sample, rows, stat, moments):
+        assert torch.equal(rows, _vals(sample, rows.shape[0])), sample
+        want = [self.seen[sample, p] for p in range(rows.shape[0])]
+        assert torch.equal(stat, torch.stack([w[0] for w in want])), sample
+        if moments is not None:
+            assert torch.equal(moments, torch.stack([w[1] for w in want])), sample
+
+
+class _Keep(Sink):
+    """Keeps copies of each sample's rows, statistics and row sums, and its `done`."""
+
+    def add_rows(self, sample_id, token_ids, rows, stat, **kw):
+        super().add_rows(sample_id, token_ids, rows, stat, **kw)
+        m = kw["moments"]
+        self.added[-1] = (sample_id, rows.clone(), stat.clone(), None if m is None else m.clone(), kw["done"])
+
+
+def _gen(rid, prompt, rows, line):
+    return NewRequest(rid, list(range(prompt)), rows=rows, line=line, generate=True)
+
+
+@pytest.mark.parametrize("row_stats", [True, False])
+def test_many_generating_requests_decoding_together_each_get_their_own_rows(row_stats):
+    sink = _Keep()
+    ring = _Ring(sink, row_stats=row_stats, slab_rows=3 * 128)  # 3 requests a slab
+    n, decode = 20, 4
+    g = torch.Generator().manual_seed(0)
+    for wave in range(2):  # the second wave's buffers: the first's, given back in random order
+        first = wave * n
+        prompts = {first + i: 2 + (i + wave) % 3 for i in range(n)}
+        ring.step([(str(s), s, 0, p) for s, p in prompts.items()],
+                  new={str(s): _gen(str(s), p, p + decode, s) for s, p in prompts.items()})
+        for j in range(decode):  # a slab's rows side by side (segments listed in their order, then not), or not
+            order = list(prompts) if j < 2 else [list(prompts)[i] for i in torch.randperm(n, generator=g)]
+            ring.step([(str(s), s, prompts[s] + j, 1) for s in order], listed=reversed if j == 1 else list)
+        assert sink.added == []
+        ring.asm.process(StepRecord(None, 0, [], ends=[_end(p + decode, line=s) for s, p in prompts.items()]))
+        assert sorted(a[0] for a in sink.added) == sorted(str(s) for s in prompts)
+        for sid, rows, stat, moments, _ in sink.added:
+            assert (moments is not None) == row_stats
+            ring.check(int(sid), rows, stat, moments)
+        for i in torch.randperm(n, generator=g).tolist():
+            sink.added[i][4]()
+        sink.added.clear()
+    assert len(ring.asm._stages._slabs) == -(-n // 3) and ring.asm.in_flight == 0
+
+
+def test_prefill_chunks_and_decode_rows_in_one_step_with_a_request_not_generating():
+    out = []
+    sink = MemorySink((K, H), torch.float32, out.append)
+    ring = _Ring(sink, max_tokens=160, row_stats=False)
+    # a generating request's long chunk (a copy of its own), a short one (scattered), decode rows, and a
+    # request not generating (the sink's slot) in the same steps
+    ring.step([("a", 1, 0, 2), ("b", 2, 0, 70), ("a", 1, 2, 1), ("n", 3, 0, 4)],  # a's in two segments
+              new={"a": _gen("a", 3, 6, 1), "b": _gen("b", 100, 110, 2), "n": NewRequest("sn", list(range(6)))})
+    ring.step([("a", 1, 3, 1), ("c", 4, 0, 80), ("b", 2, 70, 30), ("n", 3, 4, 2)],
+              new={"c": _gen("c", 80, 90, 4)})
+    assert [s.sample_id for s in out] == ["sn"]
+    ring.step([("c", 4, 80, 1), ("a", 1, 4, 1), ("b", 2, 100, 1)], ends=[_end(5, line=1)])
+    ring.step([("b", 2, 101, 1), ("c", 4, 81, 1)], ends=[_end(102, line=2), _end(82, line=4)])
+    assert [s.sample_id for s in out] == ["sn", "a", "b", "c"]
+    for s in out:
+        ring.check({"sn": 3, "a": 1, "b": 2, "c": 4}[s.sample_id], s.hidden_states,
+                   s.hidden_states.abs().amax(-1), None)
+    assert ring.asm.in_flight == 0
+
+
+def test_a_recompute_from_position_zero_overwrites_rows_while_others_decode():
+    sink = _Keep()
+    ring = _Ring(sink, slab_rows=128)  # one request a slab
+    ring.step([("a", 1, 0, 3), ("b", 2, 0, 3)], new={"a": _gen("a", 3, 8, 1), "b": _gen("b", 3, 8, 2)})
+    ring.step([("a", 1, 3, 1), ("b", 2, 3, 1)])
+    ring.step([("b", 2, 4, 1), ("a", 9, 4, 1)])  # a's row at 4 was wrong: its recompute must replace it
+    # a preempted: computed again from position 0 in two chunks, b decoding beside it
+    ring.step([("b", 2, 5, 1), ("a", 1, 0, 2)])
+    ring.step([("a", 1, 2, 3), ("b", 2, 6, 1)], ends=[_end(7, line=2)])
+    ring.step([("a", 1, 5, 2)], ends=[_end(7, line=1)])
+    assert [x[0] for x in sink.added] == ["b", "a"]
+    for sid, rows, stat, moments, _ in sink.added:
+        ring.check({"a": 1, "b": 2}[sid], rows, stat, moments)
+
+
+def test_a_generating_request_skipping_rows_fails_alone_in_its_step():
+    reasons = []
+
+    class Reporting(_Keep):
+        def on_failure(self, sample_id, reason):
+            reasons.append((sample_id, reason))
+            return True
+
+    sink = Reporting()
+    ring = _Ring(sink, slab_rows=128)
+    ring.step([("a", 1, 0, 3), ("b", 2, 0, 3)], new={"a": _gen("a", 3, 8, 1), "b": _gen("b", 3, 8, 2)})
+    ring.step([("a", 1, 3, 1), ("b", 2, 5, 1)], ends=[_end(4, line=1)])  # b: rows 3 and 4 never came
+    assert [r[0] for r in reasons] == ["b"] and "position 5 but 3 rows" in reasons[0][1]
+    (sid, rows, stat, moments, done), = sink.added
+    assert sid == "a"
+    ring.check(1, rows, stat, moments)
+    assert ring.asm.in_flight == 0
+    pool = ring.asm._stages
+    assert [s.live for s in pool._slabs] == [1, 0]  # b's buffer back at once, a's once the sink is done
+    done()
+    assert len(pool._slabs) == 2 and all(s.live == 0 for s in pool._slabs)
+    # without a sink taking the failure, it is raised
+    ring = _Ring(_Keep(), slab_rows=128)
+    ring.step([("b", 2, 0, 3)], new={"b": _gen("b", 3, 8, 2)})
+    with pytest.raises(CaptureError, match="position 4 but 3 rows"):
+        ring.step([("b", 2, 4, 1)])
+
+
+def test_the_stage_pool_cuts_ranges_from_slabs_reuses_them_and_keeps_empty_slabs_up_to_its_cap():
+    tr = StepTransfer(4, K, H, torch.float32, torch.device("cpu"), 2)
+    ring = (tr.host[0], tr.host_stat[0], None)
+    row = 4 * (K * H + K)
+    pool = _StagePool(cap_bytes=2 * 256 * row, slab_bytes=256 * row)  # slabs of 256 rows, two of them kept
+    a, b = pool.take(100, *ring), pool.take(128, *ring)
+    assert a.slab is b.slab and (a.offset, a.rows, b.offset) == (0, 128, 128) and a.buf.shape[0] == 128
+    c = pool.take(300, *ring)  # more than a slab: a slab of its own
+    assert c.slab is not a.slab and c.slab.rows == c.rows == 384
+    pool.give(a)
+    d = pool.take(50, *ring)  # a's range
+    assert (d.slab, d.offset) == (a.slab, 0)
+    e = pool.take(128, *ring)  # nothing given back, no room left: a new slab
+    assert e.slab not in (a.slab, c.slab) and len(pool._slabs) == 3
+    pool.give(b)
+    pool.give(d)  # a's slab empty with 3 slabs held (> cap): released
+    pool.give(c)  # so is c's
+    assert pool._slabs == [e.slab]
+    pool.give(e)  # kept, empty
+    f = pool.take(256, *ring)
+    assert (f.slab, f.offset) == (e.slab, 0)
+    pool = _StagePool(slab_bytes=512 * row)
+    g = pool.take(128, *ring)
+    pool.give(pool.take(256, *ring))  # [128, 384) given back while g is in use
+    h = pool.take(128, *ring)  # the rest of the slab first
+    i = pool.take(1, *ring)  # no room, none of its size given back: the larger range rather than a new slab
+    assert (h.offset, i.offset, i.rows) == (384, 128, 256) and len(pool._slabs) == 1
+    for s in (g, h, i):
+        pool.give(s)
+    j = pool.take(512, *ring)  # empty: cut afresh
+    assert (j.slab, j.offset) == (g.slab, 0) and len(pool._slabs) == 1 and not any(pool._free.values())
+    # cap 0: nothing kept, every range fresh
+    pool = _StagePool(cap_bytes=0, slab_bytes=256 * row)
+    k = pool.take(128, *ring)
+    m = pool.take(128, *ring)
+    pool.give(k)
+    n = pool.take(128, *ring)
+    assert n.slab is not k.slab and pool._slabs == [k.slab, n.slab]
+    pool.give(m)
+    assert pool._slabs == [n.slab]

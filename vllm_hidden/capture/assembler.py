@@ -25,18 +25,44 @@ from vllm_hidden.capture.ring import StepTransfer
 log = logging.getLogger(__name__)
 
 
-class _Staged:
-    """A generating request's rows [rows, C, H], statistics [rows, C] and, when the ring has
-    them, row sums [rows, 2, C] (C: the ring's columns, the final state's included, as
-    `Sink.add_rows` takes them), until its end is known."""
+class _Slab:
+    """One allocation that staging buffers are ranges of: values [S, C, H], statistics [S, C]
+    and, when the ring has them, row sums [S, 2, C]. A decode step's rows of every generating
+    request in the slab are placed with one scatter per tensor (`Assembler._place_generated`)."""
 
-    __slots__ = ("buf", "stat", "moments", "nbytes")
+    __slots__ = ("buf", "stat", "moments", "words", "rows", "used", "live", "nbytes")
 
     def __init__(self, rows: int, host: torch.Tensor, host_stat: torch.Tensor, moments: torch.Tensor | None) -> None:
         self.buf = torch.empty((rows, *host.shape[1:]), dtype=host.dtype)
         self.stat = torch.empty((rows, host_stat.shape[1]), dtype=host_stat.dtype)
         self.moments = None if moments is None else torch.empty((rows, *moments.shape[1:]), dtype=moments.dtype)
+        self.words = _words(self.buf)
+        self.rows = rows
+        self.used = 0  # rows [0, used) were cut into ranges since the slab was last empty
+        self.live = 0  # ranges handed out and not given back
         self.nbytes = sum(t.numel() * t.element_size() for t in (self.buf, self.stat, self.moments) if t is not None)
+
+
+def _words(values: torch.Tensor) -> torch.Tensor:
+    """Rows of values [n, C, H] (a view, also of the ring's strided rows) as 4-byte words
+    [n, C*H*size/4]: the scatter copies element by element, and wider elements are fewer (the
+    ring keeps each row's values a multiple of 4 bytes)."""
+    return values.view(values.shape[0], -1).view(torch.int32)
+
+
+class _Staged:
+    """A generating request's rows [rows, C, H], statistics [rows, C] and, when the ring has
+    them, row sums [rows, 2, C] (C: the ring's columns, the final state's included, as
+    `Sink.add_rows` takes them), until its end is known: rows [offset, offset + rows) of a slab."""
+
+    __slots__ = ("slab", "offset", "rows", "buf", "stat", "moments")
+
+    def __init__(self, slab: _Slab, offset: int, rows: int) -> None:
+        self.slab, self.offset, self.rows = slab, offset, rows
+        sel = slice(offset, offset + rows)
+        self.buf = slab.buf[sel]
+        self.stat = slab.stat[sel]
+        self.moments = None if slab.moments is None else slab.moments[sel]
 
     def place(self, pos: int, rows: torch.Tensor, stat: torch.Tensor, moments: torch.Tensor | None = None) -> None:
         n = rows.shape[0]
@@ -47,35 +73,74 @@ class _Staged:
 
 
 class _StagePool:
-    """Staging buffers of generating requests, kept for the next ones: a fresh buffer's pages are
-    faulted in as its rows arrive (~3 GB/s against ~12 reused, on the assembler thread the
-    engine waits on), and a wave of requests needs the same sizes again. Sizes are rounded up
-    to GRAIN rows; the buffers kept are bounded by `cap_bytes` (more go back to the allocator).
+    """Staging buffers of generating requests, as ranges of a few large slabs: a decode step
+    places its rows with a few copies per slab instead of a few per request, and ranges are
+    kept for the next requests (a fresh buffer's pages are faulted in as its rows arrive, ~3
+    GB/s against ~12 reused, on the assembler thread the engine waits on; a wave of requests
+    needs the same sizes again). Sizes are rounded up to GRAIN rows. A range comes from the
+    ranges given back of its size, else is cut from the current slab, else from an empty slab,
+    else is a larger range given back, else a new slab (`slab_bytes`, or the request's size)
+    is made.
+
+    What is kept: a slab while any of its ranges is in use (with the ranges given back in it,
+    for reuse); an empty slab only while the slabs held total at most `cap_bytes`, else it goes
+    back to the allocator. With `cap_bytes` 0 nothing is reused: every range is fresh memory.
     `give` may be called from any thread (the sink's writer threads, once they copied the rows)."""
 
     GRAIN = 128
 
-    def __init__(self, cap_bytes: int = 8 << 30) -> None:
+    def __init__(self, cap_bytes: int = 8 << 30, slab_bytes: int = 1 << 30) -> None:
         self.cap_bytes = cap_bytes
-        self._free: dict[int, list[_Staged]] = {}
-        self._bytes = 0
+        self.slab_bytes = slab_bytes
+        self._slabs: list[_Slab] = []
+        self._cur: _Slab | None = None  # where new ranges are cut from
+        self._free: dict[int, list[_Staged]] = {}  # ranges given back, by size, in slabs still in use
+        self._bytes = 0  # of the slabs held
         self._lock = threading.Lock()
 
     def take(self, rows: int, host: torch.Tensor, host_stat: torch.Tensor, moments: torch.Tensor | None) -> _Staged:
         n = -(-rows // self.GRAIN) * self.GRAIN
         with self._lock:
             kept = self._free.get(n)
-            if kept:
-                s = kept.pop()
-                self._bytes -= s.nbytes
-                return s
-        return _Staged(n, host, host_stat, moments)
+            s = kept.pop() if kept else self._cut(n, host, host_stat, moments)
+            s.slab.live += 1
+            return s
+
+    def _cut(self, n: int, host: torch.Tensor, host_stat: torch.Tensor, moments: torch.Tensor | None) -> _Staged:
+        cur = self._cur
+        if cur is None or cur.used + n > cur.rows:  # the rest of the current slab is left until it is empty
+            cur = next((s for s in self._slabs if s.live == 0 and s.rows >= n), None)
+            if cur is None:
+                larger = [k for k, kept in self._free.items() if k > n and kept]
+                if larger:  # memory held anyway, rather than more
+                    return self._free[min(larger)].pop()
+                row_bytes = sum(t[0].numel() * t.element_size() for t in (host, host_stat, moments) if t is not None)
+                per_slab = -(-self.slab_bytes // row_bytes // self.GRAIN) * self.GRAIN
+                cur = _Slab(max(per_slab, n), host, host_stat, moments)
+                self._slabs.append(cur)
+                self._bytes += cur.nbytes
+            self._cur = cur
+        s = _Staged(cur, cur.used, n)
+        cur.used += n
+        return s
 
     def give(self, s: _Staged) -> None:
         with self._lock:
-            if self._bytes + s.nbytes <= self.cap_bytes:
-                self._free.setdefault(s.buf.shape[0], []).append(s)
-                self._bytes += s.nbytes
+            slab = s.slab
+            slab.live -= 1
+            if slab.live:
+                if self.cap_bytes > 0:
+                    self._free.setdefault(s.rows, []).append(s)
+                return
+            # empty: its ranges are cut afresh, or it goes
+            for n in [n for n, kept in self._free.items() if any(r.slab is slab for r in kept)]:
+                self._free[n] = [r for r in self._free[n] if r.slab is not slab]
+            slab.used = 0
+            if self._bytes > self.cap_bytes:
+                self._slabs.remove(slab)
+                self._bytes -= slab.nbytes
+                if self._cur is slab:
+                    self._cur = None
 
 
 class _Partial:
@@ -88,6 +153,23 @@ class _Partial:
         self.filled = 0  # rows [0, filled) are valid
         self.end: dict[str, Any] | None = None  # --generate: where the response ended (the driver's word)
         self.finished = False  # --generate: the engine is done with the request
+
+
+# A generating request's segment of fewer rows than this goes into its step's scatter (a decode
+# row, a few with speculative decoding); a longer one (a prefill chunk) is copied as a slice.
+_SCATTER_ROWS = 64
+
+
+class _StepRows:
+    """One step's rows of generating requests: where each goes, per slab (destination rows in
+    the slab, source rows in the ring slot), placed together once all are known."""
+
+    __slots__ = ("slabs", "filled", "gone")
+
+    def __init__(self) -> None:
+        self.slabs: dict[int, tuple[_Slab, list[int], list[int]]] = {}  # id(slab) -> (slab, dst, src)
+        self.filled: dict[str, tuple[_Partial, int]] = {}  # request id -> (its part, rows valid once placed)
+        self.gone: list[_Partial] = []  # failed this step: their buffers go back once the copies are done
 
 
 class Assembler:
@@ -124,14 +206,19 @@ class Assembler:
             stat = self.transfer.host_stat[rec.slot]
             moments = self.transfer.host_moments[rec.slot]
             self.wait_copy_s += time.perf_counter() - t0
+            gen = _StepRows()
             for seg in rec.segments:
                 try:
-                    self._take(seg, host, stat, moments)
+                    self._take(seg, host, stat, moments, gen)
                 except CaptureError as e:
                     part = self._partial.pop(seg.req_id, None)
                     if part is None or not self.sink.on_failure(part.req.sample_id, str(e)):
                         raise
-                    self._discard(part)
+                    if part.req.generate:  # its buffer may still be a destination of this step's rows
+                        gen.gone.append(part)
+                    else:
+                        self._discard(part)
+            self._place_generated(gen, host, stat, moments)
         finally:
             if rec.slot is not None:
                 self.transfer.release(rec.slot)
@@ -208,7 +295,8 @@ class Assembler:
             self._stages.give(part.slot)
             self._dropped(rid, part.req, f"the request ended with {part.filled} of its {part.total} rows captured")
 
-    def _take(self, seg: Segment, host: torch.Tensor, stat: torch.Tensor, moments: torch.Tensor | None) -> None:
+    def _take(self, seg: Segment, host: torch.Tensor, stat: torch.Tensor, moments: torch.Tensor | None,
+              gen: _StepRows) -> None:
         part = self._partial.get(seg.req_id)
         if part is None:
             req = self._pending.pop(seg.req_id, None)
@@ -222,8 +310,7 @@ class Assembler:
                 slot = self.sink.reserve(req.sample_id, req.token_ids, rows=req.rows)
             part = self._partial[seg.req_id] = _Partial(req, slot)
         if part.req.generate:
-            sel = slice(seg.row, seg.row + seg.count)
-            self._take_generated(seg, host[sel], stat[sel], None if moments is None else moments[sel], part)
+            self._take_generated(seg, host, stat, moments, part, gen)
             return
         total = part.total
         if seg.pos == 0:
@@ -247,20 +334,57 @@ class Assembler:
             del self._partial[seg.req_id]
             self.sink.commit(part.slot)
 
-    def _take_generated(self, seg: Segment, rows: torch.Tensor, stat: torch.Tensor, moments: torch.Tensor | None,
-                        part: _Partial) -> None:
-        """Rows of a generating request (this step's: `rows`, `stat`, `moments`). After a
-        preemption its rows are computed again from position 0: they overwrite the same places
-        (equal states of the same tokens), so rows already captured stay valid and nothing is
-        reset."""
-        if seg.pos > part.filled:
+    def _take_generated(self, seg: Segment, host: torch.Tensor, stat: torch.Tensor, moments: torch.Tensor | None,
+                        part: _Partial, gen: _StepRows) -> None:
+        """Rows of a generating request: where they go, noted in `gen` (a long segment is copied
+        now); its bookkeeping waits for `_place_generated`. After a preemption its rows are
+        computed again from position 0: they overwrite the same places (equal states of the
+        same tokens), so rows already captured stay valid and nothing is reset."""
+        noted = gen.filled.get(seg.req_id)
+        filled = part.filled if noted is None else noted[1]
+        if seg.pos > filled:
             raise CaptureError(f"request {part.req.sample_id!r}: rows arrive at position {seg.pos} but "
-                               f"{part.filled} rows were captured")
-        keep = min(seg.count, part.total - seg.pos)
-        if keep > 0:
-            part.slot.place(seg.pos, rows[:keep], stat[:keep], None if moments is None else moments[:keep])
-            part.filled = max(part.filled, seg.pos + keep)
-        self._try_generated(seg.req_id, part)
+                               f"{filled} rows were captured")
+        keep = min(seg.count, part.total - seg.pos)  # rows past `total`: past the response's end
+        if keep >= _SCATTER_ROWS:
+            sel = slice(seg.row, seg.row + keep)
+            part.slot.place(seg.pos, host[sel], stat[sel], None if moments is None else moments[sel])
+        elif keep > 0:
+            staged = part.slot
+            slab = staged.slab
+            at = gen.slabs.get(id(slab))
+            if at is None:
+                at = gen.slabs[id(slab)] = (slab, [], [])
+            first = staged.offset + seg.pos
+            at[1].extend(range(first, first + keep))
+            at[2].extend(range(seg.row, seg.row + keep))
+        gen.filled[seg.req_id] = (part, max(filled, seg.pos + keep))
+
+    def _place_generated(self, gen: _StepRows, host: torch.Tensor, stat: torch.Tensor,
+                         moments: torch.Tensor | None) -> None:
+        """The step's rows of generating requests, a scatter per slab and tensor; then each
+        request's bookkeeping (which may hand its rows to the sink)."""
+        if gen.slabs:
+            words = _words(host)
+            for slab, dst, src in gen.slabs.values():
+                at = torch.tensor(dst, dtype=torch.int64)
+                if src == list(range(src[0], src[0] + len(src))):  # decode rows side by side: no gather
+                    sel = slice(src[0], src[0] + len(src))
+                    rows, st, mo = words[sel], stat[sel], None if moments is None else moments[sel]
+                else:
+                    idx = torch.tensor(src, dtype=torch.int64)
+                    rows, st = words.index_select(0, idx), stat.index_select(0, idx)
+                    mo = None if moments is None else moments.index_select(0, idx)
+                slab.words.index_copy_(0, at, rows)
+                slab.stat.index_copy_(0, at, st)
+                if slab.moments is not None:
+                    slab.moments.index_copy_(0, at, mo)
+        for rid, (part, filled) in gen.filled.items():
+            if self._partial.get(rid) is part:  # not failed since
+                part.filled = filled
+                self._try_generated(rid, part)
+        for part in gen.gone:
+            self._stages.give(part.slot)
 
     def abandon(self) -> list[str]:
         """Drop every request still incomplete (end of a run); returns their request ids."""
