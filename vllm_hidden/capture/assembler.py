@@ -89,7 +89,7 @@ class _StagePool:
 
     GRAIN = 128
 
-    def __init__(self, cap_bytes: int = 8 << 30, slab_bytes: int = 1 << 30) -> None:
+    def __init__(self, cap_bytes: int = 2 << 30, slab_bytes: int = 1 << 30) -> None:
         self.cap_bytes = cap_bytes
         self.slab_bytes = slab_bytes
         self._slabs: list[_Slab] = []
