@@ -325,10 +325,7 @@ class Assembler:
         keep = min(seg.count, total - seg.pos)  # rows past `total`: tokens nobody asked for
         if keep > 0:
             sel = slice(seg.row, seg.row + keep)
-            if moments is None:
-                part.slot.place(seg.pos, host[sel], stat[sel])
-            else:
-                part.slot.place(seg.pos, host[sel], stat[sel], moments[sel])
+            part.slot.place(seg.pos, host[sel], stat[sel], None if moments is None else moments[sel])
             part.filled = seg.pos + keep
         if part.filled >= total and not part.req.until_finished:
             del self._partial[seg.req_id]
