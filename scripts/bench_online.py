@@ -536,8 +536,9 @@ def setup(a: argparse.Namespace, work: Path, cuda: bool) -> dict:
         model, engine, desc = benchlib.tiny_model(work), list(TINY_ENGINE), "tiny random Qwen3-Next (8 layers)"
         engine += CUDA_ENGINE if cuda else []
     else:
-        model, engine = benchlib.qwen36_27b(work)
-        desc = "Qwen3.6-27B text dims (64 layers), random weights (load_format=dummy), language_model_only"
+        model, engine = benchlib.qwen36_27b(work, a.num_layers)
+        desc = (f"Qwen3.6-27B text dims ({a.num_layers} layers), random weights (load_format=dummy), "
+                "language_model_only")
     engine += ["--max-model-len", str(a.max_model_len), "--skip-tokenizer-init", *a.engine_arg]
     text = AutoConfig.from_pretrained(model).get_text_config()
     n = text.num_hidden_layers
@@ -591,6 +592,8 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(DEFAULT_CASES),
                     help=f"comma list of {DEFAULT_CASES + OPTIONAL_CASES} (default: the first six)")
     ap.add_argument("--tiny", action="store_true", help="tiny random Qwen3-Next (CPU smoke test) instead of the 27B")
+    ap.add_argument("--num-layers", type=int, default=64,
+                    help="the 27B's first N layers only (quick probes of start-up memory; not a benchmark)")
     ap.add_argument("--samples", type=int, default=None, help="prompts timed (default 512, --tiny 64)")
     ap.add_argument("--warmup", type=int, default=128,
                     help="untimed requests first, at the same concurrency (other prompts, same lengths): enough for "

@@ -10,7 +10,12 @@ Each step is the real CLI in its own process; the host's CPU use is sampled whil
     # CPU, tiny random Qwen3-Next:
     python scripts/bench_start.py --steps warmup,noop,warm,cold,parallel
 
-Steps: warmup (cache A, empty at first), noop (warmup again: must return at once), warm
+    # a warm cache carried to a fresh cache root: packed on A, unpacked into an empty root P
+    python scripts/bench_start.py --qwen36-27b --steps warmup,pack,packed,warm --cache-root /tmp/vh-start
+
+Steps: warmup (cache A, empty at first), noop (warmup again: must return at once), pack (warmup
+again with --pack <root>/warm.tar.gz: A's caches as one archive), packed (extract on a fresh cache
+P with --cache-from that archive: unpacked, then started; what a fresh machine does), warm
 (extract on A), cold (extract on a fresh cache B), parallel (--parallel extracts on A at
 once, one per GPU with --parallel-gpus, or sharing one with --parallel-gpu-memory-utilization),
 parallel-cold (the same on a fresh cache C: one compiles, the others wait for it). Per step: wall seconds, the CLI's
@@ -54,6 +59,7 @@ def main() -> None:
     benchlib.w_chat_input(inp, a.samples, max_len, vocab)
     common = ["-m", model, "--max-model-len", str(max_len)]
     cache_a, cache_b = Path(a.cache_root) / "a", Path(a.cache_root) / "b"
+    archive = Path(a.cache_root) / "warm.tar.gz"
 
     path = benchlib.result_path(a.result, f"{'gpu' if a.qwen36_27b else 'cpu'}-start-{benchlib.stamp()}.json")
     result = benchlib.load_result(path, a.append, {"steps": {}})
@@ -77,6 +83,18 @@ def main() -> None:
                 if step == "warmup":
                     shutil.rmtree(cache_a, ignore_errors=True)
                 res = finish(run_cli(["warmup", *common, "--cache-dir", str(cache_a), *engine], log), t0, log)
+            elif step == "pack":
+                res = finish(run_cli(["warmup", *common, "--cache-dir", str(cache_a), *engine, "--pack",
+                                      str(archive)], log), t0, log)
+            elif step == "packed":
+                cache_p = Path(a.cache_root) / "p"
+                shutil.rmtree(cache_p, ignore_errors=True)
+                res = finish(run_cli(extract_argv(cache_p, work / "out-packed", ["--cache-from", str(archive)]), log),
+                             t0, log)
+                cli = res.get("cli", {})
+                if cli.get("first_sample_seconds") is not None and cli.get("cache_from"):
+                    # the extract's clock starts after the archive is unpacked: a fresh machine waits for both
+                    res["first_sample_with_unpack_s"] = round(cli["first_sample_seconds"] + cli["cache_from"]["seconds"], 2)
             elif step == "warm":
                 res = finish(run_cli(extract_argv(cache_a, work / "out-warm"), log), t0, log)
             elif step == "cold":

@@ -92,11 +92,13 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
-def qwen36_27b(work: Path) -> tuple[str, list[str]]:
-    """(model dir, engine args): Qwen3.6-27B text dims, random weights, at the reference settings."""
+def qwen36_27b(work: Path, num_layers: int = 64) -> tuple[str, list[str]]:
+    """(model dir, engine args): Qwen3.6-27B text dims, random weights, at the reference settings
+    (`num_layers` < 64: its first layers only, for quick probes)."""
     from vllm_hidden.demo import write_qwen36_27b_config
 
-    model = str(write_qwen36_27b_config(work / "qwen36-27b"))
+    name = "qwen36-27b" if num_layers == 64 else f"qwen36-27b-{num_layers}l"
+    model = str(write_qwen36_27b_config(work / name, num_layers))
     return model, [*REFERENCE_27B, "--load-format", "dummy", "--language-model-only"]
 
 
@@ -356,12 +358,37 @@ def run_case(spec: dict, work: Path, script: str) -> dict:
     return res
 
 
+_MEMORY_FACTS = {  # vLLM 0.26's start log (and ours): name -> pattern of one number
+    "kv_cache_available_gib": r"Available KV cache memory: ([0-9.]+) GiB",
+    "cuda_graph_estimate_gib": r"Estimated CUDA graph memory: ([0-9.]+) GiB total",
+    "cuda_graph_pool_actual_gib": r"CUDA graph pool memory: ([0-9.]+) GiB \(actual\)",
+    "cuda_graph_capture_gib": r"Graph capturing finished in [0-9.]+ secs?, took ([0-9.]+) GiB",
+    "kv_cache_tokens": r"GPU KV cache size: ([0-9,]+) tokens",
+    "max_concurrency": r"Maximum concurrency for [0-9,]+ tokens per request: ([0-9.]+)x",
+    "capture_gib": r"the capture path holds ([0-9.]+) GiB",
+    "mamba_blocks_short": r"exceeds available Mamba cache blocks \(([0-9]+)\)",
+}
+
+
 def engine_log_facts(text: str) -> dict:
-    """From a vLLM engine's log: the model's memory per worker (GiB, "Model loading took") and
-    the linear kernels it selected ("Selected <kernel> for <method>"), each once."""
+    """From a vLLM engine's log: the model's memory per worker (GiB, "Model loading took"), the
+    linear kernels it selected ("Selected <kernel> for <method>"), each once, and what the start
+    measured of memory (`_MEMORY_FACTS`: the last value of each; with VLLM_LOGGING_LEVEL=DEBUG the
+    CUDA-graph estimate per mode: first capture and per-graph MiB, graphs)."""
     mem = [float(x) for x in re.findall(r"Model loading took ([0-9.]+) GiB", text)]
     kernels = sorted(set(re.findall(r"(?:Selected|Using) (\w+Kernel\w*) for (\w+)", text)))
-    return {"model_memory_gib": mem, "linear_kernels": [f"{k} for {m}" for k, m in kernels]}
+    facts: dict = {"model_memory_gib": mem, "linear_kernels": [f"{k} for {m}" for k, m in kernels]}
+    for name, pattern in _MEMORY_FACTS.items():
+        found = re.findall(pattern, text)
+        if found:
+            facts[name] = float(found[-1].replace(",", ""))
+    modes = re.findall(r"Estimated (\w+) CUDA graph memory: ([0-9.]+) MiB first-capture \+ \(([0-9]+)-1\) .{1,3} "
+                       r"([0-9.]+) MiB per-graph", text)
+    if modes:
+        facts["cuda_graph_estimate_by_mode"] = {m: {"first_mib": float(a), "graphs": int(n), "per_graph_mib": float(b)}
+                                                for m, a, n, b in modes}
+    facts["capture_buffers_reallocated"] = "capture buffers were reallocated" in text
+    return facts
 
 
 # -- the CLI as a process ----------------------------------------------------------------------------------
@@ -394,6 +421,7 @@ def finish(proc: subprocess.Popen, t0: float, log: Path) -> dict:
     text = out + log.read_text(errors="replace")  # vLLM's processes log to stdout, ours to stderr
     lines = [ln for ln in text.splitlines() if "engine started" in ln or "waiting for it" in ln]
     res["log_lines"] = [ln[-400:] for ln in lines]
+    res["engine_log"] = engine_log_facts(text)  # start-up memory: the model's, CUDA graphs', KV cache, capture's
     return res
 
 

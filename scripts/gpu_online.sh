@@ -14,6 +14,7 @@
 #            compared)
 #   RESULT   optional: the result file of an earlier call, in the working tree (e.g.
 #            benchmarks/results/gpu-online-20261205.json); it is copied to $OUT and these cases merged in
+#            (without it, an earlier call's result on this warm host is merged into)
 #   BENCH_ARGS  more options for bench_online.py (e.g. "--samples 256 --concurrency 64")
 #   BENCH_TIMEOUT  seconds before the benchmark is stopped (SIGTERM: its servers are stopped, what it
 #            measured is kept); default 570
@@ -46,7 +47,10 @@ m.version('speculators'), 'hs-connectors', m.version('hs-connectors'), 'openai',
 
 export VHIDDEN_CACHE_DIR=/tmp/vhc  # vllm-hidden's compile caches: kept on a warm host
 name=$(basename "${RESULT:-gpu-online-$(date +%Y%m%d).json}")
-if [ -n "${RESULT:-}" ] && [ -f "$RESULT" ]; then cp "$RESULT" "$OUT/$name"; fi
+# cases merge into one file per host: an earlier call's result on this warm host, or RESULT from the tree
+mkdir -p /tmp/vh-results
+if [ -n "${RESULT:-}" ] && [ -f "$RESULT" ]; then cp "$RESULT" "$OUT/$name";
+elif [ -f "/tmp/vh-results/$name" ]; then cp "/tmp/vh-results/$name" "$OUT/$name"; fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
 
 set +e
@@ -54,6 +58,7 @@ set +e
 timeout -s TERM "${BENCH_TIMEOUT:-570}" python3 scripts/bench_online.py --cases "$CASES" --output "$OUT/$name" \
   ${BENCH_ARGS:-}
 rc=$?
+[ -f "$OUT/$name" ] && cp "$OUT/$name" "/tmp/vh-results/$name"
 mkdir -p "$OUT/logs"
 for f in .bench/online/server-*.log; do [ -f "$f" ] && tail -c 100000 "$f" > "$OUT/logs/$(basename "$f")"; done
 echo "gpu_online: bench_online.py exited with $rc; result $OUT/$name"

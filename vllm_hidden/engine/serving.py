@@ -309,12 +309,13 @@ def prepare_environment(serve_env: dict[str, str], fetch_parent: str | None = No
     processes inherit, and the plugin's marker: vLLM's call of the plugin, here while it parses
     the arguments and in each of those processes, then installs the hooks (engine.plugin)."""
     from vllm_hidden.capture.channel import PLUGIN_ENV, ensure_dir_env, ensure_key
-    from vllm_hidden.config import ConnectorConfig
+    from vllm_hidden.config import CaptureLayout, ConnectorConfig
 
     os.environ.update(serve_env)
     os.environ.pop(ConnectorConfig.ENV, None)
     if connector is not None:
         os.environ.update(connector.to_env())
+    os.environ.update(CaptureLayout.for_server(connector).to_env())  # the buffers the worker allocates at load
     ensure_key(fresh=True)
     ensure_dir_env(fetch_parent, fresh=True)
     os.environ[PLUGIN_ENV] = "1"

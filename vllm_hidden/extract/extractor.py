@@ -8,6 +8,7 @@ output, progress, manifest) is `vllm_hidden.extract`."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ class Extractor:
         self.first_sample_at: float | None = None
         self.cache = CacheDirs.resolve(cfg.cache_dir)
         self.cache_dirs = self.cache.apply()  # before vLLM is imported: its processes inherit the cache locations
+        os.environ.update(cfg.capture_layout().to_env())  # the buffers the worker allocates inside vLLM's profile
         self.cfg = cfg
         self.plan = plan
         self.info = plan.info
