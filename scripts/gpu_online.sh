@@ -53,6 +53,14 @@ if [ -n "${RESULT:-}" ] && [ -f "$RESULT" ]; then cp "$RESULT" "$OUT/$name";
 elif [ -f "/tmp/vh-results/$name" ]; then cp "/tmp/vh-results/$name" "$OUT/$name"; fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
 
+# EMULATE_MIB=81559: the engines get the memory budget of a card with that much memory (an H100 80GB's) at the
+# reference --gpu-memory-utilization 0.85, on a larger card: the same utilization scaled by its size
+if [ -n "${EMULATE_MIB:-}" ]; then
+  total=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  util=$(python3 -c "print(round(0.85 * ${EMULATE_MIB} / ${total}, 4))")
+  echo "gpu_online: --gpu-memory-utilization $util on this ${total} MiB card = 0.85 of ${EMULATE_MIB} MiB"
+  BENCH_ARGS="${BENCH_ARGS:-} --engine-arg=--gpu-memory-utilization --engine-arg=$util"
+fi
 set +e
 # shellcheck disable=SC2086
 timeout -s TERM "${BENCH_TIMEOUT:-570}" python3 scripts/bench_online.py --cases "$CASES" --output "$OUT/$name" \
