@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import threading
 import time
 
@@ -164,6 +165,14 @@ def test_file_layout_lock_and_chat_as_speculators_sends_it(server, ref, root, mo
     for k, j in enumerate(AUX):
         assert rel_l2(got["hidden_states"][:, k], states[j - 1]) <= BOUND, j
     assert our_files(root) == []
+
+    # the buffers vLLM profiled at start are the ones the server's requests use: named in the start log,
+    # laid out for the server (layers only) at load, not reallocated when the first request came
+    text = server.log.read_text(errors="replace")
+    assert re.search(rf"the capture path holds [0-9.]+ GiB of device memory \(the step buffer [0-9]+ tokens x "
+                     rf"{len(AUX)} columns x 256 bfloat16 with per-row statistics [0-9.]+ GiB\), allocated at model "
+                     "load inside vLLM's memory profile", text), text[-3000:]
+    assert "row-sum scratch" not in text and "capture buffers were reallocated" not in text
 
 
 def test_offline_generation_writes_what_offline_training_reads(server, ref, root):

@@ -146,6 +146,11 @@ def compiled(tiny_models, tmp_path_factory):
                         "--final-state", "post-norm")
             assert r.returncode == 0, r.stderr[-4000:]
             assert f"{len(good)} samples" in r.stdout and f"{len(bad)} errors" in r.stdout
+            # the buffers the worker allocated at load, inside vLLM's memory profile, are the ones the run
+            # used: laid out for the final state's column and the statistics' row sums from the start
+            log = r.stdout + r.stderr
+            assert f"the step buffer 64 tokens x {len(LAYERS) + 1} columns x" in log, log[-3000:]
+            assert "row-sum scratch" in log and "capture buffers were reallocated" not in log
             (root / "summary.json").write_text(json.dumps(last_json(r)))
             runs[arch] = (model, root, out, good, bad)
         return runs[arch]
