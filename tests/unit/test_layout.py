@@ -124,12 +124,14 @@ ALLOWED: dict[str, set[str]] = {
     # the jobs over the engine and the output
     "extract": {"vllm_hidden", "capture", "config", "devices", "engine", "format", "inputs", "layers", "storage"},
     "warmup": {"config", "engine", "extract", "layers"},
+    # warm caches as one archive: the cache root's layout (engine.caches) and S3 reads (storage.s3)
+    "cache_archive": {"engine", "storage"},
     "server": {"capture", "config", "engine", "format", "layers"},
     "check": {"config", "data", "engine", "format", "layers", "storage"},
     "export": {"config", "data", "format", "layers", "storage"},
     # the top: parses and reports, may use any of them
     "cli": {"vllm_hidden", "config", "layers", "devices", "format", "demo", "inputs", "capture", "storage", "data",
-            "engine", "extract", "warmup", "server", "check", "export"},
+            "engine", "extract", "warmup", "cache_archive", "server", "check", "export"},
 }
 
 
