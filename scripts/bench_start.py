@@ -94,7 +94,8 @@ def main() -> None:
                 cli = res.get("cli", {})
                 if cli.get("first_sample_seconds") is not None and cli.get("cache_from"):
                     # the extract's clock starts after the archive is unpacked: a fresh machine waits for both
-                    res["first_sample_with_unpack_s"] = round(cli["first_sample_seconds"] + cli["cache_from"]["seconds"], 2)
+                    unpack_s = cli["cache_from"]["seconds"]
+                    res["first_sample_with_unpack_s"] = round(cli["first_sample_seconds"] + unpack_s, 2)
             elif step == "warm":
                 res = finish(run_cli(extract_argv(cache_a, work / "out-warm"), log), t0, log)
             elif step == "cold":
