@@ -189,8 +189,7 @@ def extract(
         from vllm_hidden.extract import run_extract
         from vllm_hidden.extract.job import extract_config
 
-        unpacked = prepare(_str(cache_dir), cache_from, s3_endpoint_url)
-        summary = run_extract(extract_config(
+        cfg = extract_config(
             generate=generate, sampling=sampling, engine_seed=engine_seed, model=model, input_path=str(input),
             output_dir=output,
             layers=layers, aux_layers=aux_layers, layers_from=_str(layers_from), max_model_len=max_model_len,
@@ -200,7 +199,9 @@ def extract(
             progress=progress, engine_args=list(ctx.args), cache_dir=_str(cache_dir), tp=tp, dp=dp, ray_address=ray,
             loss_mask=loss_mask, final_state=final_state, input_columns=input_columns,
             full_model=full_model, storage_dtype=storage_dtype,
-        ))
+        )
+        unpacked = prepare(_str(cache_dir), cache_from, s3_endpoint_url)  # the options checked first
+        summary = run_extract(cfg)
     # bad input, a missing extra, a storage failure, or a dead engine (what was made durable is
     # kept, --resume finishes): one line
     except (ValueError, ImportError, OSError, RankFailed, EngineDied) as e:

@@ -307,8 +307,7 @@ class ExtractConfig:
 
     def capture_layout(self) -> CaptureLayout:
         """The rows' layout this run's shards open the worker's capture with."""
-        return CaptureLayout(final_state=self.final_state == "post-norm", fp8=self.storage_dtype == "fp8",
-                             row_stats=layer_stats_default())
+        return CaptureLayout.for_shards(ShardConfig(output_dir=".", **self.shard_options()))  # (paths: no part)
 
     def shard_options(self) -> dict[str, Any]:
         """The ShardConfig fields every engine of the run shares (each part's paths aside)."""

@@ -57,7 +57,7 @@ class Capture:
             # extract's default): allocated now, inside vLLM's memory profile, and kept at open
             self.layout = CaptureLayout.from_env(os.environ) or CaptureLayout(row_stats=layer_stats_default())
             self.transfer = self._new_transfer(self.layout)
-            log_memory(self.transfer, self.sizes.max_num_batched_tokens)
+            logging.getLogger("vllm.vllm_hidden").info("vllm-hidden: %s", memory_line(self.transfer))
         self.max_model_len = self.sizes.max_model_len
         self.thread: AssemblerThread | None = None
         self.writer: ShardWriter | None = None
@@ -325,7 +325,7 @@ class _StepStats:
                 "engine_acquire_wait_s": round(self.acquire_wait_s, 3), "engine_submit_s": round(self.submit_s, 3)}
 
 
-def memory_line(t: StepTransfer, max_num_batched_tokens: int) -> str:
+def memory_line(t: StepTransfer) -> str:
     """What the capture path holds on the device and why, for the start log and for advice on a
     start that ran out of memory."""
     parts = t.device_bytes()
@@ -337,7 +337,7 @@ def memory_line(t: StepTransfer, max_num_batched_tokens: int) -> str:
     return (f"the capture path holds {total / 2**30:.2f} GiB of device memory ("
             + ", ".join(f"{what[k]} {v / 2**30:.3f} GiB" for k, v in parts.items())
             + f"), allocated at model load inside vLLM's memory profile (counted in the model's load memory) and "
-              f"kept; it grows with --max-num-batched-tokens ({max_num_batched_tokens}); the pinned host ring holds "
+              f"kept; it grows with --max-num-batched-tokens ({n}); the pinned host ring holds "
               f"{t.host_bytes() / 2**30:.2f} GiB more")
 
 
@@ -351,15 +351,11 @@ def memory_advice(worker: Any, error: BaseException) -> str | None:
     cap = getattr(compat.worker_model_runner(worker), "vllm_hidden_capture", None)
     if cap is None or cap.transfer is None:
         return None
-    n = cap.sizes.max_num_batched_tokens
+    n = cap.transfer.shape[0]  # rows: --max-num-batched-tokens
     total = sum(cap.transfer.device_bytes().values())
-    return (f"vllm-hidden: {memory_line(cap.transfer, n)}. To make room: a smaller --max-num-batched-tokens "
+    return (f"vllm-hidden: {memory_line(cap.transfer)}. To make room: a smaller --max-num-batched-tokens "
             f"shrinks it in proportion, and vLLM's activations with it (--max-num-batched-tokens {max(1, n // 2)}: "
             f"{total / 2 / 2**30:.2f} GiB); or lower --max-num-seqs; or raise --gpu-memory-utilization")
-
-
-def log_memory(t: StepTransfer, max_num_batched_tokens: int) -> None:
-    logging.getLogger("vllm.vllm_hidden").info("vllm-hidden: %s", memory_line(t, max_num_batched_tokens))
 
 
 def install_capture(runner: Any, cfg: CaptureConfig) -> Capture:
