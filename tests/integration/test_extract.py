@@ -151,6 +151,8 @@ def compiled(tiny_models, tmp_path_factory):
             log = r.stdout + r.stderr
             assert f"the step buffer 64 tokens x {len(LAYERS) + 1} columns x" in log, log[-3000:]
             assert "row-sum scratch" in log and "capture buffers were reallocated" not in log
+            # the forward writes the captured layers into that buffer itself: no aux outputs (engine.stash)
+            assert "written into the step buffer by the forward" in log, log[-3000:]
             (root / "summary.json").write_text(json.dumps(last_json(r)))
             runs[arch] = (model, root, out, good, bad)
         return runs[arch]

@@ -80,10 +80,14 @@ class StepTransfer:
             self.copy_stream = torch.cuda.Stream(device=self.device)
             self._gathered = torch.cuda.Event()
             self._copied = [torch.cuda.Event() for _ in range(slots)]
+            # recorded after every copy: what a forward writing into `stage` waits on (engine.stash);
+            # external, so that a CUDA graph replay waits on its latest record too
+            self.copy_done: torch.cuda.Event | None = torch.cuda.Event(external=True)
         else:
             self.copy_stream = None
             self._gathered = _NullEvent()
             self._copied = [_NullEvent() for _ in range(slots)]
+            self.copy_done = None
         self._last_copy: int | None = None
         # Free-slot accounting: the producer blocks here when the consumer falls behind
         # (backpressure: the engine slows down rather than memory growing).
@@ -95,6 +99,13 @@ class StepTransfer:
         values = rows[:, : self._values_bytes].view(self.values_dtype).view(n, c, h)
         floats = rows[:, self._values_bytes :].view(torch.float32)
         return values, floats[:, :c], floats[:, c:].view(n, 2, c) if self.row_stats else None
+
+    def stage(self) -> torch.Tensor:
+        """[max_tokens, C, H] in the model's dtype: where a step's columns are put before their
+        statistics (and fp8 quantization) are made: the step buffer's values themselves, or with
+        fp8 the work space they are quantized from. A forward may write its columns here directly
+        (engine.stash) and `submit` them with `staged`."""
+        return self._gather if self.fp8 else self._device_values
 
     @property
     def slots(self) -> int:
@@ -129,46 +140,56 @@ class StepTransfer:
             self._free.append(slot)
             self._cv.notify()
 
-    def submit(self, layers: Sequence[torch.Tensor], num_tokens: int, slot: int, start: int = 0) -> None:
-        """Gather rows [start, start + num_tokens) of each layer tensor into the device buffer,
-        then copy them to host slot `slot` in one transfer. Stream-ordered after the forward,
-        so it is safe with CUDA-graph outputs that the next replay overwrites."""
+    def submit(self, layers: Sequence[torch.Tensor], num_tokens: int, slot: int, start: int = 0,
+               staged: int = 0) -> None:
+        """Rows [start, start + num_tokens) of the step to host slot `slot`, in one transfer. With
+        `staged` 0, every column is gathered from `layers` into the device buffer's rows [0, n);
+        with `staged` k, the first k columns are in `stage()` at rows [start, start + n) already
+        (the forward wrote them) and `layers` gives the rest, gathered beside them. Stream-ordered
+        after the forward, so it is safe with CUDA-graph outputs that the next replay overwrites."""
         n = num_tokens
         if not 0 < n <= self.shape[0]:
             raise ValueError(f"step has {n} tokens; the capture buffer holds {self.shape[0]}")
+        if staged + len(layers) != self.shape[1]:
+            raise ValueError(f"{staged} staged + {len(layers)} gathered columns; the buffer has {self.shape[1]}")
         if start:
             layers = [t[start:] for t in layers]  # a view: still one gather
+        base = start if staged else 0  # where the step's rows are in the device buffer
+        rows = self._device_rows[base:base + n]
         if self.cuda:
             compute = torch.cuda.current_stream(self.device)
             if self._last_copy is not None:
                 # the previous D2H must have read the device buffer before we overwrite it
                 compute.wait_event(self._copied[self._last_copy])
-            self._fill(layers, n)
+            self._fill(layers, n, base, staged)
             self._gathered.record(compute)
             self.copy_stream.wait_event(self._gathered)
             with torch.cuda.stream(self.copy_stream):
-                self._host_rows[slot][:n].copy_(self._device_rows[:n], non_blocking=True)
+                self._host_rows[slot][:n].copy_(rows, non_blocking=True)
                 self._copied[slot].record(self.copy_stream)
+                self.copy_done.record(self.copy_stream)
         else:
-            self._fill(layers, n)
-            self._host_rows[slot][:n].copy_(self._device_rows[:n])
+            self._fill(layers, n, base, staged)
+            self._host_rows[slot][:n].copy_(rows)
         self._last_copy = slot
 
-    def _fill(self, layers: Sequence[torch.Tensor], n: int) -> None:
-        """The step's rows [0, n) of the device buffer: values and their statistic, a few
-        kernels, no allocation."""
-        values = self._device_values[:n]
+    def _fill(self, layers: Sequence[torch.Tensor], n: int, base: int, first: int) -> None:
+        """The step's rows [base, base + n) of the device buffer: columns `first`... gathered from
+        `layers` (those before are staged), then every column's statistic; a few kernels, no
+        allocation."""
+        at = slice(base, base + n)
+        values, stat = self._device_values[at], self._device_stat[at]
+        stage = self._gather[at] if self.fp8 else values
+        for k, t in enumerate(layers):  # the rows are packed: one copy per column, not one stack
+            stage[:, first + k].copy_(t[:n])
         if self.fp8:
-            torch.stack([t[:n] for t in layers], dim=1, out=self._gather[:n])
-            quant.quantize(self._gather[:n], values, self._device_stat[:n], self._work[:n],
-                           None if self._token_work is None else self._token_work[:n])
+            quant.quantize(stage, values, stat, self._work[at],
+                           None if self._token_work is None else self._token_work[at])
         else:
-            for k, t in enumerate(layers):  # the rows are packed: one copy per column, not one stack
-                values[:, k].copy_(t[:n])
-            quant.row_amax(values, self._device_stat[:n])
+            quant.row_amax(values, stat)
         if self.row_stats:  # of the values as stored (fp8: before their scale, as the host's are)
-            self._row_sums(values, self._sums[0, :n], self._sums[1, :n])
-            self._device_moments[:n].copy_(self._sums[:, :n].transpose(0, 1))
+            self._row_sums(values, self._sums[0, at], self._sums[1, at])
+            self._device_moments[at].copy_(self._sums[:, at].transpose(0, 1))
 
     def wait(self, slot: int) -> torch.Tensor:
         """Block until slot's copy landed; returns the slot's values [max_tokens, C, H]

@@ -161,6 +161,19 @@ def _weak_refs_in_nested_outputs(original):
     return weak_ref_tensors
 
 
+def _stash_aux_states(original):
+    """vLLM's `_maybe_add_hidden_state`, except on a model capture attached to (engine.stash):
+    there the captured layers' states go straight into the step buffer, and none into the aux list."""
+    from vllm_hidden.engine import stash
+
+    def _maybe_add_hidden_state(self, aux_hidden_states, layer_idx, hidden_states, residual):
+        if stash.add_or_stash(self, aux_hidden_states, layer_idx, hidden_states, residual):
+            return aux_hidden_states
+        return original(self, aux_hidden_states, layer_idx, hidden_states, residual)
+
+    return _maybe_add_hidden_state
+
+
 def _advice_on_memory_errors(original):
     """vLLM's method; a memory failure in it gets a note on what capture holds (`runner.memory_line`)
     and which settings shrink it, beside vLLM's own advice."""
@@ -219,7 +232,8 @@ _RUNNER_STEP: dict[str, Any] = {
            "untouched"}
 _RUNNER_AUX_FLAG: dict[str, Any] = {
     "attr": "use_aux_hidden_state_outputs", "kind": "field", "installed_by": "capture install (at model load)",
-    "does": "set True, with the model's aux layers set to ours",
+    "does": "set True, with the model's aux layers set to ours, for a model that adds aux states inline (where "
+            "engine.stash cannot write them into the step buffer)",
     "why": "only a speculative config turns the model's aux outputs on; with it set the runner unpacks "
            "(hidden, aux) and V2's capture_model keeps aux outputs in FULL CUDA graphs' buffers"}
 _TAPER: dict[str, Any] = {
@@ -266,6 +280,14 @@ HOOKS: tuple[Hook, ...] = (
              "tensors alive in the graph pool, and vLLM's CUDA-graph memory estimate (second graph's growth x "
              "graphs) grows with them: memory the KV cache loses. The aux outputs are read in stream order "
              "before the next replay (Capture.on_step), as the hidden states are"),
+    Hook(name="model.aux_states", module="vllm.model_executor.models.interfaces", cls="EagleModelMixin",
+         attr="_maybe_add_hidden_state", kind="class", wrap=_stash_aux_states, installed_by=PLUGIN,
+         does="on a model capture attached to: the captured layers' states (hidden + residual) written by one op "
+              "into their columns of the step buffer, nothing added to the aux list (engine.stash); otherwise "
+              "vLLM's own",
+         why="where vLLM's models add an EAGLE-3 aux state inside the forward: writing it there, the model's outputs, "
+             "activations and CUDA graphs stay plain vLLM's (aux outputs would add to all three: memory the KV "
+             "cache loses), and the step's gather of the aux outputs is gone"),
     Hook(name="worker.determine_available_memory", module=WORKER, cls="Worker", attr="determine_available_memory",
          kind="class", wrap=_advice_on_memory_errors, installed_by=PLUGIN,
          does="a memory failure in vLLM's profile run gets a note: what the capture path holds and the settings "
@@ -401,13 +423,15 @@ def _runner_rows(runner: Any) -> tuple[Hook, Hook]:
 
 def _install_capture(runner: Any, cfg: Any):
     """Capture on this runner: its checks, the model's aux layers and the Capture
-    (`runner.install_capture`), then the runner's aux outputs on and its steps captured."""
+    (`runner.install_capture`), then (only for a model that adds aux states inline: engine.stash)
+    the runner's aux outputs on, and its steps captured."""
     from vllm_hidden.engine.runner import install_capture
 
     step, aux_flag = _runner_rows(runner)
     check_instance(runner, (step, aux_flag))
     cap = install_capture(runner, cfg)
-    setattr(runner, aux_flag.attr, True)
+    if not cap.stashing:  # the model adds aux states inline: capture reads its aux outputs
+        setattr(runner, aux_flag.attr, True)
     _replace(runner, step, cap.fresh.clear, cap.on_step)
     return cap
 

@@ -25,7 +25,7 @@ from vllm_hidden.capture.memory import MemorySink
 from vllm_hidden.capture.records import CaptureError, NewRequest, Segment, StepRecord
 from vllm_hidden.capture.ring import StepTransfer
 from vllm_hidden.config import CaptureConfig, CaptureLayout, ConnectorConfig, ShardConfig, layer_stats_default
-from vllm_hidden.engine import compat
+from vllm_hidden.engine import compat, stash
 from vllm_hidden.engine.caches import StartProbe, describe
 from vllm_hidden.engine.serving import WORKER_KEY
 from vllm_hidden.engine.state_slots import FreshStateSlots
@@ -58,6 +58,8 @@ class Capture:
             self.layout = CaptureLayout.from_env(os.environ) or CaptureLayout(row_stats=layer_stats_default())
             self.transfer = self._new_transfer(self.layout)
             logging.getLogger("vllm.vllm_hidden").info("vllm-hidden: %s", memory_line(self.transfer))
+        self.stashing = False  # the forward writes the captured layers itself (engine.stash; install_capture)
+        self.stash: stash.Target | None = None  # where it writes them, on the writer rank
         self.max_model_len = self.sizes.max_model_len
         self.thread: AssemblerThread | None = None
         self.writer: ShardWriter | None = None
@@ -91,10 +93,14 @@ class Capture:
             self.transfer = self._new_transfer(layout)
             self.layout = layout
             new = sum(self.transfer.device_bytes().values())
+            # where the forward writes the layers itself (engine.stash) its target stays: CUDA graphs
+            # hold its address; the step's layers are gathered from it into the new buffer
+            kept = f" while the forward keeps writing into the first {self.stash.values.nbytes / 2**30:.2f} GiB " \
+                   "(its layers are gathered from there)" if self.stash is not None else ""
             logging.getLogger("vllm.vllm_hidden").warning(
                 "vllm-hidden: the capture buffers were reallocated for another layout (%s, was %s): %.2f GiB of "
-                "device memory instead of the %.2f GiB vLLM profiled at start", layout, was,
-                new / 2**30, old / 2**30)
+                "device memory instead of the %.2f GiB vLLM profiled at start%s", layout, was,
+                new / 2**30, old / 2**30, kept)
         self.final_state = layout.final_state
 
     def finish_start(self, compilation_seconds: float | None) -> None:
@@ -255,25 +261,39 @@ class Capture:
             if new or ended:  # e.g. an open-ended capture finished: its sample is complete
                 thread.put(StepRecord(None, 0, [], new, frozenset(ended)))
             return
-        aux, output = compat.step_states(self.runner)
-        if aux is None:
-            raise CaptureError("the model returned no aux hidden states for a step with captured requests")
+        layers, staged = self._step_layers()
         if lo:  # copy only the span holding captured rows (a server's batch mixes requests)
             segments = [Segment(s.req_id, s.row - lo, s.count, s.pos) for s in segments]
         st = self._stats
         t0 = time.perf_counter()
         slot = self.transfer.acquire()  # blocks while the host side is behind (backpressure)
         t1 = time.perf_counter()
-        layers = [aux[i] for i in self.order]  # gathered in layer_ids order
-        if self.final_state:
-            layers.append(output)  # the model's output: after the final norm
-        self.transfer.submit(layers, hi - lo, slot, lo)
+        self.transfer.submit(layers, hi - lo, slot, lo, staged=staged)
         thread.put(StepRecord(slot, hi - lo, segments, new, frozenset(ended)))
         st.steps += 1
         st.rows += hi - lo
         st.last_rows.append(hi - lo)
         st.acquire_wait_s += t1 - t0
         st.submit_s += time.perf_counter() - t1
+
+
+    def _step_layers(self) -> tuple[list[torch.Tensor], int]:
+        """The step's columns for `StepTransfer.submit`: the tensors to gather and how many columns
+        the forward wrote in place already (engine.stash)."""
+        aux, output = compat.step_states(self.runner)
+        if self.stash is not None:
+            staged = self.stash.values
+            if staged.data_ptr() == self.transfer.stage().data_ptr():
+                layers, k = [], staged.shape[1]  # in place: the layers are in the step buffer
+            else:  # the buffers were reallocated for another layout: gather from where the forward wrote
+                layers, k = [staged[:, c] for c in range(staged.shape[1])], 0
+        else:
+            if aux is None:
+                raise CaptureError("the model returned no aux hidden states for a step with captured requests")
+            layers, k = [aux[i] for i in self.order], 0  # gathered in layer_ids order
+        if self.final_state:
+            layers.append(output)  # the model's output: after the final norm
+        return layers, k
 
 
 def map_rows(rows, tracked: dict[str, int], start: dict[str, int], n: int) -> tuple[list[Segment], int, int]:
@@ -378,7 +398,17 @@ def install_capture(runner: Any, cfg: CaptureConfig) -> Capture:
     compat.check_runner(runner, kind)
     compat.set_aux_layers(model, cfg.aux_ids)
     cap = Capture(runner, cfg, kind)
+    module = stash.aux_module(model, cfg.aux_ids)
+    if module is not None:  # the forward writes the captured layers into the step buffer itself
+        stash.attach(module, {i + 1: c for c, i in enumerate(cfg.layer_ids)}, cap.sizes.device)
+        cap.stashing = True
+        if cap.transfer is not None:
+            k = len(cfg.layer_ids)  # the layers' columns; a final state is gathered after the forward
+            cap.stash = stash.Target(cap.transfer.stage()[:, :k], cap.transfer.copy_done)
+            stash.set_target(cap.stash)
     runner.vllm_hidden_capture = cap
-    log.info("vllm-hidden: capturing layer ids %s (aux %s) on vLLM's %s model runner%s", list(cfg.layer_ids),
-             [i + 1 for i in cfg.layer_ids], kind.upper(), "" if cap.writer_rank else " [not the writer rank]")
+    log.info("vllm-hidden: capturing layer ids %s (aux %s) on vLLM's %s model runner, %s%s", list(cfg.layer_ids),
+             [i + 1 for i in cfg.layer_ids], kind.upper(),
+             "written into the step buffer by the forward" if module is not None else "read from the model's aux outputs",
+             "" if cap.writer_rank else " [not the writer rank]")
     return cap
