@@ -1,12 +1,13 @@
 """The capture hook inside vLLM's model runner (V1 or V2: whichever vLLM made; `compat`),
 installed at model load through `hooks`.
 
-At load: switch on the model's aux hidden-state outputs for the selected layers (before
-torch.compile / CUDA-graph capture) and, on the writer rank, allocate the device buffer
-[max_num_batched_tokens, K, H] and the host ring. Per step, after the forward: one gather
-into the device buffer, one async D2H copy, and a small host record of which rows belong
-to which request (`map_rows`, over the runner's row order); assembly and writing run on a
-separate thread.
+At load (before torch.compile / CUDA-graph capture): set the selected layers as the model's
+aux layers and, on the writer rank, allocate the device buffer [max_num_batched_tokens, K, H]
+and the host ring; the forward writes the layers into the buffer itself (engine.stash; a model
+that adds aux states inline returns them as aux outputs instead, gathered after the forward).
+Per step, after the forward: the final state gathered beside them where asked, the rows'
+statistics, one async D2H copy, and a small host record of which rows belong to which request
+(`map_rows`, over the runner's row order); assembly and writing run on a separate thread.
 """
 
 from __future__ import annotations
