@@ -173,6 +173,8 @@ def test_file_layout_lock_and_chat_as_speculators_sends_it(server, ref, root, mo
                      rf"{len(AUX)} columns x 256 bfloat16 with per-row statistics [0-9.]+ GiB\), allocated at model "
                      "load inside vLLM's memory profile", text), text[-3000:]
     assert "row-sum scratch" not in text and "capture buffers were reallocated" not in text
+    # and the forward writes the layers into it: no aux outputs in the model's graphs (engine.stash)
+    assert "written into the step buffer by the forward" in text, text[-3000:]
 
 
 def test_offline_generation_writes_what_offline_training_reads(server, ref, root):
