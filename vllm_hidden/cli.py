@@ -224,9 +224,10 @@ def extract(
     "/v1/chat/completions accept \"hidden_states\": true or {\"layers\": [...], \"tokens\": \"prompt\"|\"all\"} "
     "and then return the states inline (base64 safetensors) or, with \"transfer\": \"fetch\", at a URL for one "
     "GET of the binary safetensors. Given speculators' launch arguments (--speculative-config with method "
-    "extract_hidden_states and --kv-transfer-config naming ExampleHiddenStatesConnector or FP8HiddenStatesConnector), "
-    "every request's prompt states are written as that connector's file under its shared_storage_path instead, "
-    "named in the response's kv_transfer_params.hidden_states_path. Unknown options go to `vllm serve` "
+    "extract_hidden_states and --kv-transfer-config naming ExampleHiddenStatesConnector, FP8HiddenStatesConnector "
+    "or MooncakeHiddenStatesConnector), every request's prompt states are written as that connector's file under "
+    "its shared_storage_path instead, or put into its Mooncake store, and named in the response's "
+    "kv_transfer_params. Unknown options go to `vllm serve` "
     "(e.g. --port 8000 --api-key KEY --tensor-parallel-size 2).",
 )
 def serve(
@@ -273,7 +274,8 @@ def serve(
                              unread_ttl_s=unread_ttl)
         if fetch_dir is not None and not fetch_dir.is_dir():
             raise ValueError(f"--fetch-dir must be an existing directory, got {str(fetch_dir)!r}")
-        from vllm_hidden.engine.serving import (
+        from vllm_hidden.extract.plan import model_info
+        from vllm_hidden.server.launch import (
             connector_cut,
             connector_from_argv,
             prepare_environment,
@@ -281,7 +283,6 @@ def serve(
             serve_argv,
             serve_layer_ids,
         )
-        from vllm_hidden.extract.plan import model_info
 
         num_layers = model_info(model).num_layers
         connector, vllm_args = connector_from_argv(list(ctx.args), num_layers)
@@ -289,7 +290,8 @@ def serve(
         from vllm_hidden.engine.quant import check_host
 
         check_host(model, vllm_args)  # FP8 weights on a host without FP8 kernels: refused here, not in a worker
-        argv = serve_argv(model, ids, vllm_args, tp=tp, cut=connector_cut(model, connector, ids, num_layers, vllm_args))
+        argv = serve_argv(model, ids, vllm_args, tp=tp, cut=connector_cut(model, connector, ids, num_layers, vllm_args),
+                          connector=connector is not None)
         prepare_environment(limits.to_env(), _str(fetch_dir), connector)
     except (ValueError, ImportError, OSError) as e:
         _fail(str(e))

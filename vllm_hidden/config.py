@@ -418,7 +418,17 @@ class ServeConfig:
 
 
 # vLLM's hidden-states connectors a server stands in for (`ConnectorConfig`): name -> FP8 file layout
-CONNECTORS = {"ExampleHiddenStatesConnector": False, "FP8HiddenStatesConnector": True}
+CONNECTORS = {"ExampleHiddenStatesConnector": False, "FP8HiddenStatesConnector": True,
+              "MooncakeHiddenStatesConnector": False}
+# ... and those that put the states into a Mooncake store instead of a file (hs_connectors' Mooncake backend)
+MOONCAKE_CONNECTORS = frozenset({"MooncakeHiddenStatesConnector"})
+# hs_connectors' MooncakeStoreConfig: the `kv_connector_extra_config.mooncake` keys, and their types
+MOONCAKE_KEYS = {"local_hostname": str, "metadata_server": str, "master_server_address": str,
+                 "global_segment_size": int, "local_buffer_size": int, "protocol": str, "device_name": str,
+                 "num_writer_threads": int}
+MOONCAKE_DEFAULTS = {"local_hostname": "localhost", "metadata_server": "P2PHANDSHAKE",
+                     "master_server_address": "127.0.0.1:50051", "global_segment_size": 4 << 30,
+                     "local_buffer_size": 2 << 30, "protocol": "tcp", "device_name": "", "num_writer_threads": 4}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -431,16 +441,25 @@ class ConnectorConfig:
     server and engine processes in the environment (`ENV`)."""
 
     connector: str
-    storage_path: str  # absolute
+    storage_path: str | None  # absolute; None for a Mooncake connector
     aux_layer_ids: tuple[int, ...]  # as given (vLLM's aux numbering; the file holds them ascending)
     use_lock: bool = True  # a `.lock` file beside each (vLLM's `use_synchronization_lock`)
+    # a Mooncake connector's store (hs_connectors' MooncakeStoreConfig, every key filled in: MOONCAKE_DEFAULTS)
+    mooncake: dict[str, Any] | None = None
 
     ENV = "VHIDDEN_CONNECTOR"
 
     def __post_init__(self) -> None:
         if self.connector not in CONNECTORS:
             raise ValueError(f"kv_connector must be one of {sorted(CONNECTORS)}, got {self.connector!r}")
-        if not isinstance(self.storage_path, str) or not os.path.isabs(self.storage_path):
+        if self.connector in MOONCAKE_CONNECTORS:
+            object.__setattr__(self, "mooncake", mooncake_config(self.mooncake))
+            if self.storage_path is not None:
+                raise ValueError(f"{self.connector} puts the states into a Mooncake store, not files: "
+                                 f"shared_storage_path {self.storage_path!r} has no use")
+        elif self.mooncake is not None:
+            raise ValueError(f"{self.connector} writes files; the mooncake config has no use: {self.mooncake!r}")
+        elif not isinstance(self.storage_path, str) or not os.path.isabs(self.storage_path):
             raise ValueError(f"shared_storage_path must be an absolute path, got {self.storage_path!r}")
         ids = tuple(self.aux_layer_ids)
         object.__setattr__(self, "aux_layer_ids", ids)
@@ -454,6 +473,11 @@ class ConnectorConfig:
         return CONNECTORS[self.connector]
 
     @property
+    def transport(self) -> str:
+        """Where the states go: "mooncake" (an object in a Mooncake store) or "file"."""
+        return "mooncake" if self.connector in MOONCAKE_CONNECTORS else "file"
+
+    @property
     def file_aux_ids(self) -> tuple[int, ...]:
         """The layers in a file's order: ascending, as vLLM's model emits its aux states."""
         return tuple(sorted(self.aux_layer_ids))
@@ -462,7 +486,8 @@ class ConnectorConfig:
         import json
 
         return {self.ENV: json.dumps({"connector": self.connector, "storage_path": self.storage_path,
-                                      "aux_layer_ids": list(self.aux_layer_ids), "use_lock": self.use_lock})}
+                                      "aux_layer_ids": list(self.aux_layer_ids), "use_lock": self.use_lock,
+                                      "mooncake": self.mooncake})}
 
     @classmethod
     def from_env(cls, env: Any) -> "ConnectorConfig | None":
@@ -474,6 +499,36 @@ class ConnectorConfig:
         try:
             d = json.loads(raw)
             return cls(connector=d["connector"], storage_path=d["storage_path"],
-                       aux_layer_ids=tuple(d["aux_layer_ids"]), use_lock=bool(d.get("use_lock", True)))
+                       aux_layer_ids=tuple(d["aux_layer_ids"]), use_lock=bool(d.get("use_lock", True)),
+                       mooncake=d.get("mooncake"))
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{cls.ENV} is not a connector config ({e}): {raw[:300]!r}") from None
+
+
+def mooncake_config(raw: Any) -> dict[str, Any]:
+    """`kv_connector_extra_config.mooncake` (hs_connectors' MooncakeStoreConfig as a dict) with its
+    defaults filled in; a key of another name or type is refused, naming it."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"kv_connector_extra_config.mooncake must be an object, got {raw!r}")
+    unknown = sorted(set(raw) - set(MOONCAKE_KEYS))
+    if unknown:
+        raise ValueError(f"kv_connector_extra_config.mooncake has unknown keys {unknown}; "
+                         f"known: {sorted(MOONCAKE_KEYS)}")
+    out = {**MOONCAKE_DEFAULTS, **raw}
+    for k, t in MOONCAKE_KEYS.items():
+        v = out[k]
+        if isinstance(v, bool) or not isinstance(v, t):
+            raise ValueError(f"kv_connector_extra_config.mooncake.{k} must be {t.__name__}, got {v!r}")
+    for k in ("global_segment_size", "local_buffer_size", "num_writer_threads"):
+        if out[k] < 1:
+            raise ValueError(f"kv_connector_extra_config.mooncake.{k} must be positive, got {out[k]!r}")
+    if out["protocol"] not in ("tcp", "rdma"):
+        raise ValueError("kv_connector_extra_config.mooncake.protocol must be 'tcp' or 'rdma', "
+                         f"got {out['protocol']!r}")
+    host, _, port = out["master_server_address"].rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError("kv_connector_extra_config.mooncake.master_server_address must be HOST:PORT, got "
+                         f"{out['master_server_address']!r}")
+    return out

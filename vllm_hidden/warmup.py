@@ -212,7 +212,7 @@ def warmup_serve(model: str, layers: str | None, aux_layers: str | None, layers_
                  force: bool = False) -> WarmupReport:
     """`vllm-hidden warmup --serve`: the layer ids and `vllm serve` arguments that server will
     get, then run_serve_warmup. `engine_flags`: vLLM flag -> value (None: not given)."""
-    from vllm_hidden.engine.serving import with_tp
+    from vllm_hidden.engine.args import with_tp
     from vllm_hidden.extract.plan import model_info
     from vllm_hidden.layers import resolve_layer_ids
 

@@ -315,7 +315,7 @@ class Server:
         if layers is not None:  # "": the layers come from the arguments (speculators' launch arguments)
             cmd = [*CLI, "serve", str(model), *(["--layers", layers] if layers else []), *common]
         else:
-            code = ("import sys; from vllm_hidden.engine.serving import run_vllm_serve; "
+            code = ("import sys; from vllm_hidden.server.launch import run_vllm_serve; "
                     "run_vllm_serve(['serve', *sys.argv[1:]])")
             cmd = [sys.executable, "-c", code, str(model), *common]
         env = cli_env()
@@ -397,3 +397,42 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(30)
         self._log_f.close()
+
+
+def hang_up_storm(server: "Server", model: str, n: int, seed: int, lengths: tuple[int, int] = (20, 60)) -> None:
+    """n completion requests (token prompts, no hidden_states field: a connector form's requests)
+    whose clients hang up after 0 to 0.8 s, a third with a TCP reset, each before its answer can
+    come (900 tokens to generate: seconds on a CPU); then the engine idle and the server settled."""
+    import json
+    import random
+    import re
+    import socket
+    import struct
+    import time
+    import urllib.request
+
+    rng = random.Random(seed)
+    plan = []
+    for i in range(n):
+        body = json.dumps({"model": model, "prompt": token_prompt(seed + i, rng.randrange(*lengths)),
+                           "max_tokens": 900, "ignore_eos": True}).encode()
+        s = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        plan.append((rng.uniform(0.0, 0.8), s, i % 3 == 0))
+    t0 = time.time()
+    for delay, s, reset in sorted(plan, key=lambda x: x[0]):
+        time.sleep(max(0.0, t0 + delay - time.time()))
+        if reset:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()
+    deadline = time.time() + 120
+    while True:  # the engine idle: every request finished or aborted
+        with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+        if not sum(float(m) for m in re.findall(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", text,
+                                                re.M)):
+            break
+        assert time.time() < deadline, "requests still in the engine 120 s after their clients left"
+        time.sleep(0.2)
+    time.sleep(2.0)  # the API server's last writes (and their deletion) after the engine's answer

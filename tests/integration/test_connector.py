@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from tests.integration.helpers import HFReference, Server, rel_l2
+from tests.integration.helpers import HFReference, Server, hang_up_storm, rel_l2
 from tests.integration.helpers import token_prompt as prompt
 
 NUM_LAYERS = 8
@@ -175,6 +175,43 @@ def test_file_layout_lock_and_chat_as_speculators_sends_it(server, ref, root, mo
     assert "row-sum scratch" not in text and "capture buffers were reallocated" not in text
     # and the forward writes the layers into it: no aux outputs in the model's graphs (engine.stash)
     assert "written into the step buffer by the forward" in text, text[-3000:]
+
+
+def test_render_answers_speculators_prepare_data(server, model, root):
+    """speculators' prepare-data builds its loss masks from vLLM's /v1/chat/completions/render,
+    through its own client: the server answers it (vLLM's), the ids the model's chat template
+    gives, and no file is written for it."""
+    from speculators.data_generation.render_client import render_conversation
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "abc de fgh ij"}, {"role": "assistant", "content": "x y z"}]
+    tok = AutoTokenizer.from_pretrained(str(model))
+    for gen in (False, True):
+        want = list(tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=gen,
+                                            return_dict=True)["input_ids"])
+        assert render_conversation(server.url, messages, add_generation_prompt=gen) == want
+    assert our_files(root) == []
+
+
+def test_clients_that_hang_up_leave_no_files(server, root):
+    """24 clients hang up within 0.8 s, queued or running: none leaves a file, and the whole
+    budget is free again (two 200-token files fit). (A hang-up while the file is written:
+    tests/unit/test_server_forms.py.)"""
+    import openai
+    from hs_connectors.transfer import FileTransfer
+    from speculators.data_generation.vllm_client import generate_hidden_states
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0)
+    name = client.models.list().data[0].id
+    hang_up_storm(server, name, 24, seed=700)
+    assert our_files(root) == []
+    paths = [generate_hidden_states(client, name, {"input_ids": prompt(720 + i, 200)}, max_retries=0)[0]
+             for i in range(2)]
+    transfer = FileTransfer(root / "hs")
+    for p in paths:  # as the trainer reads them (its read takes the lock away)
+        transfer.get_generated({"hidden_states_path": p})
+        transfer.delete(p)
+    assert our_files(root) == []
 
 
 def test_offline_generation_writes_what_offline_training_reads(server, ref, root):

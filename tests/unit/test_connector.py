@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from vllm_hidden.config import ConnectorConfig
-from vllm_hidden.engine.serving import connector_from_argv
 from vllm_hidden.server.connector import ConnectorStore, file_pieces
+from vllm_hidden.server.launch import connector_from_argv
 
 AUX = [2, 4, 5, 8]
 
@@ -61,7 +61,16 @@ def test_other_speculative_methods_and_connectors_stay_vllms():
     (args(aux=[0, 2]), "aux id 0 is out of range"),
     (args(aux=[2, 2]), "repeated id"),
     (args(aux=[]), "must be a non-empty list, got []"),
-    (args(connector="MooncakeHiddenStatesConnector"), "got 'MooncakeHiddenStatesConnector'"),
+    (args(connector="MooncakeHiddenStatesConnector"), "puts the states into a Mooncake store; shared_storage_path"),
+    (args(connector="MooncakeHiddenStatesConnector", path=None, mooncake={"master": "x"}),
+     "mooncake has unknown keys ['master']"),
+    (args(connector="MooncakeHiddenStatesConnector", path=None, mooncake={"master_server_address": "nohost"}),
+     "master_server_address must be HOST:PORT, got 'nohost'"),
+    (args(connector="MooncakeHiddenStatesConnector", path=None, mooncake={"protocol": "udp"}),
+     "protocol must be 'tcp' or 'rdma', got 'udp'"),
+    (args(connector="MooncakeHiddenStatesConnector", path=None, mooncake={"global_segment_size": "4GB"}),
+     "global_segment_size must be int, got '4GB'"),
+    (args(connector="NixlConnector"), "got 'NixlConnector'"),
     (args(path=None), "shared_storage_path (where the files go) is missing, got None"),
     (args(allow_custom_save_path=True), "allow_custom_save_path is not supported"),
     (args()[:2], "needs --kv-transfer-config"),
@@ -73,6 +82,48 @@ def test_wrong_arguments_are_refused_naming_the_value(argv, said):
     with pytest.raises(ValueError) as e:
         connector_from_argv(argv, 8)
     assert said in str(e.value)
+
+
+def test_mooncake_launch_arguments_as_hs_connectors_builds_them(monkeypatch):
+    """speculators' launch script with `--hidden-states-backend mooncake`: the transfer config from
+    hs_connectors' own backend, every store setting kept for the server's client."""
+    import argparse
+
+    from hs_connectors.transfer import MooncakeBackend
+
+    monkeypatch.setenv("MOONCAKE_LOCAL_HOSTNAME", "10.0.0.7")
+    kv = MooncakeBackend.build_kv_transfer_config(argparse.Namespace(
+        mooncake_master="10.0.0.1:50051", mooncake_metadata_server="P2PHANDSHAKE", mooncake_protocol="rdma",
+        mooncake_device="mlx5_0", mooncake_global_segment_gib=8.0, mooncake_local_buffer_gib=1.0,
+        mooncake_writer_threads=3))
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": AUX}}}
+    cfg, rest = connector_from_argv(["--speculative-config", json.dumps(spec), "--kv-transfer-config",
+                                     json.dumps(kv), "--port", "1"], 8)
+    assert rest == ["--port", "1"] and cfg.transport == "mooncake" and cfg.storage_path is None and not cfg.fp8
+    assert cfg.mooncake == {"local_hostname": "10.0.0.7", "metadata_server": "P2PHANDSHAKE",
+                            "master_server_address": "10.0.0.1:50051", "global_segment_size": 8 << 30,
+                            "local_buffer_size": 1 << 30, "protocol": "rdma", "device_name": "mlx5_0",
+                            "num_writer_threads": 3}
+    assert ConnectorConfig.from_env(cfg.to_env()) == cfg
+    # a config without the mooncake object gets hs_connectors' MooncakeStoreConfig defaults
+    cfg, _ = connector_from_argv(args(connector="MooncakeHiddenStatesConnector", path=None), 8)
+    assert cfg.mooncake["master_server_address"] == "127.0.0.1:50051" and cfg.mooncake["num_writer_threads"] == 4
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 50])
+def test_mooncake_manifest_is_hs_connectors_packed_layout(tokens):
+    """Our manifest against hs_connectors' own layout function and version, as its connector
+    makes it (request_finished)."""
+    from hs_connectors.mooncake_store import VERSION, packed_layout
+
+    from vllm_hidden.server.mooncake import manifest
+
+    spec, total = packed_layout({"hidden_states": ([tokens, 4, 5120], torch.bfloat16),
+                                 "token_ids": ([tokens], torch.int64)})
+    ours = manifest("vh-x", tokens, 4, 5120, torch.bfloat16)
+    assert ours == {"handle": "vh-x", "version": VERSION, "tensors": json.loads(json.dumps(spec)),
+                    "metadata": {"num_tokens": tokens, "total_aligned_bytes": total, "extract_mode": "prompt_only"}}
 
 
 def test_cli_exits_2_before_the_engine_starts(tiny_models, tmp_path):

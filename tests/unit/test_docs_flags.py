@@ -102,7 +102,7 @@ def opts(p):
     return sorted(s for a in p._actions for s in a.option_strings)
 
 engine = EngineArgs.add_cli_args(FlexibleArgumentParser())
-# as vllm_hidden.engine.serving.run_vllm_serve builds it: vLLM's `serve` subcommand parser
+# as vllm_hidden.server.launch.run_vllm_serve builds it: vLLM's `serve` subcommand parser
 sub = FlexibleArgumentParser().add_subparsers(required=True, dest="subparser")
 serve = vserve.cmd_init()[0].subparser_init(sub)
 out = {{"engine": opts(engine), "serve": opts(serve)}}

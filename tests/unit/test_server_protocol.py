@@ -304,7 +304,7 @@ class FakeMiddleware:
     def __init__(self):
         self.calls = 0
 
-    async def hidden_states_json(self, pending):
+    async def stream_value(self, pending):
         self.calls += 1
         return [b'{"x":', b'1}']  # JSON byte pieces, as the middleware's method returns
 
@@ -462,7 +462,7 @@ def test_stream_splicer_does_not_add_states_to_an_error_event():
 
 def test_stream_splicer_states_error_becomes_an_error_object_in_the_event():
     class FailingMiddleware:
-        async def hidden_states_json(self, pending):
+        async def stream_value(self, pending):
             raise RequestError("hidden states did not arrive", status=500)
 
     events = _events()

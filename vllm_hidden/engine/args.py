@@ -162,3 +162,13 @@ def _can_truncate(args) -> bool:
         log.info("vllm-hidden: a speculative config needs the whole target; running every decoder layer")
         return False
     return True
+
+
+def with_tp(vllm_args: list[str], tp: int) -> list[str]:
+    """vLLM arguments with `--tp` as --tensor-parallel-size (refused if they give another size)."""
+    from vllm_hidden.engine.caches import TP_FLAGS, flag_values, resolve_tp
+
+    n = resolve_tp(vllm_args, tp)
+    if n == 1 or flag_values(vllm_args, TP_FLAGS):
+        return list(vllm_args)
+    return [*vllm_args, "--tensor-parallel-size", str(n)]

@@ -514,6 +514,22 @@ def serve_cli_args(argv: list[str], prog: str):
     return args
 
 
+def render_flags(vllm_args: list[str]) -> list[str]:
+    """What `vllm serve` needs to answer POST /v1/chat/completions/render (speculators' prepare-data
+    renders its conversations there): 0.32 serves it only with --enable-scale-out (its
+    `FrontendArgs.enable_scale_out`; 403 otherwise), 0.26 always (no such flag). Empty where the
+    arguments have the flag already or this vLLM has none."""
+    try:
+        from vllm.entrypoints.launchers.cli_args import FrontendArgs
+    except ImportError:  # 0.26: render is always on
+        return []
+    if "enable_scale_out" not in getattr(FrontendArgs, "__dataclass_fields__", {}):
+        return []
+    given = any(a.split("=", 1)[0] in ("--enable-scale-out", "--enable_scale_out", "--no-enable-scale-out")
+                for a in vllm_args)
+    return [] if given else ["--enable-scale-out"]
+
+
 def served_vllm_config(app):
     """The engine's VllmConfig from the app of vLLM's OpenAI server (its state's `engine_client`,
     set when the app's state is built, 0.26 and 0.32), or None on an app without one."""

@@ -409,6 +409,8 @@ def install_capture(runner: Any, cfg: CaptureConfig) -> Capture:
             stash.set_target(cap.stash)
     runner.vllm_hidden_capture = cap
     how = "written into the step buffer by the forward" if module is not None else "read from the model's aux outputs"
-    log.info("vllm-hidden: capturing layer ids %s (aux %s) on vLLM's %s model runner, %s%s", list(cfg.layer_ids),
-             [i + 1 for i in cfg.layer_ids], kind.upper(), how, "" if cap.writer_rank else " [not the writer rank]")
+    # through vLLM's logger: the worker's own output, in a server's log too
+    logging.getLogger("vllm.vllm_hidden").info(
+        "vllm-hidden: capturing layer ids %s (aux %s) on vLLM's %s model runner, %s%s", list(cfg.layer_ids),
+        [i + 1 for i in cfg.layer_ids], kind.upper(), how, "" if cap.writer_rank else " [not the writer rank]")
     return cap

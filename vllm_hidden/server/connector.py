@@ -35,10 +35,12 @@ from pathlib import Path
 
 import torch
 
-from vllm_hidden.config import ConnectorConfig
+from vllm_hidden.config import ConnectorConfig, ServeConfig
 from vllm_hidden.format import header as st
 from vllm_hidden.layers import SEMANTICS
+from vllm_hidden.server.protocol import RequestError
 from vllm_hidden.server.store import FetchStore, _Entry, _unlink, new_id, write_part
+from vllm_hidden.server.transport import ConnectorTransport, Delivery, ServerShape, Stored
 
 log = logging.getLogger("vllm_hidden")
 
@@ -160,3 +162,58 @@ class ConnectorStore(FetchStore):
         """The files stay for their readers (a restarted server adopts what is left)."""
         self._own.clear()
         self.held = 0
+
+
+STARTED = time.time()  # files in the storage path from before this are an earlier server's
+
+
+class FileTransport(ConnectorTransport):
+    """The file form (server.transport): this process's share of the storage path's budget
+    (`--max-unread-bytes` over the API server processes); process 0 also adopts what an earlier
+    server left."""
+
+    def __init__(self, cfg: ConnectorConfig, serve: ServeConfig, shape: ServerShape) -> None:
+        super().__init__(cfg, serve, shape)
+        self.store = ConnectorStore(cfg, max(1, serve.max_unread_bytes // shape.processes), serve.unread_ttl_s)
+        if shape.rank == 0:
+            self.store.adopt(STARTED)
+
+    def describe(self) -> str:
+        return (f"a file under {self.store.root} ({self.store.budget / 1e9:.1f} GB of unread files at most in this "
+                "process)")
+
+    def row_bytes(self, columns: int) -> int:
+        return row_bytes(self.cfg, columns, self.shape.hidden_size, self.shape.itemsize)
+
+    def reserve(self, nbytes: int) -> str | None:
+        return self.store.reserve(nbytes)
+
+    def release(self, nbytes: int) -> None:
+        self.store.release(nbytes)
+
+    def sweep(self) -> None:
+        self.store.sweep()
+
+    def close(self) -> None:
+        self.store.close()
+
+    async def keep(self, got: Delivery, token_ids: list[int], reserved: int) -> Stored:
+        t = len(token_ids)
+        if not got.finite:
+            log.warning("vllm-hidden: NaN/Inf in the hidden states of a %d-token prompt; written as they are", t)
+        try:
+            pieces = await asyncio.to_thread(file_pieces, self.cfg, got.rows[:t],
+                                             None if got.scale is None else got.scale[:t], token_ids)
+        except ValueError as e:
+            self.release(reserved)
+            raise RequestError(f"could not build the hidden-states file: {e}", status=500) from None
+        try:
+            path, _ = await self.store.put(pieces, reserved)
+        except OSError as e:
+            raise RequestError(f"could not write the hidden-states file: {e}", status=500) from None
+        return Stored({"hidden_states_path": path}, path)
+
+    async def discard(self, stored: str) -> None:
+        _unlink(Path(stored))
+        _unlink(Path(stored + LOCK))
+        self.store.sweep()

@@ -25,12 +25,10 @@ import json
 import logging
 import os
 import secrets
-import time
 from typing import Any
 
 from vllm_hidden.config import ConnectorConfig, ServeConfig
 from vllm_hidden.engine.serving import RESERVED_PREFIX, TOKEN_KEY
-from vllm_hidden.format.quant import dequantize
 from vllm_hidden.server.asgi import (
     ScanningReceive,
     is_json,
@@ -40,32 +38,25 @@ from vllm_hidden.server.asgi import (
     replay,
     send_body,
     send_error,
-    splice_parts,
     with_length,
 )
-from vllm_hidden.server.connector import ConnectorStore
-from vllm_hidden.server.connector import file_pieces as connector_file
-from vllm_hidden.server.connector import row_bytes as connector_row_bytes
 from vllm_hidden.server.fetch_form import FetchForm
+from vllm_hidden.server.forms import open_forms
 from vllm_hidden.server.protocol import (
     CONNECTOR,
     FETCH_PATH,
     FIELD,
     HiddenStatesSpec,
     RequestError,
-    fetch_parts,
-    inline_parts,
     parse_field,
-    prepare,
-    returned_token_ids,
 )
 from vllm_hidden.server.registry import REGISTRY, Pending
 from vllm_hidden.server.stream import StreamSplicer
+from vllm_hidden.server.transport import Answer, Delivery, ServerShape, Transport
 
 log = logging.getLogger("vllm_hidden")
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
-_STARTED = time.time()  # files in a connector's storage path from before this are an earlier server's
 _MARKERS = (FIELD.encode(), RESERVED_PREFIX.encode())
 
 # what the middleware does with a request (`_route`)
@@ -147,7 +138,7 @@ class HiddenStatesMiddleware:
         self._slots: asyncio.Semaphore | None = None
         self._fetch_form = FetchForm(self.cfg)  # its store is made with the first fetch-form request or GET
         self.connector = ConnectorConfig.from_env(os.environ)  # the connector form, if started with it
-        self._connector_store: ConnectorStore | None = None
+        self._forms: dict[str, Transport] = {}  # by spec.transfer: inline, fetch and the connector form (setup)
         install_generate_hook(REGISTRY.get)
 
     # -- setup (first request; vLLM builds the app's state before serving) --------------
@@ -177,35 +168,14 @@ class HiddenStatesMiddleware:
         self._receiver.start()
         self._slots = asyncio.Semaphore(self.cfg.max_concurrent)
         mc = vcfg.model_config
-        self._hidden, self._itemsize, self._dtype = mc.get_hidden_size(), mc.dtype.itemsize, mc.dtype
         self._fetch_form.processes = compat.api_process_count(vcfg)
-        if self.connector is not None:
-            self._open_connector(compat.api_process_rank(vcfg), self._fetch_form.processes)
+        self._forms = open_forms(ServerShape(hidden_size=mc.get_hidden_size(), dtype=mc.dtype,
+                                             rank=compat.api_process_rank(vcfg), processes=self._fetch_form.processes),
+                                 self.cfg, self._fetch_form, self.connector)
         self._layers = tuple(cap.layer_ids)
         log.info("vllm-hidden: serving hidden states of layers %s on %s (API server process %s of %d)",
                  list(cap.layer_ids), ", ".join(ENDPOINTS), compat.api_process_rank(vcfg),
                  self._fetch_form.processes)
-
-    def _open_connector(self, rank: int, processes: int) -> None:
-        """This process's share of the connector form's storage path (process 0 also adopts
-        what an earlier server left), swept in the background."""
-        store = ConnectorStore(self.connector, max(1, self.cfg.max_unread_bytes // processes), self.cfg.unread_ttl_s)
-        if rank == 0:
-            store.adopt(_STARTED)
-        self._connector_store = store
-
-        async def sweep() -> None:
-            while True:
-                await asyncio.sleep(min(5.0, self.cfg.unread_ttl_s / 4))
-                try:
-                    store.sweep()
-                except OSError:
-                    log.exception("vllm-hidden: sweeping %s", store.root)
-
-        self._sweeper = asyncio.get_running_loop().create_task(sweep())
-        log.info("vllm-hidden: connector form (%s): every completion and chat request's prompt states go to a file "
-                 "under %s (%.1f GB of unread files at most in this process)", self.connector.connector, store.root,
-                 store.budget / 1e9)
 
     def _find_auth(self, scope: dict[str, Any]) -> None:
         """vLLM's --api-key check (its own middleware, which sits inside ours), to run before
@@ -364,24 +334,19 @@ class HiddenStatesMiddleware:
             await self._refuse(_too_large(limit), scope, receive, send)
 
     async def _serve(self, scope, receive, send, req: dict[str, Any], spec) -> None:
+        form = self._forms[spec.transfer]
+        try:
+            form.ready()
+        except RequestError as e:
+            return await send_error(send, e)
         token = secrets.token_urlsafe(18)
         admit = None
-        if spec.fetch or spec.connector:
-            if spec.connector:
-                store = self._connector_store
-                row_bytes = connector_row_bytes(self.connector, len(spec.columns), self._hidden, self._itemsize)
-            else:
-                try:
-                    store = self._fetch_form.open_store()
-                except (RequestError, OSError) as e:
-                    err = (e if isinstance(e, RequestError)
-                           else RequestError(f"the fetch form is unavailable: {e}", status=500))
-                    return await send_error(send, err)
-                row_bytes = len(spec.columns) * self._hidden * self._itemsize + 8  # the rows and their token ids
+        row_bytes = form.row_bytes(len(spec.columns))
+        if row_bytes is not None:  # the form holds the states until they are read: room first
 
             def admit(rows: int) -> str | None:
                 want = rows * row_bytes + 4096  # + the safetensors header
-                why = store.reserve(want)
+                why = form.reserve(want)
                 if why is None:
                     pending.reserved = want
                 return why
@@ -400,7 +365,7 @@ class HiddenStatesMiddleware:
         finally:
             REGISTRY.remove(token)
             if pending.reserved:  # never stored (an error, the client left)
-                store.release(pending.reserved)
+                form.release(pending.reserved)
 
     async def _serve_json(self, scope, receive, send, pending: Pending) -> None:
         start: dict[str, Any] | None = None
@@ -424,73 +389,56 @@ class HiddenStatesMiddleware:
         parts = [body]
         if start["status"] == 200 and body.lstrip()[:1] == b"{":  # not e.g. `null` after a hang-up
             try:
-                if pending.spec.connector:
-                    parts = [await self.connector_response(body, pending)]
-                else:
-                    parts = splice_parts(body, FIELD.encode(), await self.hidden_states_json(pending))
+                answer = await self._answer(body, pending, receive)
             except RequestError as e:
                 return await send_error(send, e)
+            if answer is None:  # the client left: nothing kept for it, nobody to answer
+                return None
+            parts = answer.parts
         headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
         headers.append((b"content-length", str(sum(len(p) for p in parts)).encode()))
         await send({**start, "headers": headers})
         await send_body(send, parts, more=False)
 
-    async def _rows(self, pending: Pending):
-        """The worker's rows for this request: (rows, finite, float8 scales or None)."""
+    async def _answer(self, body: bytes, pending: Pending, receive) -> Answer | None:
+        """The request's form's response, or None where the client hung up first: then nothing
+        it would have read is kept (before the states came: nothing stored, the reservation goes
+        back with the request; while they were stored: what was stored is deleted). The client's
+        hang-up is its http.disconnect (the body was read whole: nothing else comes)."""
+        form = self._forms[pending.spec.transfer]
+        gone = asyncio.ensure_future(receive())
+        delivered = asyncio.ensure_future(self._delivered(pending))
         try:
-            rows, error, finite, scale = await asyncio.wait_for(asyncio.shield(pending.future), self.cfg.timeout_s)
+            await asyncio.wait({gone, delivered}, return_when=asyncio.FIRST_COMPLETED)
+            if not delivered.done():
+                return None
+            got, reserved = delivered.result()
+            answer = await form.respond(body, got, pending, reserved)  # a write in a thread: not cut short
+            if gone.done() and answer.stored is not None:
+                await form.discard(answer.stored)
+                log.info("vllm-hidden: a client left before its response; its stored hidden states were deleted")
+                return None
+            return answer
+        finally:
+            gone.cancel()
+            delivered.cancel()
+
+    async def _delivered(self, pending: Pending) -> tuple[Delivery, int]:
+        """The worker's rows for this request, and its reservation, which is the form's from here
+        on (held by what it stores, or released)."""
+        try:
+            got: Delivery = await asyncio.wait_for(asyncio.shield(pending.future), self.cfg.timeout_s)
         except asyncio.TimeoutError:
             raise RequestError(f"hidden states did not arrive within {self.cfg.timeout_s:g} s "
                                f"({ServeConfig.ENV['timeout_s']})", status=500) from None
-        if error is not None:
-            raise RequestError(f"hidden-state capture failed: {error}", status=500)
+        if got.error is not None:
+            raise RequestError(f"hidden-state capture failed: {got.error}", status=500)
         if pending.prompt_ids is None:
             raise RequestError("the engine returned no prompt token ids", status=500)
-        return rows, finite, scale
-
-    async def connector_response(self, body: bytes, pending: Pending) -> bytes:
-        """Wait for the prompt's rows, write them as the connector's file (whole before this
-        returns) and name it in the response's kv_transfer_params."""
-        rows, finite, scale = await self._rows(pending)
-        ids = pending.prompt_ids
-        t = len(ids)
-        if rows.shape[0] < t:
-            raise RequestError(f"hidden states incomplete: {rows.shape[0]} rows captured for {t} tokens", status=500)
-        if not finite:
-            log.warning("vllm-hidden: NaN/Inf in the hidden states of a %d-token prompt; written as they are", t)
-        try:
-            pieces = await asyncio.to_thread(connector_file, self.connector, rows[:t],
-                                             None if scale is None else scale[:t], ids)
-        except ValueError as e:
-            raise RequestError(f"could not build the hidden-states file: {e}", status=500) from None
         reserved, pending.reserved = pending.reserved, 0
-        try:
-            path, _ = await self._connector_store.put(pieces, reserved)
-        except OSError as e:
-            raise RequestError(f"could not write the hidden-states file: {e}", status=500) from None
-        obj = json.loads(body)
-        obj["kv_transfer_params"] = {"hidden_states_path": path}
-        return json.dumps(obj).encode()
+        return got, reserved
 
-    async def hidden_states_json(self, pending: Pending) -> list:
-        """Wait for the worker's rows, then encode them (off the event loop: it is MBs) into
-        JSON byte pieces: inline, or stored for one GET and the object saying where."""
-        rows, finite, scale = await self._rows(pending)
-        if scale is not None:  # a server whose rows travel as float8 (the FP8 connector form): values
-            rows = await asyncio.to_thread(dequantize, rows, scale, self._dtype)
-        ids = returned_token_ids(pending.spec, pending.prompt_ids, pending.generated)
-        prepared = await asyncio.to_thread(prepare, pending.spec, rows, ids, not finite)
-        bad = prepared.meta["not_finite"]
-        if bad["count"]:
-            log.warning("vllm-hidden: %d NaN/Inf values in the hidden states of %d tokens of a response (first at "
-                        "token %d, layer ids %s); returned as they are", bad["count"], bad["tokens"],
-                        bad["first_token"], bad["layer_ids"])
-        if not pending.spec.fetch:
-            return await asyncio.to_thread(inline_parts, prepared)
-        reserved, pending.reserved = pending.reserved, 0
-        try:
-            entry, size = await self._fetch_form.store.put(prepared.pieces, reserved)
-        except OSError as e:
-            raise RequestError(f"could not keep the hidden states for fetching: {e}", status=500) from None
-        url = pending.root_path + FETCH_PATH + entry
-        return fetch_parts(prepared, url, size, self.cfg.fetch_ttl_s)
+    async def stream_value(self, pending: Pending) -> list:
+        """The `hidden_states` value for a streamed response's last event (stream.StreamSplicer)."""
+        got, reserved = await self._delivered(pending)
+        return await self._forms[pending.spec.transfer].value(got, pending, reserved)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_hidden.server.protocol import HiddenStatesSpec, RequestError
+from vllm_hidden.server.transport import Delivery
 
 RETRY_AFTER_S = 1  # a 503 for want of room: files are read and deleted within seconds
 
@@ -23,7 +24,7 @@ class Pending:
     token: str
     spec: HiddenStatesSpec
     max_tokens: int  # most rows one response may carry
-    future: asyncio.Future  # -> (rows [R, K, H] | None, error | None, finite, float8 scales [R, K] | None)
+    future: asyncio.Future  # -> transport.Delivery
     reply_to: str = ""  # this process's result channel address, for the worker
     root_path: str = ""  # the server's ASGI root path: the fetch URL starts with it
     # fetch form: room for `rows` rows' bytes, asked by the engine hook before the engine runs;
@@ -65,7 +66,7 @@ class Registry:
                 scale: torch.Tensor | None = None) -> None:
         p = self._pending.get(token)
         if p is not None and not p.future.done():
-            p.future.set_result((rows, error, finite, scale))
+            p.future.set_result(Delivery(rows, error, finite, scale))
 
     def __len__(self) -> int:
         return len(self._pending)

