@@ -22,6 +22,11 @@ Cases (each its own server process, started, measured, stopped; the GPU memory f
   vllm-connector-fp8conn / ours-fp8conn  (optional, not in the default list) hs_connectors' FP8Backend config:
                    FP8HiddenStatesConnector (kv_connector_module_path hs_connectors.fp8_hidden_states_connector),
                    states stored as float8_e4m3fn with one scale per token
+  vllm-connector-mooncake / ours-mooncake  (optional) hs_connectors' MooncakeBackend config: vLLM with its
+                   MooncakeHiddenStatesConnector, or `vllm-hidden serve` putting the objects itself; a
+                   `mooncake_master` on free 127.0.0.1 ports per case, TCP over loopback, the server contributing
+                   --mooncake-segment-gib; the client reads each object with hs_connectors' MooncakeTransfer from
+                   the manifest in the response and removes it (needs mooncake-transfer-engine beside vLLM)
 Engine args, every case: the model's (27B: benchlib.REFERENCE_27B, --load-format dummy, --language-model-only;
 --tiny: bf16, eager, and on CUDA the Triton GDN prefill) plus --max-model-len 4096 and --skip-tokenizer-init (the
 27B config dir has no tokenizer; the prompts are token ids) and --engine-arg.
@@ -79,7 +84,7 @@ import benchlib
 from benchlib import WORKLOADS
 
 DEFAULT_CASES = ("plain", "vllm-connector", "ours", "plain-fp8w", "vllm-connector-fp8w", "ours-fp8w")
-OPTIONAL_CASES = ("vllm-connector-fp8conn", "ours-fp8conn")
+OPTIONAL_CASES = ("vllm-connector-fp8conn", "ours-fp8conn", "vllm-connector-mooncake", "ours-mooncake")
 FP8_WEIGHTS = ["--quantization", "fp8"]  # as scripts/bench.py: vLLM's online per-tensor FP8
 TINY_ENGINE = ["--dtype", "bfloat16", "--enforce-eager"]
 CUDA_ENGINE = ["--gdn-prefill-backend", "triton"]  # the kit has no flashinfer (the default GDN prefill on Hopper)
@@ -95,17 +100,20 @@ VLLM_CPU_SHIM = ("import importlib.metadata as m, runpy, sys; v = m.version; "
 # -- cases ----------------------------------------------------------------------------------------
 def parse_case(name: str) -> dict:
     """'ours-fp8w' -> {"name", "kind": plain | vllm-connector | ours, "weights": bf16 | fp8w,
-    "connector": file | fp8 | None}."""
+    "connector": file | fp8 | mooncake | None}."""
     for kind in ("vllm-connector", "ours", "plain"):
         if name == kind or name.startswith(kind + "-"):
             tags = name[len(kind):].split("-")[1:]
             break
     else:
         raise ValueError(name)
-    if set(tags) - {"fp8w", "fp8conn"} or len(set(tags)) != len(tags) or (kind == "plain" and "fp8conn" in tags):
+    conn = set(tags) & {"fp8conn", "mooncake"}
+    if set(tags) - {"fp8w", "fp8conn", "mooncake"} or len(set(tags)) != len(tags) or len(conn) > 1 or (
+            kind == "plain" and conn):
         raise ValueError(name)
+    connector = {"fp8conn": "fp8", "mooncake": "mooncake"}[conn.pop()] if conn else "file"
     return {"name": name, "kind": kind, "weights": "fp8w" if "fp8w" in tags else "bf16",
-            "connector": None if kind == "plain" else ("fp8" if "fp8conn" in tags else "file")}
+            "connector": None if kind == "plain" else connector}
 
 
 def skip_reason(case: dict, cuda: bool) -> str | None:
@@ -128,23 +136,79 @@ def partner(name: str, kind: str) -> str:
     return kind + tags
 
 
-def capture_args(aux_ids: list[int], hs_dir: Path, connector: str) -> tuple[list[str], dict]:
+def mooncake_args(master: str, segment_gib: float) -> argparse.Namespace:
+    """speculators' --mooncake-* arguments (launch and train): TCP over loopback, P2PHANDSHAKE."""
+    return argparse.Namespace(mooncake_master=master, mooncake_metadata_server="P2PHANDSHAKE",
+                              mooncake_protocol="tcp", mooncake_device="", mooncake_global_segment_gib=segment_gib,
+                              mooncake_local_buffer_gib=2.0, mooncake_writer_threads=4)
+
+
+def capture_args(aux_ids: list[int], hs_dir: Path, connector: str, master: str | None = None,
+                 segment_gib: float = 16.0) -> tuple[list[str], dict]:
     """speculators' launch_vllm.py arguments: --speculative_config and --kv_transfer_config, the latter
     built by hs_connectors' own backend. Returns (argv, kv config)."""
-    from hs_connectors.transfer import FileBackend, FP8Backend
+    from hs_connectors.transfer import FileBackend, FP8Backend, MooncakeBackend
 
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux_ids}}}
-    backend = FP8Backend if connector == "fp8" else FileBackend
-    kv = backend.build_kv_transfer_config(argparse.Namespace(hidden_states_path=str(hs_dir)))
+    if connector == "mooncake":  # every Mooncake client of this bench on loopback
+        os.environ.setdefault("MOONCAKE_LOCAL_HOSTNAME", "127.0.0.1")
+        kv = MooncakeBackend.build_kv_transfer_config(mooncake_args(master, segment_gib))
+    else:
+        backend = FP8Backend if connector == "fp8" else FileBackend
+        kv = backend.build_kv_transfer_config(argparse.Namespace(hidden_states_path=str(hs_dir)))
     return ["--speculative_config", json.dumps(spec), "--kv_transfer_config", json.dumps(kv)], kv
 
 
+class MooncakeMaster:
+    """`mooncake_master` on free 127.0.0.1 ports for one case (objects live in the clients: the
+    server's segment), and the trainer's reader: hs_connectors' MooncakeTransfer."""
+
+    def __init__(self, log: Path, segment_gib: float) -> None:
+        exe = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
+        rpc, metrics = free_port(), free_port()
+        self.address = f"127.0.0.1:{rpc}"
+        self.proc = subprocess.Popen([exe, f"-rpc_port={rpc}", "-rpc_address=127.0.0.1", f"-metrics_port={metrics}",
+                                      "-metrics_host=127.0.0.1", "-enable_metric_reporting=false"],
+                                     stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", rpc), timeout=1).close()
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.time() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"mooncake_master did not start; log {log}") from None
+                time.sleep(0.1)
+        self.segment_gib = segment_gib
+        self.transfer = None
+
+    def reader(self):
+        if self.transfer is None:
+            os.environ.setdefault("MOONCAKE_LOCAL_HOSTNAME", "127.0.0.1")
+            from hs_connectors.transfer import MooncakeBackend
+
+            self.transfer = MooncakeBackend.from_train_args(mooncake_args(self.address, 0.0625), "")
+            self.transfer.setup()
+        return self.transfer
+
+    def stop(self) -> None:
+        if self.transfer is not None:
+            self.transfer.store._require_store().close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
 def server_command(case: dict, model: str, engine: list[str], hs_dir: Path, aux_ids: list[int],
-                   a: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+                   a: argparse.Namespace, master: str | None = None) -> tuple[list[str], dict[str, str]]:
     """(argv, environment additions) of the case's server."""
     args = [*engine, *(FP8_WEIGHTS if case["weights"] == "fp8w" else [])]
-    cap = capture_args(aux_ids, hs_dir, case["connector"])[0] if case["connector"] else []
+    cap = capture_args(aux_ids, hs_dir, case["connector"], master, a.mooncake_segment_gib)[0] \
+        if case["connector"] else []
     if case["kind"] == "ours":
         budget = ["--max-unread-bytes", str(a.max_unread_bytes)] if a.max_unread_bytes else []
         return [sys.executable, "-m", "vllm_hidden.cli", "serve", model, *cap, *args, *budget], {}
@@ -298,6 +362,24 @@ class RetryCount(logging.Handler):
                 self.first.append(record.getMessage()[:300])
 
 
+def consume_object(transfer, params: dict, prompt: list[int], num_layers: int, keep: Path | None) -> tuple[int, str]:
+    """What speculators' trainer does with a Mooncake object: read it from the manifest (its
+    MooncakeTransfer), check it, remove it. Returns (bytes, dtype)."""
+    d = transfer.get_generated(params)
+    hs, tok = d["hidden_states"], d["token_ids"]
+    if tok.tolist() != prompt:
+        raise ValueError(f"{params['handle']}: token_ids differ from the prompt ({tok.shape[0]} vs {len(prompt)})")
+    if hs.dim() != 3 or hs.shape[0] != len(prompt) or hs.shape[1] != num_layers:
+        raise ValueError(f"{params['handle']}: hidden_states {list(hs.shape)}, "
+                         f"expected [{len(prompt)}, {num_layers}, H]")
+    if keep is not None:
+        from safetensors.torch import save_file
+
+        save_file({"hidden_states": hs.contiguous(), "token_ids": tok.contiguous()}, str(keep))
+    transfer.delete(params["handle"])
+    return int(params["metadata"]["total_aligned_bytes"]), str(hs.dtype).removeprefix("torch.")
+
+
 def consume(path: str, prompt: list[int], num_layers: int, keep: Path | None) -> tuple[int, str]:
     """What the trainer does with a file: load it, check it, delete it. Returns (bytes, dtype)."""
     from safetensors.torch import load_file
@@ -316,7 +398,7 @@ def consume(path: str, prompt: list[int], num_layers: int, keep: Path | None) ->
 
 
 async def run_requests(url: str, model: str, prompts: list[list[int]], case: dict, a: argparse.Namespace,
-                       num_layers: int, keep_dir: Path | None) -> dict:
+                       num_layers: int, keep_dir: Path | None, reader=None) -> dict:
     """Send every prompt (at most a.concurrency in flight) and handle each response as the
     trainer does; returns the wall time, bytes, latencies and errors."""
     import openai
@@ -340,13 +422,16 @@ async def run_requests(url: str, model: str, prompts: list[list[int]], case: dic
                         raise ValueError("response's prompt_token_ids differ from the prompt")
                     lat.append(time.perf_counter() - t)
                     return
-                path, _ = await spec_client.generate_hidden_states_async(
+                path, params = await spec_client.generate_hidden_states_async(
                     client, model, {"input_ids": prompt}, timeout=a.request_timeout, max_retries=a.max_retries)
                 lat.append(time.perf_counter() - t)
-            if os.path.exists(path + ".lock"):
-                await spec_client.wait_for_lock_async(path + ".lock")
             keep = keep_dir / f"{i}.safetensors" if keep_dir is not None and i < a.compare else None
-            size, dtype = await asyncio.to_thread(consume, path, prompt, num_layers, keep)
+            if reader is not None:  # Mooncake: the manifest in kv_transfer_params
+                size, dtype = await asyncio.to_thread(consume_object, reader, params, prompt, num_layers, keep)
+            else:
+                if os.path.exists(path + ".lock"):
+                    await spec_client.wait_for_lock_async(path + ".lock")
+                size, dtype = await asyncio.to_thread(consume, path, prompt, num_layers, keep)
             nbytes[0] += size
             dtypes.add(dtype)
         except Exception as e:  # noqa: BLE001 - counted and reported; the others go on
@@ -366,11 +451,11 @@ async def run_requests(url: str, model: str, prompts: list[list[int]], case: dic
 
 
 def timed_passes(url: str, model: str, prompts: list[list[int]], case: dict, a: argparse.Namespace,
-                 num_layers: int, keep_dir: Path | None) -> dict:
+                 num_layers: int, keep_dir: Path | None, reader=None) -> dict:
     """run_requests a.repeats times (the files of the first pass kept): its result with the median
     pass's wall time, every pass's, and the errors of all passes."""
-    runs = [asyncio.run(run_requests(url, model, prompts, case, a, num_layers, keep_dir if i == 0 else None))
-            for i in range(a.repeats)]
+    runs = [asyncio.run(run_requests(url, model, prompts, case, a, num_layers, keep_dir if i == 0 else None,
+                                     reader)) for i in range(a.repeats)]
     walls = [r["wall_s"] for r in runs]
     return {**runs[0], "wall_s": statistics.median(walls), "wall_s_each": [round(w, 3) for w in walls],
             "errors": sum(r["errors"] for r in runs),
@@ -389,8 +474,11 @@ def run_case(case: dict, ctx: dict, a: argparse.Namespace) -> dict:
         keep_dir = work / "keep" / case["name"]
         shutil.rmtree(keep_dir, ignore_errors=True)
         keep_dir.mkdir(parents=True)
-    argv, env = server_command(case, ctx["model"], ctx["engine"], hs_dir, ctx["aux_ids"], a)
     log = work / f"server-{case['name']}.log"
+    master = MooncakeMaster(work / f"mooncake-{case['name']}.log", a.mooncake_segment_gib) \
+        if case["connector"] == "mooncake" else None
+    argv, env = server_command(case, ctx["model"], ctx["engine"], hs_dir, ctx["aux_ids"], a,
+                               master.address if master else None)
     server = Server(argv, env, log)
     res: dict[str, Any] = {"kind": case["kind"], "weights": case["weights"], "connector": case["connector"],
                            "server_argv": server.argv, "server_env": env, "log": str(log)}
@@ -400,13 +488,15 @@ def run_case(case: dict, ctx: dict, a: argparse.Namespace) -> dict:
         res["server_start_s"] = round(server.start(a.start_timeout), 1)
         model = server.model_id()
         print(f"bench_online: {case['name']}: up in {res['server_start_s']} s", flush=True)
-        warm = asyncio.run(run_requests(server.url, model, ctx["warmup_prompts"], case, a, len(ctx["aux_ids"]), None))
+        reader = master.reader() if master else None
+        warm = asyncio.run(run_requests(server.url, model, ctx["warmup_prompts"], case, a, len(ctx["aux_ids"]), None,
+                                        reader))
         res["warmup"] = {"requests": len(ctx["warmup_prompts"]), "wall_s": round(warm["wall_s"], 2),
                          "errors": warm["errors"], "retries": retries.n}
         if warm["errors"] == len(ctx["warmup_prompts"]):  # no use timing a server that answers nothing
             raise RuntimeError(f"every warmup request failed, e.g. {warm['error_messages'][:1]}")
         retries.n, retries.first = 0, []
-        r = timed_passes(server.url, model, ctx["prompts"], case, a, len(ctx["aux_ids"]), keep_dir)
+        r = timed_passes(server.url, model, ctx["prompts"], case, a, len(ctx["aux_ids"]), keep_dir, reader)
         left = [f.name for f in hs_dir.iterdir()]
         if server.proc.poll() is not None:
             raise RuntimeError(f"the server exited with {server.proc.returncode} during the run")
@@ -417,6 +507,8 @@ def run_case(case: dict, ctx: dict, a: argparse.Namespace) -> dict:
     finally:  # SIGTERM (SystemExit) too: the server goes down with us
         logging.getLogger("speculators.data_generation.vllm_client").removeHandler(retries)
         server.stop()
+        if master is not None:
+            master.stop()
         res["gpu_free_wait_s"] = wait_gpu_free(ctx["gpu_baseline"])
         if log.exists():
             res["engine_log"] = benchlib.engine_log_facts(log.read_text(errors="replace"))
@@ -609,6 +701,9 @@ def main() -> None:
     ap.add_argument("--max-unread-bytes", type=int, default=200_000_000_000,
                     help="passed to `vllm-hidden serve` (0: not passed, its default)")
     ap.add_argument("--engine-arg", action="append", default=[], help="one more vLLM argument, every case (repeat)")
+    ap.add_argument("--mooncake-segment-gib", type=float, default=16.0,
+                    help="*-mooncake cases: the memory the server contributes to the store (speculators' "
+                         "--mooncake-global-segment-gib)")
     ap.add_argument("--keep-plugins", action="store_true",
                     help="let plain vLLM load installed vLLM plugins (vllm-hidden's included)")
     ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds a server may take to answer /health")

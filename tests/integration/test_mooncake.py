@@ -41,8 +41,9 @@ def master(tmp_path_factory):
     rpc, metrics = free_port(), free_port()
     log = tmp_path_factory.mktemp("mooncake") / "master.log"
     exe = Path(sys.executable).parent / "mooncake_master"
+    # -client_ttl 2: a client silent for 2 s (a killed server) is dropped with its segment (default 10 s)
     proc = subprocess.Popen([str(exe), f"-rpc_port={rpc}", "-rpc_address=127.0.0.1", f"-metrics_port={metrics}",
-                             "-metrics_host=127.0.0.1", "-enable_metric_reporting=false"],
+                             "-metrics_host=127.0.0.1", "-enable_metric_reporting=false", "-client_ttl=2"],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     addr = f"127.0.0.1:{rpc}"
     deadline = time.time() + 30
@@ -211,3 +212,24 @@ def test_clients_that_hang_up_hold_nothing(server, trainer):
            for i in range(2)]
     for m in got:
         trainer.delete(m["handle"])
+
+
+def test_a_killed_servers_unread_objects_go_with_it(server, trainer):
+    """Last (it kills the module's server): two objects put and not read, then the server killed
+    (SIGKILL, every process). They lived in its own segment, so the store drops them once the
+    master has not heard from it for its client_ttl: nothing is left in the store for ever, and
+    the store goes on serving its other clients (the trainer's)."""
+    import openai
+    from speculators.data_generation.vllm_client import generate_hidden_states
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0)
+    name = client.models.list().data[0].id
+    held = [generate_hidden_states(client, name, {"input_ids": prompt(900 + i, 50)}, max_retries=0)[1]
+            for i in range(2)]
+    assert all(trainer.exists(m["handle"]) for m in held)
+    server.kill()
+    deadline = time.time() + 60
+    while any(trainer.exists(m["handle"]) for m in held):
+        assert time.time() < deadline, "a killed server's objects are still in the store 60 s later"
+        time.sleep(0.5)
+    assert trainer.transfer.store._require_store().is_exist("no-such-key") == 0  # the store still answers
