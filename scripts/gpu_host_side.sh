@@ -4,6 +4,7 @@
 # call that carries the kit's last piece (.kit/deps, with .kit/extra), or in any later call on the
 # same warm host. Each STEP fits one 10-minute call (a cold 27B engine takes ~4 min to start):
 #   STEP=fp8      tests/gpu/test_gpu_fp8.py alone (~6-9 min with cold compile caches)
+#   STEP=fp8gen   its --generate case alone (test_gpu_fp8_generate)
 #   STEP=tests    scripts/bench_writer.py --pipeline on this host's CPUs, then test_gpu_capture.py
 #                 (parity with HF, and the statistics made from the device's row sums)
 #   STEP=plain    scripts/bench.py --qwen36-27b plain-fp8w on W-chat and W-short
@@ -11,7 +12,7 @@
 #                 or pass RESULT=<an earlier call's result file in the working tree>)
 #   STEP=server   tests/gpu/test_gpu_server.py (~3.5 min)
 #   STEP=bf16     bench.py plain and extract (two cold engines: one call each with CASES=plain, then
-#                 CASES=extract)
+#                 CASES=extract; or STEP=plain-bf16, then STEP=extract-bf16)
 #   STEP=fp8b     bench.py plain-fp8b, then extract-fp8b (CASES= as for bf16)
 #   STEP=generate scripts/bench_generate.py single turn (TURNS=3 for turn by turn)
 # Environment: OUT (required: results and logs go there), RESULT (see STEP=extract), CASES.
@@ -21,7 +22,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the output folder of the call}"
-STEP=${STEP:?set STEP to fp8, tests, plain, extract, server, bf16, fp8b or generate}
+STEP=${STEP:?set STEP to fp8, fp8gen, tests, plain, extract, server, bf16, plain-bf16, extract-bf16, fp8b or generate}
 mkdir -p "$OUT"
 
 env_sh=$(ls .kit/*/device-env.sh /tmp/kitstage/device-env.sh 2>/dev/null | head -1)
@@ -63,6 +64,12 @@ case "$STEP" in
     rc=$?
     quiet "$OUT/gpu-fp8.log" 30
     ;;
+  fp8gen)
+    timeout -k 10 "${FP8_S:-560}" python3 -m pytest -q -s -x -p no:cacheprovider tests/gpu/test_gpu_fp8.py \
+      -k generate > "$OUT/gpu-fp8-generate.log" 2>&1
+    rc=$?
+    quiet "$OUT/gpu-fp8-generate.log" 30
+    ;;
   tests)
     df -h /dev/shm | tail -1
     timeout 70 python3 scripts/bench_writer.py --dir /dev/shm/vh-wb --pipeline w-short,w-chat --pipeline-gb 6 \
@@ -76,6 +83,8 @@ case "$STEP" in
   plain) bench plain-fp8w; rc=$? ;;
   extract) bench extract-fp8w; rc=$? ;;
   bf16) bench "${CASES:-plain}"; rc=$? ;;
+  plain-bf16) bench plain; rc=$? ;;
+  extract-bf16) bench extract; rc=$? ;;
   fp8b) bench "${CASES:-plain-fp8b}"; rc=$? ;;
   server)
     timeout -k 10 540 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_server.py -rxXf \

@@ -9,7 +9,7 @@ model's, and each FP8 target's states against the bf16 target's on the same toke
 per layer: reported, bounded only loosely -- FP8 weights move the states; how far is what
 a drafter trained on bf16 states meets). Runs with the layer cut use CUDA graphs (vLLM's
 default); the whole-model runs are eager (their engines start in seconds). The numbers go
-to $OUT/gpu-fp8.json when OUT is set. Run: `pytest -q -s tests/gpu/test_gpu_fp8.py`."""
+to $OUT/<test name>.json when OUT is set, also when a test fails. Run: `pytest -q -s tests/gpu/test_gpu_fp8.py`."""
 
 from __future__ import annotations
 
@@ -98,25 +98,42 @@ def _stats_are_the_rows(out):
         assert v["absmax"] == pytest.approx(float(x.abs().max()), rel=1e-6), (name, v)
 
 
-def _engine_check(out, model, engine):
+def _engine_check(out, model, engine, result):
     from vllm_hidden.check.against_engine import check_against_engine
 
     r = check_against_engine(str(out), str(model), samples=6, device="cuda", engine_args=engine)
-    d = r.to_dict()
+    d = result[f"{out.name}_check"] = r.to_dict()
     print(f"check --reference engine {out.name}: {d['sources']}")
     assert r.ok, r.table()
     return d
 
 
-def test_gpu_fp8_targets(tmp_path):
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """The bf16 4-layer model, its FP8 checkpoint and the prompts, made once for the module."""
     from vllm_hidden.demo import make_qwen35_model, write_fp8_checkpoint
+
+    root = tmp_path_factory.mktemp("fp8")
+    model = make_qwen35_model(root / "qwen3_5-4", num_layers=len(LAYERS), vocab_size=VOCAB)
+    inp = root / "in.jsonl"
+    return model, write_fp8_checkpoint(model, root / "qwen3_5-4-fp8"), inp, _prompts(inp)
+
+
+@pytest.fixture
+def result(request):
+    """What a test measured, written to $OUT/<test name>.json also when it fails."""
+    d: dict = {"layers": LAYERS, "engine_args": ENGINE}
+    yield d
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], f"{request.node.name}.json"), "w") as f:
+            json.dump(d, f, indent=1)
+
+
+def test_gpu_fp8_targets(tmp_path, target, result):
     from vllm_hidden.storage.manifest import Manifest
 
-    model = make_qwen35_model(tmp_path / "qwen3_5-4", num_layers=len(LAYERS), vocab_size=VOCAB)
-    fp8_model = write_fp8_checkpoint(model, tmp_path / "qwen3_5-4-fp8")
-    inp = tmp_path / "in.jsonl"
-    good = _prompts(inp)
-    result = {"layers": LAYERS, "engine_args": ENGINE, "samples": len(good)}
+    model, fp8_model, inp, good = target
+    result["samples"] = len(good)
 
     # the bf16 target, every layer: what the FP8 targets are compared with
     _extract(model, inp, tmp_path / "bf16", LAYERS, EAGER, final_state="post-norm")
@@ -127,7 +144,7 @@ def test_gpu_fp8_targets(tmp_path):
     m = Manifest.read(tmp_path / "online")
     assert m.quantization == {"method": "fp8", "source": "online"}, m.quantization
     assert m.dtype == "bfloat16" and m.layers_run == len(LAYERS)
-    result["online_check"] = _engine_check(tmp_path / "online", model, EAGER)
+    _engine_check(tmp_path / "online", model, EAGER, result)
     _, online = _rows(tmp_path / "online")
     result["online_vs_bf16_rel_l2"] = _per_layer(online, bf16, range(4), range(4))
 
@@ -144,7 +161,7 @@ def test_gpu_fp8_targets(tmp_path):
     _extract(fp8_model, inp, tmp_path / "blocks", LAYERS, EAGER, final_state="post-norm", storage_dtype="fp8")
     m = Manifest.read(tmp_path / "blocks")
     assert m.quantization["source"] == "checkpoint" and m.quantization["weight_block_size"] == [128, 128], m
-    result["blocks_check"] = _engine_check(tmp_path / "blocks", fp8_model, EAGER)
+    _engine_check(tmp_path / "blocks", fp8_model, EAGER, result)
     _stats_are_the_rows(tmp_path / "blocks")
     _, blocks = _rows(tmp_path / "blocks")
     result["blocks_vs_bf16_rel_l2"] = _per_layer(blocks, bf16, range(4), range(4))
@@ -156,18 +173,20 @@ def test_gpu_fp8_targets(tmp_path):
     result["blocks_cut_vs_whole_rel_l2"] = _per_layer(bcut, blocks, [0], [1])
     assert result["blocks_cut_vs_whole_rel_l2"][0] <= FP8_STORED, result
 
-    # --generate on the online FP8 target: prompt and response rows give the engine's logprobs
-    from vllm_hidden.config import GenerateConfig
+    for key in ("online_vs_bf16_rel_l2", "blocks_vs_bf16_rel_l2"):
+        assert max(result[key]) <= FP8_VS_BF16, result
+    print(f"fp8: {json.dumps({k: v for k, v in result.items() if k.endswith('rel_l2')})}")
 
+
+def test_gpu_fp8_generate(tmp_path, target, result):
+    """--generate on the online FP8 target: prompt and response rows give the engine's logprobs
+    (response rows within the decode-vs-prefill noise the check measures)."""
+    from vllm_hidden.config import GenerateConfig
+    from vllm_hidden.storage.manifest import Manifest
+
+    model, _, inp, _ = target
     gen = tmp_path / "generate"
     s = _extract(model, inp, gen, LAYERS, [*EAGER, *ONLINE], final_state="post-norm",
                  generate=GenerateConfig(max_tokens=32, temperature=0.0))
     assert Manifest.read(gen).quantization["method"] == "fp8" and s.generated_tokens > 0
-    result["generate_check"] = _engine_check(gen, model, EAGER)
-
-    for key in ("online_vs_bf16_rel_l2", "blocks_vs_bf16_rel_l2"):
-        assert max(result[key]) <= FP8_VS_BF16, result
-    print(f"fp8: {json.dumps({k: v for k, v in result.items() if k.endswith('rel_l2')})}")
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gpu-fp8.json"), "w") as f:
-            json.dump(result, f, indent=1)
+    _engine_check(gen, model, EAGER, result)

@@ -67,9 +67,14 @@ def test_the_engine_gets_the_outputs_dtype_and_online_quantization():
 def test_each_sample_must_meet_its_own_bound():
     ok = {"a": {"mean_abs": 0.003, "max_abs": 0.02, "rounding": 0.002, "noise": 0.0005, "top1": 1.0},
           "b": {"mean_abs": 0.009, "max_abs": 0.01, "rounding": 0.0001, "noise": 0.003, "top1": 0.5}}
-    s = _source("last layer", ok)  # b: within 4 x its engine noise, though 90 x its rounding
-    assert s.ok and s.worst_sample == "b" and s.bound == pytest.approx(4 * 0.003) and s.noise == 0.003
+    s = _source("last layer", ok)  # b: within 4 x (floor + engine noise), though 90 x its rounding
+    assert s.ok and s.worst_sample == "b" and s.bound == pytest.approx(4 * (0.001 + 0.003)) and s.noise == 0.003
     assert s.top1_agree == 0.75 and s.max_abs == 0.02
+    # rounding and noise of a size add up (triangle inequality), beyond 4 x either alone
+    both = {"d": {"mean_abs": 0.012, "max_abs": 0.05, "rounding": 0.002, "noise": 0.002, "top1": 1.0}}
+    assert _source("final state", both).ok
+    both["d"]["mean_abs"] = 0.0161
+    assert not _source("final state", both).ok
     bad = {**ok, "c": {"mean_abs": 0.5, "max_abs": 3.0, "rounding": 0.002, "noise": 0.001, "top1": 0.0}}
     s = _source("last layer", bad)
     assert not s.ok and s.worst_sample == "c"
