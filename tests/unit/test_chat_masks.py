@@ -22,6 +22,8 @@ def reader(tmp_path, tok, records, name="in.jsonl", **kw):
     p = tmp_path / name
     if name.endswith(".parquet"):
         write_parquet(p, records, kw.pop("row_group_size", 7))
+    elif name.endswith(".json"):  # one array, as ShareGPT is downloaded: indented, with a BOM
+        p.write_bytes(b"\xef\xbb\xbf \n" + json.dumps(records, indent=2).encode())
     else:
         p.write_text("".join(json.dumps(r) + "\n" for r in records))
     return PromptReader(p, vocab_size=kw.pop("vocab", 512), max_prompt_len=kw.pop("max_len", 4096),
@@ -357,3 +359,19 @@ def test_regenerate_all_refuses_a_template_that_ends_turns_otherwise_before_a_us
     msgs = [{"role": "user", "content": "b"}, {"role": "user", "content": "c"}]
     (p,) = reader(tmp_path, tok, [{"id": "x", "messages": msgs}], room=4, regenerate="all")
     assert isinstance(p, BadLine) and "--regenerate last" in p.reason and "user turn 1" in p.reason
+
+
+@pytest.mark.parametrize("chunk", [7, 1 << 24])  # elements split across reads, and all in one
+def test_a_json_array_file_gives_what_its_jsonl_form_gives(tmp_path, tok, monkeypatch, chunk):
+    """Conversations in one JSON array (read element by element, never whole) become the
+    prompts and loss masks of the same records as JSONL; the record number is the index."""
+    from vllm_hidden.inputs import count_records, input_format, sources
+
+    monkeypatch.setattr(sources, "_CHUNK", chunk)
+    recs = chat_model.conversations(40)
+    arr, lines = reader(tmp_path, tok, recs, "in.json"), reader(tmp_path, tok, recs)
+    assert input_format(arr.path) == "json" and input_format(lines.path) == "jsonl"
+    got = list(arr)
+    assert got == list(lines) and len(got) == 40 and all(isinstance(p, Prompt) for p in got)
+    assert count_records(arr.path) == 40
+    assert list(reader(tmp_path, tok, [], "empty.json")) == []

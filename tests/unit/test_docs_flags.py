@@ -338,7 +338,8 @@ def collect(path: Path, text: str | None = None) -> list[Flag]:
 
 # --- the check -----------------------------------------------------------------------------
 
-PASS_TO_VLLM = {"extract": ("engine",), "warmup": ("engine", "serve"), "serve": ("serve",)}
+# check passes unknown options to the engine of --reference engine
+PASS_TO_VLLM = {"extract": ("engine",), "warmup": ("engine", "serve"), "serve": ("serve",), "check": ("engine",)}
 
 
 def _accepts(cmd: tuple[str, str], cli: dict, vllm: dict, scripts: dict, pytest_opts: set[str]

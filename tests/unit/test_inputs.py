@@ -220,3 +220,38 @@ def test_every_example_line_of_the_docs_is_read_as_documented(tmp_path):
     # and each is a prompt --generate can answer
     gen = list(reader(room=16))
     assert all(isinstance(p, Prompt) for p in gen), [p for p in gen if isinstance(p, BadLine)]
+
+
+def _reader(p):
+    return PromptReader(p, vocab_size=100, max_prompt_len=50, tokenizer_loader=FakeTok)
+
+
+def test_a_json_arrays_bad_elements_and_a_broken_tail(tmp_path, monkeypatch):
+    from vllm_hidden.inputs import sources
+
+    monkeypatch.setattr(sources, "_CHUNK", 5)
+    p = tmp_path / "in.json"
+    p.write_text('[{"id": "a", "token_ids": [1, 2]}, [3], {"id": "b", "token_ids": []},\n'
+                 ' {"id": "c", "token_ids": [4]} {"id": "d", "token_ids": [5]}]')
+    out = list(_reader(p))
+    assert out[0] == Prompt(0, "a", [1, 2], [(0, 2)])
+    assert isinstance(out[1], BadLine) and "array element is not a JSON object (got list)" in out[1].reason
+    assert isinstance(out[2], BadLine) and out[2].reason == "prompt has no tokens"
+    assert out[3] == Prompt(3, "c", [4], [(0, 1)])
+    # a missing comma: what follows cannot be found, so one error record ends the file
+    assert len(out) == 5 and isinstance(out[4], BadLine) and "expected ',' or ']'" in out[4].reason
+    p.write_text('[{"id": "a", "token_ids": [1]}, {"id": "b", "tok')  # cut off mid-element
+    out = list(_reader(p))
+    assert out[0] == Prompt(0, "a", [1], [(0, 1)])
+    assert len(out) == 2 and "invalid JSON in array element 1" in out[1].reason
+
+
+def test_a_scan_names_an_array_element_by_its_index(tmp_path):
+    from vllm_hidden.inputs.scan import where
+
+    p = tmp_path / "in.json"
+    p.write_text('[{"token_ids": [1]}]')
+    assert where(p, 3) == "array element 3"
+    q = tmp_path / "in.jsonl"
+    q.write_text('{"token_ids": [1]}\n')
+    assert where(q, 3) == "line 4"

@@ -116,10 +116,11 @@ def samples(ds: "HiddenStatesDataset", progress: bool, what: str) -> Iterator[tu
     n = len(ds)
     bar = None
     if progress:
+        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
         bar = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-                  TimeRemainingColumn(), transient=False)
+                       TimeRemainingColumn(), transient=False, console=Console(stderr=True))
         task = bar.add_task(what, total=n)
         bar.start()
     try:

@@ -103,8 +103,8 @@ def export_speculators(src: str, dest: str | Path, *, layers: list[int] | None =
         import datasets
         import pyarrow as pa
     except ImportError:
-        raise ImportError("export --to speculators needs the datasets package: pip install 'vllm-hidden[export]' "
-                          "(or pip install datasets)") from None
+        raise ImportError("export --to speculators needs the datasets package: pip install datasets (in a clone of "
+                          "vllm-hidden: pip install -e '.[export]')") from None
     from safetensors.torch import save_file
 
     ds = open_source(src, s3_endpoint_url)

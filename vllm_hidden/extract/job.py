@@ -75,6 +75,7 @@ class ProgressBar:
         self.p = None
         if not enabled:
             return
+        from rich.console import Console
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
@@ -88,6 +89,7 @@ class ProgressBar:
             TextColumn("extract"), BarColumn(), MofNCompleteColumn(),
             TextColumn("{task.fields[tps]:>9,.0f} tok/s {task.fields[sps]:>7,.1f} samples/s err {task.fields[err]}"),
             TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+            console=Console(stderr=True),  # stdout stays the summary's, also when piped
         )
         self.task = self.p.add_task("extract", total=total, tps=0.0, sps=0.0, err=0)
         self.t0 = time.perf_counter()

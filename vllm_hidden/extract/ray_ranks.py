@@ -42,7 +42,8 @@ def _ray():
     try:
         import ray
     except ImportError:
-        raise ImportError('--ray needs Ray: pip install "vllm-hidden[ray]"') from None
+        raise ImportError("--ray needs Ray: pip install 'ray>=2.40,<3' (in a clone of vllm-hidden: "
+                          "pip install -e '.[ray]')") from None
     return ray
 
 

@@ -1,4 +1,4 @@
-"""Input files -> prompts: records (JSONL or Parquet), their kinds, chat templates and loss masks, and the
+"""Input files -> prompts: records (JSONL, a JSON array or Parquet), their kinds, chat templates and loss masks, and the
 up-front pass over a file (scan)."""
 
 from vllm_hidden.inputs.chat import MASK_RULES

@@ -25,8 +25,9 @@ SYSTEMATIC = 100  # the first this many records all bad: a mistake in the whole 
 
 def where(path: Any, line: int) -> str:
     """A record's place for a person: a JSONL line counted from 1 (as editors count), a
-    Parquet row by its 0-based index (as pyarrow and pandas show it)."""
-    return f"row {line}" if input_format(path) == "parquet" else f"line {line + 1}"
+    Parquet row or an array element by its 0-based index (as pyarrow, pandas and json show it)."""
+    fmt = input_format(path)
+    return f"row {line}" if fmt == "parquet" else f"array element {line}" if fmt == "json" else f"line {line + 1}"
 
 
 @dataclass

@@ -1,7 +1,9 @@
-"""Where input records come from: a JSONL file (one JSON object per line) or a Parquet file
-(one row per sample, read one row group at a time, never whole), chosen by the extension.
-Both yield (record number, dict | error text); the record number is the line's 0-based
-index (JSONL) or the row's (Parquet), and is what `id` defaults to."""
+"""Where input records come from: a JSONL file (one JSON object per line), a JSON file holding
+one array of objects (ShareGPT as downloaded; streamed element by element, never whole), or a
+Parquet file (one row per sample, read one row group at a time), chosen by the extension
+(Parquet) or the file's first character (`[`: an array). All yield (record number, dict |
+error text); the record number is the line's 0-based index (JSONL), the element's (array) or
+the row's (Parquet), and is what `id` defaults to."""
 
 from __future__ import annotations
 
@@ -17,7 +19,15 @@ FIELDS = ("id", "token_ids", "loss_mask", "text", "messages", "conversations", "
 
 
 def input_format(path: str | Path) -> str:
-    return "parquet" if str(path).lower().endswith(PARQUET_SUFFIXES) else "jsonl"
+    """"parquet" (by extension), "json" (the file begins with `[`: one array) or "jsonl"."""
+    if str(path).lower().endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:  # not readable: the caller's open says why
+        return "jsonl"
+    return "json" if head.removeprefix(codecs.BOM_UTF8).lstrip().startswith(b"[") else "jsonl"
 
 
 def parse_columns(spec: str | dict[str, str] | None) -> dict[str, str]:
@@ -47,15 +57,19 @@ def _pyarrow_parquet():
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ImportError("Parquet input needs pyarrow: pip install 'vllm-hidden[parquet]' "
-                          "(or pip install pyarrow)") from None
+        raise ImportError("Parquet input needs pyarrow: pip install pyarrow (in a clone of vllm-hidden: "
+                          "pip install -e '.[parquet]')") from None
     return pq
 
 
 def count_records(path: str | Path) -> int:
-    """Samples the file holds, for the progress bar (JSONL: lines; Parquet: rows, from its footer)."""
-    if input_format(path) == "parquet":
+    """Samples the file holds, for the progress bar (JSONL: lines; Parquet: rows, from its
+    footer; an array: its elements, read through)."""
+    fmt = input_format(path)
+    if fmt == "parquet":
         return _pyarrow_parquet().ParquetFile(str(path)).metadata.num_rows
+    if fmt == "json":
+        return sum(1 for _ in json_array_records(path))
     return count_lines(path)
 
 
@@ -78,6 +92,74 @@ def jsonl_records(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | str]
             if not raw.strip():
                 continue
             yield i, parse_json(raw)
+
+
+_CHUNK = 1 << 24
+_SPACE = " \t\r\n"
+
+
+class _ArrayText:
+    """A JSON array file's text, decoded as it is read: `buf[pos:]` is what is not consumed yet."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.buf, self.pos, self.eof = f, "", 0, False
+        self.utf8 = codecs.getincrementaldecoder("utf-8-sig")()  # and drops a leading BOM
+
+    def more(self) -> None:
+        chunk = self.f.read(_CHUNK)
+        self.eof = not chunk
+        self.buf = self.buf[self.pos:] + self.utf8.decode(chunk, final=self.eof)
+        self.pos = 0
+
+    def peek(self) -> str:
+        """The next character that is not white space ("" at the end of the file)."""
+        while True:
+            while self.pos < len(self.buf) and self.buf[self.pos] in _SPACE:
+                self.pos += 1
+            if self.pos < len(self.buf) or self.eof:
+                return self.buf[self.pos:self.pos + 1]
+            self.more()
+
+
+def json_array_records(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | str]]:
+    """A file holding one JSON array of objects, one element decoded at a time (a ShareGPT
+    download of a few GB needs a few MB). An element that is not an object is a bad record; a
+    file that stops being valid JSON ends with one error record (nothing after it can be found)."""
+    dec = json.JSONDecoder()
+    with open(path, "rb") as f:
+        t = _ArrayText(f)
+        i = 0
+        try:
+            t.more()
+            if t.peek() != "[":
+                yield 0, "not a JSON array"
+                return
+            t.pos += 1
+            if t.peek() == "]":
+                return
+            while True:
+                while True:
+                    try:
+                        obj, t.pos = dec.raw_decode(t.buf, t.pos)
+                        break
+                    except json.JSONDecodeError as e:
+                        if t.eof:  # the element is not complete in the whole rest of the file
+                            yield i, f"invalid JSON in array element {i}: {e.msg}; the rest of the file is skipped"
+                            return
+                        t.more()
+                yield i, obj if isinstance(obj, dict) else \
+                    f"array element is not a JSON object (got {type(obj).__name__})"
+                i += 1
+                c = t.peek()
+                if c == "]":
+                    return
+                if c != ",":
+                    yield i, f"invalid JSON after array element {i - 1}: expected ',' or ']', got {c or 'the end'!r}"
+                    return
+                t.pos += 1
+                t.peek()
+        except UnicodeDecodeError as e:
+            yield i, f"file is not UTF-8: {e}; the rest of the file is skipped"
 
 
 def parse_json(raw: bytes | str) -> dict[str, Any] | str:
@@ -146,11 +228,11 @@ def _without_nulls(v: Any) -> Any:
 
 
 def records(path: str | Path, columns: dict[str, str] | None = None) -> Iterator[tuple[int, dict[str, Any] | str]]:
-    if input_format(path) == "parquet":
+    fmt = input_format(path)
+    if fmt == "parquet":
         return parquet_records(path, columns or {})
-    if columns:
-        return _renamed(jsonl_records(path), columns)
-    return jsonl_records(path)
+    recs = json_array_records(path) if fmt == "json" else jsonl_records(path)
+    return _renamed(recs, columns) if columns else recs
 
 
 def _renamed(recs: Iterator[tuple[int, dict[str, Any] | str]],

@@ -47,7 +47,8 @@ def make_client(endpoint_url: str | None = None):
         import boto3
         from botocore.config import Config
     except ImportError:
-        raise ImportError("S3 needs boto3: pip install 'vllm-hidden[s3]' (or pip install boto3)") from None
+        raise ImportError("S3 needs boto3: pip install boto3 (in a clone of vllm-hidden: "
+                          "pip install -e '.[s3]')") from None
     # standard retry mode: exponential backoff with jitter on throttling, 5xx and dropped connections
     cfg = Config(retries={"max_attempts": 8, "mode": "standard"}, connect_timeout=10, read_timeout=120,
                  max_pool_connections=32)
