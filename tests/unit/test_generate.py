@@ -12,10 +12,11 @@ import torch
 from tests.outputs import shard_writer
 from tests.unit.test_assembler_open_ended import H, Harness, K, truth
 from vllm_hidden.capture import records
-from vllm_hidden.capture.assembler import Assembler, _StagePool
+from vllm_hidden.capture.assembler import Assembler
 from vllm_hidden.capture.memory import MemorySink
-from vllm_hidden.capture.records import CaptureError, NewRequest, Segment, StepRecord
+from vllm_hidden.capture.records import CaptureError, NewRequest, ResponseEnd, Segment, StepRecord
 from vllm_hidden.capture.ring import StepTransfer
+from vllm_hidden.capture.staging import StagePool
 from vllm_hidden.config import GenerateConfig
 from vllm_hidden.extract.generate import Ended, Responses, sample_seed
 from vllm_hidden.inputs import BadLine, Prompt
@@ -52,9 +53,9 @@ def test_length_end_keeps_max_tokens_once_one_more_was_sampled():
     assert r.update("0", [22, 23], False) is None  # 4 kept, but the 4th's row is not computed yet
     got = r.update("0", [24], True)
     assert isinstance(got, Ended) and not got.abort and got.line == 0
-    assert got.end["rows"] == 7 and got.end["token_ids"] == [10, 11, 12, 20, 21, 22, 23]
-    assert got.end["loss_spans"] == [[1, 2], [3, 7]] and got.end["num_prompt"] == 3
-    rec = json.loads(got.end["record"])
+    assert got.end.rows == 7 and got.end.token_ids == [10, 11, 12, 20, 21, 22, 23]
+    assert got.end.loss_spans == [[1, 2], [3, 7]] and got.end.num_prompt == 3
+    rec = json.loads(got.end.record)
     assert rec["finish_reason"] == "length" and rec["response_token_ids"] == [20, 21, 22, 23]
     assert rec["messages"][-1] == {"role": "assistant", "content": "w20 w21 w22 w23"}
     assert rec["num_generated_tokens"] == 4 and got.generated == 4 and got.rows == 7
@@ -65,19 +66,19 @@ def test_stop_token_is_kept_and_the_request_is_aborted_one_token_later():
     _start(r)
     assert r.update("0", [20, EOS], False) is None  # EOS is the last kept token: its row comes next step
     got = r.update("0", [30, 31], False)
-    assert got.abort and got.end["token_ids"][3:] == [20, EOS] and got.end["rows"] == 5
-    assert json.loads(got.end["record"])["finish_reason"] == "stop"
-    assert json.loads(got.end["record"])["response"] == "w20"  # special tokens left out of the text
+    assert got.abort and got.end.token_ids[3:] == [20, EOS] and got.end.rows == 5
+    assert json.loads(got.end.record)["finish_reason"] == "stop"
+    assert json.loads(got.end.record)["response"] == "w20"  # special tokens left out of the text
 
 
 def test_ignore_eos_and_stop_tokens_after_max_tokens():
     r = _responses(ignore_eos=True, max_tokens=3)
     _start(r)
-    assert r.update("0", [EOS, 21, 22, EOS], False).end["token_ids"][3:] == [EOS, 21, 22]
+    assert r.update("0", [EOS, 21, 22, EOS], False).end.token_ids[3:] == [EOS, 21, 22]
     r = _responses(max_tokens=2)
     _start(r)
     got = r.update("0", [20, 21, EOS], True)  # EOS past --max-tokens: the length end
-    assert json.loads(got.end["record"])["finish_reason"] == "length" and got.generated == 2
+    assert json.loads(got.end.record)["finish_reason"] == "length" and got.generated == 2
 
 
 def test_stop_string_ends_with_the_token_that_completes_it():
@@ -85,26 +86,26 @@ def test_stop_string_ends_with_the_token_that_completes_it():
     _start(r)
     assert r.update("0", [21, 22], False) is None
     got = r.update("0", [23, 24, 25], False)
-    assert got.end["token_ids"][3:] == [21, 22, 23] and got.abort
+    assert got.end.token_ids[3:] == [21, 22, 23] and got.abort
 
 
 def test_no_mask_stays_none_and_other_sources():
     r = _responses(max_tokens=1)
     _start(r, spans=None, source={"text": "a b"})
     got = r.update("0", [20, 21], False)
-    rec = json.loads(got.end["record"])
-    assert got.end["loss_spans"] is None and rec["text"] == "a b" and "messages" not in rec
+    rec = json.loads(got.end.record)
+    assert got.end.loss_spans is None and rec["text"] == "a b" and "messages" not in rec
 
 
 def test_an_engine_ending_early_keeps_what_has_rows_or_is_an_error_record():
     r = _responses(max_tokens=8)
     _start(r)
     got = r.update("0", [20, 21, 22], True)
-    assert got.end["token_ids"][3:] == [20, 21] and not got.abort
+    assert got.end.token_ids[3:] == [20, 21] and not got.abort
     r = _responses(max_tokens=8)
     _start(r)
     got = r.update("0", [20], True)
-    assert isinstance(got.bad, BadLine) and got.end["drop"] and not got.rows
+    assert isinstance(got.bad, BadLine) and got.end.drop and not got.rows
 
 
 def test_sample_seeds_depend_on_run_seed_and_id_only():
@@ -158,8 +159,8 @@ def _gen_harness():
 
 
 def _end(rows, record="r\n", line=0, turn=0):
-    return {"line": line, "turn": turn, "rows": rows, "token_ids": list(range(rows)), "loss_spans": [[3, rows]],
-            "num_prompt": 3, "record": record}
+    return ResponseEnd(line, turn, rows=rows, token_ids=list(range(rows)), loss_spans=[[3, rows]], num_prompt=3,
+                       record=record)
 
 
 def test_generated_rows_wait_for_their_end_then_go_to_the_sink_as_kept():
@@ -194,7 +195,7 @@ def test_a_request_finished_short_of_its_end_is_dropped_and_a_drop_end_frees_it(
            new={"a": NewRequest("s", [1, 2, 3], rows=8, line=0, generate=True),
                 "b": NewRequest("t", [1, 2, 3], rows=8, line=1, generate=True)})
     h.finish("a")
-    h.asm.process(_record(ends=[_end(5), {"line": 1, "turn": 0, "drop": "bad"}]))
+    h.asm.process(_record(ends=[_end(5), ResponseEnd(1, 0, drop="bad")]))
     assert h.sink.added == [] and h.asm.dropped == ["a"] and h.asm.in_flight == 0
 
 
@@ -251,11 +252,11 @@ def test_turns_go_in_one_after_another_only_the_last_captured():
     got = r.update("0.2", [44], False)
     p2 = len(last.token_ids)
     end = got.end
-    assert got.rows == p2 + 4 == end["rows"] and got.generated == 4 + 2 + 4
-    assert end["token_ids"] == last.token_ids + [40, 41, 42, 43] and end["turn"] == 2 and end["num_prompt"] == 3
+    assert got.rows == p2 + 4 == end.rows and got.generated == 4 + 2 + 4
+    assert end.token_ids == last.token_ids + [40, 41, 42, 43] and end.turn == 2 and end.num_prompt == 3
     # every response and its end of turn, the last as sampled
-    assert end["loss_spans"] == [[3, 3 + 4 + 1], [11, 13], [p2, p2 + 4]]
-    rec = json.loads(end["record"])
+    assert end.loss_spans == [[3, 3 + 4 + 1], [11, 13], [p2, p2 + 4]]
+    rec = json.loads(end.record)
     assert [t["token_ids"] for t in rec["turns"]] == [[20, 21, 22, 23], [30, EOS], [40, 41, 42, 43]]
     assert [t["finish_reason"] for t in rec["turns"]] == ["length", "stop", "length"]
     assert [m["content"] for m in rec["messages"]] == ["q0", "w20 w21 w22 w23", "q1", "w30", "q2",
@@ -272,7 +273,7 @@ def test_turn_masks_follow_the_rule(rule, want):
     nxt = r.update("0", [20], False).next
     last = r.update("0.1", [30], False).next
     end = r.update("0.2", [40, 41], False).end
-    assert end["loss_spans"] == want(len(last.token_ids)) and nxt.rid == "0.1"
+    assert end.loss_spans == want(len(last.token_ids)) and nxt.rid == "0.1"
 
 
 def test_a_conversation_outgrowing_max_model_len_keeps_its_completed_turns():
@@ -281,9 +282,9 @@ def test_a_conversation_outgrowing_max_model_len_keeps_its_completed_turns():
     _, params = _conversation(r)
     assert params.extra_args["vllm_hidden_rows"] == 7 and params.max_tokens == 5
     got = r.update("0", [20, 21, 22, 23, 24], False)  # full length: turn 2 does not fit
-    assert got.next is None and got.rows == 7 and got.end["token_ids"] == [10, 11, 12, 20, 21, 22, 23]
-    assert got.end["loss_spans"] == [[3, 7]]  # as sampled: no end of turn appended
-    rec = json.loads(got.end["record"])
+    assert got.next is None and got.rows == 7 and got.end.token_ids == [10, 11, 12, 20, 21, 22, 23]
+    assert got.end.loss_spans == [[3, 7]]  # as sampled: no end of turn appended
+    rec = json.loads(got.end.record)
     assert "user turn 2" in rec["stopped"] and "11 tokens" in rec["stopped"] and len(rec["turns"]) == 1
     assert "max_model_len 14" in rec["stopped"]
     assert [m["content"] for m in rec["messages"]] == ["q0", "w20 w21 w22 w23"]
@@ -291,7 +292,7 @@ def test_a_conversation_outgrowing_max_model_len_keeps_its_completed_turns():
     r = _responses(max_prompt_len=3 + 4 + 4 - 1)
     _conversation(r)
     got = r.update("0", [20, EOS, 30], False)
-    assert got.end == {"line": 0, "turn": 0, "drop": "continued"} and got.rows == 0
+    assert got.end == ResponseEnd(0, 0, drop="continued") and got.rows == 0
     assert got.next.token_ids == [10, 11, 12, 20, EOS, 60, 61, 62]
     assert got.next.params.extra_args["vllm_hidden_turn"] == 1
 
@@ -355,7 +356,7 @@ class _Ring:
         self.asm = Assembler(self.tr, sink)
         if slab_rows is not None:  # small slabs: requests spread over several
             row_bytes = 4 * (K * H + K * (3 if row_stats else 1))
-            self.asm._stages = _StagePool(slab_bytes=slab_rows * row_bytes)
+            self.asm._stages = StagePool(slab_bytes=slab_rows * row_bytes)
         self.seen = {}
 
     def step(self, parts, new=None, ends=(), listed=list):
@@ -491,7 +492,7 @@ def test_the_stage_pool_cuts_ranges_from_slabs_reuses_them_and_keeps_empty_slabs
     tr = StepTransfer(4, K, H, torch.float32, torch.device("cpu"), 2)
     ring = (tr.host[0], tr.host_stat[0], None)
     row = 4 * (K * H + K)
-    pool = _StagePool(cap_bytes=2 * 256 * row, slab_bytes=256 * row)  # slabs of 256 rows, two of them kept
+    pool = StagePool(cap_bytes=2 * 256 * row, slab_bytes=256 * row)  # slabs of 256 rows, two of them kept
     a, b = pool.take(100, *ring), pool.take(128, *ring)
     assert a.slab is b.slab and (a.offset, a.rows, b.offset) == (0, 128, 128) and a.buf.shape[0] == 128
     c = pool.take(300, *ring)  # more than a slab: a slab of its own
@@ -508,7 +509,7 @@ def test_the_stage_pool_cuts_ranges_from_slabs_reuses_them_and_keeps_empty_slabs
     pool.give(e)  # kept, empty
     f = pool.take(256, *ring)
     assert (f.slab, f.offset) == (e.slab, 0)
-    pool = _StagePool(slab_bytes=512 * row)
+    pool = StagePool(slab_bytes=512 * row)
     g = pool.take(128, *ring)
     pool.give(pool.take(256, *ring))  # [128, 384) given back while g is in use
     h = pool.take(128, *ring)  # the rest of the slab first
@@ -519,7 +520,7 @@ def test_the_stage_pool_cuts_ranges_from_slabs_reuses_them_and_keeps_empty_slabs
     j = pool.take(512, *ring)  # empty: cut afresh
     assert (j.slab, j.offset) == (g.slab, 0) and len(pool._slabs) == 1 and not any(pool._free.values())
     # cap 0: nothing kept, every range fresh
-    pool = _StagePool(cap_bytes=0, slab_bytes=256 * row)
+    pool = StagePool(cap_bytes=0, slab_bytes=256 * row)
     k = pool.take(128, *ring)
     m = pool.take(128, *ring)
     pool.give(k)
@@ -527,3 +528,12 @@ def test_the_stage_pool_cuts_ranges_from_slabs_reuses_them_and_keeps_empty_slabs
     assert n.slab is not k.slab and pool._slabs == [k.slab, n.slab]
     pool.give(m)
     assert pool._slabs == [n.slab]
+
+
+def test_a_response_end_crosses_to_the_worker_as_a_plain_dict():
+    """The driver sends ends over vLLM's RPC as dicts (any serializer carries them); the worker
+    gets back the same ends."""
+    ends = [_end(7, line=3, turn=1), ResponseEnd(4, 2, drop="continued")]
+    wire = [e.to_dict() for e in ends]
+    assert all(type(d) is dict for d in wire) and json.loads(json.dumps(wire)) == wire
+    assert [ResponseEnd.from_dict(d) for d in wire] == ends

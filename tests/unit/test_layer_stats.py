@@ -382,7 +382,7 @@ def _through_the_ring(tmp_path, samples, *, final, fp8, generate, monkeypatch):
     on the GPU), Assembler and ShardWriter, in steps of 8 rows; the writer may not reduce rows
     itself. Returns the values read back per column (float64, dequantized)."""
     from vllm_hidden.capture.assembler import Assembler
-    from vllm_hidden.capture.records import NewRequest, Segment, StepRecord
+    from vllm_hidden.capture.records import NewRequest, ResponseEnd, Segment, StepRecord
     from vllm_hidden.capture.ring import StepTransfer
 
     def host_reduction(*a, **kw):
@@ -410,8 +410,8 @@ def _through_the_ring(tmp_path, samples, *, final, fp8, generate, monkeypatch):
         tr.submit([block[:, c] for c in range(cols)], len(step), slot)
         ends = []
         if generate:  # each sample ends once its last row is in: prompt of 2, the rest its response
-            ends = [{"line": i, "turn": 0, "rows": rows[sid].shape[0], "token_ids": samples[sid][0].tolist(),
-                     "loss_spans": None, "num_prompt": 2, "record": "{}\n"}
+            ends = [ResponseEnd(i, 0, rows=rows[sid].shape[0], token_ids=samples[sid][0].tolist(), num_prompt=2,
+                                record="{}\n")
                     for i, sid in enumerate(rows) if any(s == sid and p == rows[sid].shape[0] - 1 for s, p in step)]
         asm.process(StepRecord(slot, len(step), segs, new, frozenset()))
         if ends:

@@ -15,132 +15,14 @@ import os
 import queue
 import threading
 import time
-from typing import Any
 
 import torch
 
-from vllm_hidden.capture.records import CaptureError, NewRequest, Segment, Sink, Slot, StepRecord
+from vllm_hidden.capture.records import CaptureError, NewRequest, ResponseEnd, Segment, Sink, Slot, StepRecord
 from vllm_hidden.capture.ring import StepTransfer
+from vllm_hidden.capture.staging import Slab, StagePool, words
 
 log = logging.getLogger(__name__)
-
-
-class _Slab:
-    """One allocation that staging buffers are ranges of: values [S, C, H], statistics [S, C]
-    and, when the ring has them, row sums [S, 2, C]. A decode step's rows of every generating
-    request in the slab are placed with one scatter per tensor (`Assembler._place_generated`)."""
-
-    __slots__ = ("buf", "stat", "moments", "words", "rows", "used", "live", "nbytes")
-
-    def __init__(self, rows: int, host: torch.Tensor, host_stat: torch.Tensor, moments: torch.Tensor | None) -> None:
-        self.buf = torch.empty((rows, *host.shape[1:]), dtype=host.dtype)
-        self.stat = torch.empty((rows, host_stat.shape[1]), dtype=host_stat.dtype)
-        self.moments = None if moments is None else torch.empty((rows, *moments.shape[1:]), dtype=moments.dtype)
-        self.words = _words(self.buf)
-        self.rows = rows
-        self.used = 0  # rows [0, used) were cut into ranges since the slab was last empty
-        self.live = 0  # ranges handed out and not given back
-        self.nbytes = sum(t.numel() * t.element_size() for t in (self.buf, self.stat, self.moments) if t is not None)
-
-
-def _words(values: torch.Tensor) -> torch.Tensor:
-    """Rows of values [n, C, H] (a view, also of the ring's strided rows) as 4-byte words
-    [n, C*H*size/4]: the scatter copies element by element, and wider elements are fewer (the
-    ring keeps each row's values a multiple of 4 bytes)."""
-    return values.view(values.shape[0], -1).view(torch.int32)
-
-
-class _Staged:
-    """A generating request's rows [rows, C, H], statistics [rows, C] and, when the ring has
-    them, row sums [rows, 2, C] (C: the ring's columns, the final state's included, as
-    `Sink.add_rows` takes them), until its end is known: rows [offset, offset + rows) of a slab."""
-
-    __slots__ = ("slab", "offset", "rows", "buf", "stat", "moments")
-
-    def __init__(self, slab: _Slab, offset: int, rows: int) -> None:
-        self.slab, self.offset, self.rows = slab, offset, rows
-        sel = slice(offset, offset + rows)
-        self.buf = slab.buf[sel]
-        self.stat = slab.stat[sel]
-        self.moments = None if slab.moments is None else slab.moments[sel]
-
-    def place(self, pos: int, rows: torch.Tensor, stat: torch.Tensor, moments: torch.Tensor | None = None) -> None:
-        n = rows.shape[0]
-        self.buf[pos : pos + n].copy_(rows)
-        self.stat[pos : pos + n].copy_(stat)
-        if self.moments is not None:
-            self.moments[pos : pos + n].copy_(moments)
-
-
-class _StagePool:
-    """Staging buffers of generating requests, as ranges of a few large slabs: a decode step
-    places its rows with a few copies per slab instead of a few per request, and ranges are
-    kept for the next requests (a fresh buffer's pages are faulted in as its rows arrive, ~3
-    GB/s against ~12 reused, on the assembler thread the engine waits on; a wave of requests
-    needs the same sizes again). Sizes are rounded up to GRAIN rows. A range comes from the
-    ranges given back of its size, else is cut from the current slab, else from an empty slab,
-    else is a larger range given back, else a new slab (`slab_bytes`, or the request's size)
-    is made.
-
-    What is kept: a slab while any of its ranges is in use (with the ranges given back in it,
-    for reuse); an empty slab only while the slabs held total at most `cap_bytes`, else it goes
-    back to the allocator. With `cap_bytes` 0 nothing is reused: every range is fresh memory.
-    `give` may be called from any thread (the sink's writer threads, once they copied the rows)."""
-
-    GRAIN = 128
-
-    def __init__(self, cap_bytes: int = 2 << 30, slab_bytes: int = 1 << 30) -> None:
-        self.cap_bytes = cap_bytes
-        self.slab_bytes = slab_bytes
-        self._slabs: list[_Slab] = []
-        self._cur: _Slab | None = None  # where new ranges are cut from
-        self._free: dict[int, list[_Staged]] = {}  # ranges given back, by size, in slabs still in use
-        self._bytes = 0  # of the slabs held
-        self._lock = threading.Lock()
-
-    def take(self, rows: int, host: torch.Tensor, host_stat: torch.Tensor, moments: torch.Tensor | None) -> _Staged:
-        n = -(-rows // self.GRAIN) * self.GRAIN
-        with self._lock:
-            kept = self._free.get(n)
-            s = kept.pop() if kept else self._cut(n, host, host_stat, moments)
-            s.slab.live += 1
-            return s
-
-    def _cut(self, n: int, host: torch.Tensor, host_stat: torch.Tensor, moments: torch.Tensor | None) -> _Staged:
-        cur = self._cur
-        if cur is None or cur.used + n > cur.rows:  # the rest of the current slab is left until it is empty
-            cur = next((s for s in self._slabs if s.live == 0 and s.rows >= n), None)
-            if cur is None:
-                larger = [k for k, kept in self._free.items() if k > n and kept]
-                if larger:  # memory held anyway, rather than more
-                    return self._free[min(larger)].pop()
-                row_bytes = sum(t[0].numel() * t.element_size() for t in (host, host_stat, moments) if t is not None)
-                per_slab = -(-self.slab_bytes // row_bytes // self.GRAIN) * self.GRAIN
-                cur = _Slab(max(per_slab, n), host, host_stat, moments)
-                self._slabs.append(cur)
-                self._bytes += cur.nbytes
-            self._cur = cur
-        s = _Staged(cur, cur.used, n)
-        cur.used += n
-        return s
-
-    def give(self, s: _Staged) -> None:
-        with self._lock:
-            slab = s.slab
-            slab.live -= 1
-            if slab.live:
-                if self.cap_bytes > 0:
-                    self._free.setdefault(s.rows, []).append(s)
-                return
-            # empty: its ranges are cut afresh, or it goes
-            for n in [n for n, kept in self._free.items() if any(r.slab is slab for r in kept)]:
-                self._free[n] = [r for r in self._free[n] if r.slab is not slab]
-            slab.used = 0
-            if self._bytes > self.cap_bytes:
-                self._slabs.remove(slab)
-                self._bytes -= slab.nbytes
-                if self._cur is slab:
-                    self._cur = None
 
 
 class _Partial:
@@ -151,7 +33,7 @@ class _Partial:
         self.slot = slot
         self.total = len(req.token_ids) if req.rows is None else req.rows
         self.filled = 0  # rows [0, filled) are valid
-        self.end: dict[str, Any] | None = None  # --generate: where the response ended (the driver's word)
+        self.end: ResponseEnd | None = None  # --generate: where the response ended (the driver's word)
         self.finished = False  # --generate: the engine is done with the request
 
 
@@ -160,14 +42,23 @@ class _Partial:
 _SCATTER_ROWS = 64
 
 
+class _SlabRows:
+    """A step's rows bound for one slab: destination rows in the slab, source rows in the ring slot."""
+
+    __slots__ = ("slab", "dst", "src")
+
+    def __init__(self, slab: Slab) -> None:
+        self.slab, self.dst, self.src = slab, [], []
+
+
 class _StepRows:
-    """One step's rows of generating requests: where each goes, per slab (destination rows in
-    the slab, source rows in the ring slot), placed together once all are known."""
+    """One step's rows of generating requests: where each goes, per slab, placed together once
+    all are known."""
 
     __slots__ = ("slabs", "filled", "gone")
 
     def __init__(self) -> None:
-        self.slabs: dict[int, tuple[_Slab, list[int], list[int]]] = {}  # id(slab) -> (slab, dst, src)
+        self.slabs: dict[int, _SlabRows] = {}  # by id(slab)
         self.filled: dict[str, tuple[_Partial, int]] = {}  # request id -> (its part, rows valid once placed)
         self.gone: list[_Partial] = []  # failed this step: their buffers go back once the copies are done
 
@@ -185,7 +76,7 @@ class Assembler:
         self._by_line: dict[tuple[int, int], str] = {}  # --generate: (input line, turn) -> the engine's request id
         self.dropped: list[str] = []
         self.wait_copy_s = 0.0  # waiting for D2H copies to land
-        self._stages = _StagePool()
+        self._stages = StagePool()
 
     def process(self, rec: StepRecord) -> None:
         try:  # the ring slot goes back whatever happens, or the engine would wait for it forever
@@ -194,7 +85,7 @@ class Assembler:
                 if req.generate:
                     self._by_line[req.line, req.turn] = rid
             for end in rec.ends:
-                rid = self._by_line.pop((end["line"], end.get("turn", 0)), None)
+                rid = self._by_line.pop((end.line, end.turn), None)
                 if rid is not None:
                     self._end(rid, end)
             for rid in rec.finished:
@@ -258,9 +149,9 @@ class Assembler:
         if not self.sink.on_failure(req.sample_id, why):
             self.dropped.append(rid)
 
-    def _end(self, rid: str, end: dict[str, Any]) -> None:
+    def _end(self, rid: str, end: ResponseEnd) -> None:
         """--generate: the driver knows where request `rid`'s response ended."""
-        if "drop" in end:  # an error record, or a turn whose rows a later turn computes again: its rows go
+        if end.drop is not None:  # an error record, or a turn whose rows a later turn computes again: its rows go
             self._pending.pop(rid, None)
             part = self._partial.pop(rid, None)
             if part is not None:
@@ -272,10 +163,10 @@ class Assembler:
             if req is not None:
                 self._dropped(rid, req, "the response ended before any of its rows were captured")
             return
-        if end["rows"] > part.total:
-            raise CaptureError(f"request {part.req.sample_id!r}: its response ends at row {end['rows']}, past the "
+        if end.rows > part.total:
+            raise CaptureError(f"request {part.req.sample_id!r}: its response ends at row {end.rows}, past the "
                                f"{part.total} rows reserved for it")
-        part.total, part.end = end["rows"], end
+        part.total, part.end = end.rows, end
         self._try_generated(rid, part)
 
     def _try_generated(self, rid: str, part: _Partial) -> None:
@@ -286,8 +177,8 @@ class Assembler:
             del self._partial[rid]
             end = part.end
             staged, n = part.slot, part.total
-            self.sink.add_rows(part.req.sample_id, end["token_ids"], staged.buf[:n], staged.stat[:n],
-                               loss_spans=end["loss_spans"], num_prompt=end["num_prompt"], record=end["record"],
+            self.sink.add_rows(part.req.sample_id, end.token_ids, staged.buf[:n], staged.stat[:n],
+                               loss_spans=end.loss_spans, num_prompt=end.num_prompt, record=end.record,
                                line=part.req.line, moments=None if staged.moments is None else staged.moments[:n],
                                done=lambda: self._stages.give(staged))
         elif part.finished:  # no more rows will come
@@ -349,12 +240,12 @@ class Assembler:
         elif keep > 0:
             staged = part.slot
             slab = staged.slab
-            at = gen.slabs.get(id(slab))
-            if at is None:
-                at = gen.slabs[id(slab)] = (slab, [], [])
+            to = gen.slabs.get(id(slab))
+            if to is None:
+                to = gen.slabs[id(slab)] = _SlabRows(slab)
             first = staged.offset + seg.pos
-            at[1].extend(range(first, first + keep))
-            at[2].extend(range(seg.row, seg.row + keep))
+            to.dst.extend(range(first, first + keep))
+            to.src.extend(range(seg.row, seg.row + keep))
         gen.filled[seg.req_id] = (part, max(filled, seg.pos + keep))
 
     def _place_generated(self, gen: _StepRows, host: torch.Tensor, stat: torch.Tensor,
@@ -362,15 +253,16 @@ class Assembler:
         """The step's rows of generating requests, a scatter per slab and tensor; then each
         request's bookkeeping (which may hand its rows to the sink)."""
         if gen.slabs:
-            words = _words(host)
-            for slab, dst, src in gen.slabs.values():
-                at = torch.tensor(dst, dtype=torch.int64)
+            host_words = words(host)
+            for to in gen.slabs.values():
+                slab, src = to.slab, to.src
+                at = torch.tensor(to.dst, dtype=torch.int64)
                 if src == list(range(src[0], src[0] + len(src))):  # decode rows side by side: no gather
                     sel = slice(src[0], src[0] + len(src))
-                    rows, st, mo = words[sel], stat[sel], None if moments is None else moments[sel]
+                    rows, st, mo = host_words[sel], stat[sel], None if moments is None else moments[sel]
                 else:
                     idx = torch.tensor(src, dtype=torch.int64)
-                    rows, st = words.index_select(0, idx), stat.index_select(0, idx)
+                    rows, st = host_words.index_select(0, idx), stat.index_select(0, idx)
                     mo = None if moments is None else moments.index_select(0, idx)
                 slab.words.index_copy_(0, at, rows)
                 slab.stat.index_copy_(0, at, st)

@@ -27,15 +27,16 @@ from typing import Any
 
 import torch
 
+import vllm_hidden.envs as envs
 from vllm_hidden.format.header import dtype_name, dtype_of
 
 log = logging.getLogger("vllm_hidden")
 
 # "1" in every vLLM process started for vllm-hidden: its plugin acts only there (engine.plugin)
-PLUGIN_ENV = "VHIDDEN_PLUGIN"
-KEY_ENV = "VHIDDEN_CHANNEL_KEY"
+PLUGIN_ENV = envs.PLUGIN
+KEY_ENV = envs.CHANNEL_KEY
 # where a server keeps fetch-form states (server.store), shared by its API server processes
-DIR_ENV = "VHIDDEN_FETCH_DIR"
+DIR_ENV = envs.FETCH_DIR
 _PREFIX = "vllm-hidden-fetch-"
 # A full 27B sample of a few thousand tokens is hundreds of MB: few in flight per sender.
 SEND_HWM = 16

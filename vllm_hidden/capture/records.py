@@ -53,17 +53,38 @@ class NewRequest:
 
 
 @dataclass(slots=True)
+class ResponseEnd:
+    """extract --generate: where a response ended, the driver's word to the worker. Named by the
+    request's input line and turn (the engine's request ids are not the driver's: vLLM adds a
+    suffix to each). Either `drop` (a reason: an error record, or a turn a later turn computes
+    again; its rows go) or the sample: its first `rows` rows (prompt + response) and what goes
+    with them. Crosses to the worker as a plain dict (`to_dict`): vLLM's RPC carries any."""
+
+    line: int
+    turn: int = 0
+    drop: str | None = None
+    rows: int = 0
+    token_ids: list[int] = field(default_factory=list)  # all of them, prompt and response
+    loss_spans: list[list[int]] | None = None
+    num_prompt: int = 0
+    record: str = ""  # the generations.jsonl line
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ResponseEnd":
+        return cls(**d)
+
+
+@dataclass(slots=True)
 class StepRecord:
     slot: int | None  # None: no rows this step, only request bookkeeping
     num_tokens: int
     segments: list[Segment]
     new: dict[str, NewRequest] = field(default_factory=dict)
     finished: frozenset[str] = frozenset()
-    # extract --generate: where responses ended, once the driver knows, each named by its "line" and
-    # "turn" (the engine's request ids are not the driver's: vLLM adds a suffix to each): "rows" to
-    # keep (prompt + response), "token_ids" (all of them), "loss_spans", "num_prompt", "record"; or
-    # "drop" (a reason): its rows go
-    ends: list[dict[str, Any]] = field(default_factory=list)
+    ends: list[ResponseEnd] = field(default_factory=list)  # extract --generate: responses now ended
 
 
 @dataclass(slots=True)

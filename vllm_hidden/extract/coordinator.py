@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from vllm_hidden.config import ExtractConfig
+from vllm_hidden.errors import VllmHiddenError
 from vllm_hidden.extract.feed import QUEUE_PER_ENGINE, ReaderFeed, pack
 from vllm_hidden.extract.rank import RankDone, RankError, RankEvent, RankProgress, RankReady, rank_process
 
@@ -38,7 +39,7 @@ START_TOGETHER_S = 60.0
 STALL_AFTER_FAILURE_S = 120.0  # after a failure, how long the others may send nothing before they are stopped
 
 
-class RankFailed(RuntimeError):
+class RankFailed(VllmHiddenError, RuntimeError):
     """A rank failed: the run stops without a manifest; what the others made durable is kept."""
 
 

@@ -26,6 +26,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_hidden.capture.records import ResponseEnd
 from vllm_hidden.config import GenerateConfig
 from vllm_hidden.inputs import BadLine, Prompt
 
@@ -109,7 +110,7 @@ class Ended:
 
     rid: str
     line: int  # its input line (how the worker knows it)
-    end: dict[str, Any] | None
+    end: ResponseEnd | None
     abort: bool  # still running in the engine (one token past its end): abort it
     rows: int  # the sample's rows once it is complete (0 while its conversation goes on)
     generated: int
@@ -184,7 +185,7 @@ class Responses:
             del self._live[rid]
             if len(r.tokens) < 2:
                 item, why = r.conv.item, f"the engine ended the response after {len(r.tokens)} tokens"
-                drop = {"line": item.line, "turn": r.conv.turn, "drop": why} if r.captured else None
+                drop = ResponseEnd(item.line, r.conv.turn, drop=why) if r.captured else None
                 return Ended(rid, item.line, drop, False, 0, 0, bad=BadLine(item.line, item.id, why))
             r.keep, r.reason = len(r.tokens) - 1, "length"
             return self._ended(rid, r, abort=False)
@@ -214,7 +215,7 @@ class Responses:
             if len(ids) <= self.max_prompt_len:
                 conv.ids, conv.turn = ids, conv.turn + 1
                 nxt = self._request(conv)
-                drop = {"line": item.line, "turn": conv.turn - 1, "drop": "continued"} if r.captured else None
+                drop = ResponseEnd(item.line, conv.turn - 1, drop="continued") if r.captured else None
                 return Ended(rid, item.line, drop, abort, 0, 0, nxt)
             conv.spans.pop()  # the conversation ends here: its last turn has the end it was sampled with
             stopped = (f"user turn {conv.turn + 2}: the conversation would have {len(ids)} tokens before its "
@@ -247,8 +248,8 @@ class Responses:
             record["turns"] = conv.done
             if stopped is not None:
                 record["stopped"] = stopped
-        return {"line": item.line, "turn": conv.turn, "rows": rows, "token_ids": conv.ids + response,
-                "loss_spans": spans, "num_prompt": p0, "record": json.dumps(record, ensure_ascii=False) + "\n"}
+        return ResponseEnd(item.line, conv.turn, rows=rows, token_ids=conv.ids + response, loss_spans=spans,
+                           num_prompt=p0, record=json.dumps(record, ensure_ascii=False) + "\n")
 
 
 def _with_responses(messages: list[dict[str, Any]], done: list[dict[str, Any]], turns: bool) -> list[dict[str, Any]]:

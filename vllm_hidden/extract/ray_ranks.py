@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import vllm_hidden.envs as envs
 from vllm_hidden.config import ExtractConfig
 from vllm_hidden.extract.feed import QUEUE_PER_ENGINE
 from vllm_hidden.extract.rank import RankEvent
@@ -81,7 +82,7 @@ class RayRanks:
         ray, cfg = self.ray, self.cfg
         opts = {"num_gpus": cfg.tp} if self.gpu else {"num_cpus": cfg.tp}
         # the caches and the engine's settings travel with the actors; devices are Ray's to give
-        env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "VHIDDEN_", "HF_", "AWS_", "TRITON_"))}
+        env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", envs.PREFIX, "HF_", "AWS_", "TRITON_"))}
         env.pop(CPU_BIND, None)
         actor_cls = ray.remote(RankActor)
         self.actors = [actor_cls.options(**opts, runtime_env={"env_vars": env}).remote() for _ in range(cfg.dp)]

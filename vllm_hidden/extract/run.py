@@ -12,6 +12,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_hidden.capture.records import ResponseEnd
+from vllm_hidden.errors import VllmHiddenError
 from vllm_hidden.format.shard import ShardInfo
 from vllm_hidden.inputs import BadLine
 
@@ -22,12 +24,13 @@ DEFAULT_INFLIGHT_CAP = 32 << 30  # --generate: host memory for in-flight rows, a
 END_EVERY_S = 0.25  # --generate: how often the ends of finished responses go to the worker (one RPC)
 
 
-class CaptureFailed(RuntimeError):
+class CaptureFailed(VllmHiddenError, RuntimeError):
     """Capture stopped in the worker: the storage failed (`storage`: disk full, S3 unreachable
-    past its retries) or a bug. The engine is still up."""
+    past its retries; exit 2) or a bug (a traceback). The engine is still up."""
 
     def __init__(self, failure: dict[str, Any]) -> None:
         self.storage = bool(failure.get("storage"))
+        self.exit_code = 2 if self.storage else None
         msg = failure["message"]
         if self.storage:
             msg += "; the shards made durable before it are kept: fix it, then rerun with --resume"
@@ -40,7 +43,7 @@ def _check_capture(replies: list[Any]) -> None:
             raise CaptureFailed(r)
 
 
-class EngineDied(RuntimeError):
+class EngineDied(VllmHiddenError, RuntimeError):
     """The engine's core process died under a run (killed, out of memory, a crash in a kernel)."""
 
 
@@ -245,7 +248,7 @@ class _GenerateRun(_Run):
         # responses hold their rows for hundreds of steps: memory, not step-filling, sets the window
         super().__init__(ex, feed, shard_cfg, ex.generate_window(shard_cfg.final_state))
         self.responses = responses
-        self.ends: list[dict[str, Any]] = []  # ends not yet sent to the worker
+        self.ends: list[ResponseEnd] = []  # ends not yet sent to the worker
         self.next_ends = 0.0
         self.turns: deque = deque()  # requests of conversations' next turns
 
@@ -270,7 +273,7 @@ class _GenerateRun(_Run):
             self._send_ends()
 
     def _send_ends(self) -> None:
-        self.engine.collective_rpc("vllm_hidden_generated", args=(list(self.ends),))
+        self.engine.collective_rpc("vllm_hidden_generated", args=([e.to_dict() for e in self.ends],))
         self.ends.clear()
 
     def _collect(self, outputs) -> None:

@@ -37,7 +37,7 @@ import torch
 
 from vllm_hidden.config import ConnectorConfig, ServeConfig
 from vllm_hidden.format import header as st
-from vllm_hidden.layers import SEMANTICS
+from vllm_hidden.layers import SEMANTICS, from_aux_ids
 from vllm_hidden.server.protocol import RequestError
 from vllm_hidden.server.store import FetchStore, _Entry, _unlink, new_id, write_part
 from vllm_hidden.server.transport import ConnectorTransport, Delivery, ServerShape, Stored
@@ -69,7 +69,7 @@ def file_pieces(cfg: ConnectorConfig, rows: torch.Tensor, scale: torch.Tensor | 
             raise ValueError("float8 rows came without their scales")
         tensors["hidden_states_scales"] = scale[:, :1].unsqueeze(-1)
     tensors["token_ids"] = torch.tensor(token_ids, dtype=torch.int64)
-    meta = {"aux_layer_ids": str(aux), "layer_ids": str([j - 1 for j in aux]), "layer_semantics": SEMANTICS,
+    meta = {"aux_layer_ids": str(aux), "layer_ids": str(from_aux_ids(aux)), "layer_semantics": SEMANTICS,
             "writer": "vllm-hidden", "connector": cfg.connector}
     return st.pieces(tensors, metadata=meta)
 

@@ -139,7 +139,7 @@ def serve_layer_ids(num_layers: int, connector: Any, layers: str | None, aux_lay
                     layers_from: str | None) -> list[int]:
     """The server's layer ids: from --layers / --aux-layers / --layers-from, or from the
     connector form's aux ids (then none of those may be given)."""
-    from vllm_hidden.layers import resolve_layer_ids
+    from vllm_hidden.layers import from_aux_ids, resolve_layer_ids
 
     if connector is None:
         return resolve_layer_ids(num_layers, layers, aux_layers, layers_from)
@@ -153,7 +153,7 @@ def serve_layer_ids(num_layers: int, connector: Any, layers: str | None, aux_lay
             Path(connector.storage_path).mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ValueError(f"shared_storage_path {connector.storage_path!r} cannot be made: {e}") from None
-    ids = [j - 1 for j in connector.file_aux_ids]
+    ids = from_aux_ids(connector.file_aux_ids)
     where = (f"files under {connector.storage_path}" if connector.storage_path is not None else
              f"objects in the Mooncake store of master {connector.mooncake['master_server_address']}")
     log.info(
@@ -256,3 +256,23 @@ def prepare_environment(serve_env: dict[str, str], fetch_parent: str | None = No
     ensure_key(fresh=True)
     ensure_dir_env(fetch_parent, fresh=True)
     os.environ[PLUGIN_ENV] = "1"
+
+
+def prepare_serve(model: str, num_layers: int, argv: list[str], limits: Any, layers: str | None = None,
+                  aux_layers: str | None = None, layers_from: str | None = None, fetch_dir: str | None = None,
+                  tp: int = 1) -> list[str]:
+    """`vllm-hidden serve`'s set-up before vLLM starts: the connector form's arguments taken
+    from `argv` (vLLM's), the layer ids, the host checked for FP8 weights, this process's
+    environment for the server; returns `vllm serve`'s argv. Raises ValueError naming a bad option."""
+    from vllm_hidden.engine.quant import check_host
+
+    if fetch_dir is not None and not Path(fetch_dir).is_dir():
+        raise ValueError(f"--fetch-dir must be an existing directory, got {fetch_dir!r}")
+    connector, vllm_args = connector_from_argv(argv, num_layers)
+    ids = serve_layer_ids(num_layers, connector, layers, aux_layers, layers_from)
+    check_host(model, vllm_args)  # FP8 weights on a host without FP8 kernels: refused here, not in a worker
+    out = serve_argv(model, ids, vllm_args, tp=tp, cut=connector_cut(model, connector, ids, num_layers, vllm_args),
+                     connector=connector is not None)
+    prepare_environment(limits.to_env(), fetch_dir, connector)
+    return out
+

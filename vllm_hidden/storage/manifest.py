@@ -10,6 +10,7 @@ from typing import Any
 
 from vllm_hidden.format.shard import FORMAT, SAMPLE_CHECKSUM, ShardInfo
 from vllm_hidden.format.stats import aggregate
+from vllm_hidden.layers import to_aux_ids
 
 MANIFEST = "manifest.json"
 ERRORS = "errors.jsonl"
@@ -77,7 +78,7 @@ class Manifest:
 
     @property
     def aux_layer_ids(self) -> list[int]:
-        return [i + 1 for i in self.layer_ids]
+        return to_aux_ids(self.layer_ids)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -36,6 +36,25 @@ class Report:
     def ok(self) -> bool:
         return not self.problems
 
+    def to_dict(self) -> dict[str, Any]:
+        """`inspect --json`."""
+        return {"path": self.path, "complete": self.complete, "ok": self.ok, **self.summary, "problems": self.problems,
+                "layer_stats": self.layer_stats, "layer_stats_shards": self.layer_stats_shards, "flags": self.flags}
+
+    def headline(self) -> str:
+        """`inspect`'s first line: what the output holds."""
+        s = self.summary
+        q = s.get("quantization")
+        return (f"{self.path}: {'complete' if self.complete else 'INCOMPLETE'} — {s['samples']} samples, "
+                f"{s['tokens']} tokens in {s['shards']} shards ({s['bytes'] / 1e9:.2f} GB); model {s['model']}; "
+                f"layers {s['layer_ids']}; hidden {s['hidden_size']}"
+                + (f"; {q['method']} weights ({q['source']})" if q else "")
+                + (f"; {s['errors']} bad input lines" if s.get("errors") else ""))
+
+    def flag_lines(self) -> list[str]:
+        return [f"  flag: {'final state' if f['layer'] == 'final' else 'layer ' + f['layer']}: {f['flag']}: "
+                f"{f['detail']}" for f in self.flags]
+
 
 def _from_manifest(m: Manifest) -> tuple[dict[str, Any], list[ShardInfo], int]:
     summary = {"model": m.model, "layer_ids": m.layer_ids, "hidden_size": m.hidden_size, "dtype": m.dtype,
