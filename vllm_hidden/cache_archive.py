@@ -11,6 +11,7 @@ warm up into a root of its own (`--cache-dir`) to pack one setting only."""
 
 from __future__ import annotations
 
+import builtins
 import io
 import json
 import logging
@@ -49,11 +50,11 @@ class ArchiveManifest:
     bytes: int = 0  # uncompressed
     members: list[str] = field(default_factory=list)  # the top-level folders packed
 
-    def to_json(self) -> bytes:
+    def to_json(self) -> builtins.bytes:
         return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes, where: str) -> "ArchiveManifest":
+    def from_json(cls, raw: builtins.bytes, where: str) -> "ArchiveManifest":
         try:
             d = json.loads(raw)
             m = cls(format=int(d["format"]), created=float(d["created"]), versions=dict(d["versions"]),
@@ -195,7 +196,8 @@ def unpack(source: str, cache: CacheDirs, dirs: dict[str, str], s3_endpoint_url:
             if first is None or first.name != MANIFEST or not first.isfile():
                 raise CacheArchiveError(f"--cache-from {source}: not a vllm-hidden cache archive (its first member "
                                         f"is {first.name if first else 'missing'!r}, not {MANIFEST})")
-            manifest = ArchiveManifest.from_json(tar.extractfile(first).read(), f"--cache-from {source}")
+            head = tar.extractfile(first)  # a file member (checked above): never None
+            manifest = ArchiveManifest.from_json(head.read() if head else b"", f"--cache-from {source}")
             diff = differences(manifest, *this_machine())
             if diff:
                 raise CacheArchiveError(f"--cache-from {source}: made for {manifest.describe()}; it differs here in "

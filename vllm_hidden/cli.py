@@ -53,7 +53,7 @@ def _failures(*also: type[BaseException]) -> Iterator[None]:
         if e.exit_code is None:
             raise
         _fail(str(e), e.exit_code)
-    except (ValueError, ImportError, OSError, *also) as e:
+    except (ValueError, ImportError, OSError) + also as e:
         _fail(str(e))
 
 

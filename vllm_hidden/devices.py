@@ -10,19 +10,24 @@ bind the same cores slow each other down many times over.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
 
 CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
 
-def split(items: list[int], n: int) -> list[list[int]]:
+def split(items: Sequence[T], n: int) -> list[list[T]]:
     """`items` in `n` contiguous groups of near-equal size (the first ones one larger)."""
     if n < 1 or len(items) < n:
         raise ValueError(f"cannot split {len(items)} devices into {n} groups")
     q, r = divmod(len(items), n)
-    out, i = [], 0
+    out: list[list[T]] = []
+    i = 0
     for k in range(n):
         size = q + (k < r)
-        out.append(items[i:i + size])
+        out.append(list(items[i:i + size]))
         i += size
     return out
 

@@ -67,9 +67,9 @@ def is_ours(env: Mapping[str, str] | None = None, argv: Sequence[object] | None 
 
 def uses_ray(argv: Sequence[object]) -> bool:
     """Whether vLLM arguments put the engine's workers or its data-parallel engines on Ray."""
-    argv = [a for a in argv if isinstance(a, str)]
-    return any(a.partition("=")[0] in _RAY_FLAGS and (a.partition("=")[2] or (argv[i + 1:] or [""])[0]) == "ray"
-               for i, a in enumerate(argv))
+    args = [a for a in argv if isinstance(a, str)]
+    return any(a.partition("=")[0] in _RAY_FLAGS and (a.partition("=")[2] or (args[i + 1:] or [""])[0]) == "ray"
+               for i, a in enumerate(args))
 
 
 def _carry_to_ray() -> None:

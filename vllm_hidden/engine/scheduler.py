@@ -47,6 +47,7 @@ class _Taper:
     budget from it) follows `taper_budget` while a run drains."""
 
     _vh_draining = False
+    max_num_scheduled_tokens: int  # vLLM's Scheduler's, which every schedule() reads its budget from
 
     def add_request(self, request: Any) -> None:
         super().add_request(request)  # type: ignore[misc]

@@ -110,7 +110,7 @@ async def send_body(send, parts: list, more: bool, chunk: int = SEND_CHUNK) -> N
     send waits for the socket to drain)."""
     chunks = [memoryview(p)[i : i + chunk] for p in parts for i in range(0, len(p), chunk)]
     if not chunks:
-        chunks = [b""]
+        chunks = [memoryview(b"")]
     for i, c in enumerate(chunks):
         await send({"type": "http.response.body", "body": c, "more_body": more or i < len(chunks) - 1})
 

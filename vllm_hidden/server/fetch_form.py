@@ -46,14 +46,14 @@ class FetchForm:
                 raise RequestError(f"the fetch form is not configured ({DIR_ENV} is unset)", status=500)
             self.store = FetchStore(root, max(1, self.cfg.max_unfetched_bytes // self.processes), self.cfg.fetch_ttl_s)
             atexit.register(self.store.close)
-            asyncio.get_running_loop().create_task(self._sweep())
+            asyncio.get_running_loop().create_task(self._sweep(self.store))
         return self.store
 
-    async def _sweep(self) -> None:
+    async def _sweep(self, store: FetchStore) -> None:
         while True:
             await asyncio.sleep(min(5.0, self.cfg.fetch_ttl_s / 4))
             try:
-                self.store.sweep()
+                store.sweep()
             except OSError:  # the directory was removed under us: nothing left to hold
                 log.exception("vllm-hidden: sweeping unfetched hidden states")
 

@@ -38,8 +38,9 @@ class StreamSplicer:
                 self.dropped = True
                 return await send_error(self.send, self.pending.rejection())
             self.started = True
-            await self.send(self.start)
-            self.passthrough = self.start.get("status") != 200
+            start = self.start or {"type": "http.response.start", "status": 500, "headers": []}  # always sent first
+            await self.send(start)
+            self.passthrough = start.get("status") != 200
         if self.passthrough:
             return await self.send(msg)
         self.buf += msg.get("body", b"")

@@ -23,6 +23,7 @@ at exit.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from abc import ABC, abstractmethod
@@ -136,9 +137,12 @@ class ConnectorTransport(Transport):
 
     def __init__(self, cfg: ConnectorConfig, serve: ServeConfig, shape: ServerShape) -> None:
         self.cfg, self.serve, self.shape = cfg, serve, shape
+        self.sweeper: asyncio.Task | None = None  # its expiry sweep (server.forms starts it on the server's loop)
 
     async def respond(self, body: bytes, got: Delivery, pending: Any, reserved: int) -> Answer:
         ids = pending.prompt_ids
+        if got.rows is None:  # a failure: the middleware answers it before any form sees it
+            raise RuntimeError(f"no rows to store: {got.error}")
         if got.rows.shape[0] < len(ids):
             self.release(reserved)
             raise missing_rows(got.rows.shape[0], len(ids))
