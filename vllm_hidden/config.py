@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -400,7 +401,7 @@ class ServeConfig:
         return f"{self.FLAGS[name]} ({self.ENV[name]})"
 
     @classmethod
-    def from_env(cls, env: dict[str, str]) -> "ServeConfig":
+    def from_env(cls, env: Mapping[str, str]) -> "ServeConfig":
         kw: dict[str, Any] = {}
         for name, var in cls.ENV.items():
             raw = env_value(var, env)

@@ -291,7 +291,8 @@ def run_serve_warmup(model: str, layer_ids: list[int], vllm_args: list[str], *, 
         finally:
             _stop(proc)
         text = log_path.read_text(errors="replace")
-    start = {"log": next((ln.split("vllm-hidden: ", 1)[1] for ln in text.splitlines() if "engine started" in ln), "")}
+    start: dict[str, Any] = {
+        "log": next((ln.split("vllm-hidden: ", 1)[1] for ln in text.splitlines() if "engine started" in ln), "")}
     start["warm"] = start["log"].startswith("engine started WARM")
     runner = re.search(r"\(model runner (V\d)\)", start["log"])
     start["model_runner"] = runner.group(1).lower() if runner else None

@@ -63,7 +63,7 @@ def form(budget: int = 1 << 20, ttl: float = 600.0) -> tuple[MooncakeTransport, 
     t.shape = ServerShape(hidden_size=H, dtype=torch.bfloat16, rank=0, processes=1)
     t.store = FakeStore()
     t.put_config = SimpleNamespace(with_hard_pin=True, preferred_segment="me:1")
-    t.budget, t.reserved, t.held, t._own, t._buffers, t._made = budget, 0, 0, {}, [], 0
+    t.budget, t.reserved, t.held, t._own, t._buffers = budget, 0, 0, {}, []
     return t, t.store
 
 

@@ -169,7 +169,7 @@ class Receiver:
             raise RuntimeError(f"cannot bind the hidden-states channel {address!r} ({e})") from None
         self.address = address
         self._deliver = deliver
-        self._task = None
+        self._task: Any = None  # its asyncio task once started
 
     def start(self) -> None:
         import asyncio

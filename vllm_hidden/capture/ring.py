@@ -167,7 +167,8 @@ class StepTransfer:
             with torch.cuda.stream(self.copy_stream):
                 self._host_rows[slot][:n].copy_(rows, non_blocking=True)
                 self._copied[slot].record(self.copy_stream)
-                self.copy_done.record(self.copy_stream)
+                if self.copy_done is not None:  # always, on CUDA
+                    self.copy_done.record(self.copy_stream)
         else:
             self._fill(layers, n, base, staged)
             self._host_rows[slot][:n].copy_(rows)
@@ -179,17 +180,17 @@ class StepTransfer:
         allocation."""
         at = slice(base, base + n)
         values, stat = self._device_values[at], self._device_stat[at]
-        stage = self._gather[at] if self.fp8 else values
+        gather, work, moments = self._gather, self._work, self._device_moments  # fp8: gather, work; row_stats: moments
+        stage = gather[at] if gather is not None else values
         for k, t in enumerate(layers):  # the rows are packed: one copy per column, not one stack
             stage[:, first + k].copy_(t[:n])
-        if self.fp8:
-            quant.quantize(stage, values, stat, self._work[at],
-                           None if self._token_work is None else self._token_work[at])
+        if work is not None:
+            quant.quantize(stage, values, stat, work[at], None if self._token_work is None else self._token_work[at])
         else:
             quant.row_amax(values, stat)
-        if self.row_stats:  # of the values as stored (fp8: before their scale, as the host's are)
+        if moments is not None:  # of the values as stored (fp8: before their scale, as the host's are)
             self._row_sums(values, self._sums[0, at], self._sums[1, at])
-            self._device_moments[at].copy_(self._sums[:, at].transpose(0, 1))
+            moments[at].copy_(self._sums[:, at].transpose(0, 1))
 
     def wait(self, slot: int) -> torch.Tensor:
         """Block until slot's copy landed; returns the slot's values [max_tokens, C, H]

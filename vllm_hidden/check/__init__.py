@@ -31,12 +31,12 @@ def run_check(output: str, model: str | None, reference: str, *, samples: int, s
             raise ValueError("--max-rel-l2 goes with --reference OTHER_OUTPUT")
     if reference != "engine" and engine_args:
         raise ValueError(f"unknown options {' '.join(engine_args)!r} (engine options go with --reference engine)")
-    if reference == "engine":
+    if reference == "engine" and model:
         from vllm_hidden.check.against_engine import check_against_engine
 
         return check_against_engine(output, model, samples=samples, seed=seed, device=device,
                                     engine_args=list(engine_args), s3_endpoint_url=s3_endpoint_url, progress=progress)
-    if reference == "hf":
+    if reference == "hf" and model:
         return check_output(output, model, samples=samples, seed=seed, device=device,
                             s3_endpoint_url=s3_endpoint_url, progress=progress, gdn_kernels=gdn_kernels)
     from vllm_hidden.check.against_output import check_against_output

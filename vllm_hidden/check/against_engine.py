@@ -80,7 +80,8 @@ class Source:
         if self.fp8 is not None:
             d["fp8"] = _json(self.fp8)
         if self.decode_positions is not None:
-            d.update(prefill_noise=_json(self.prefill_noise), decode_positions=self.decode_positions,
+            d.update(prefill_noise=None if self.prefill_noise is None else _json(self.prefill_noise),
+                     decode_positions=self.decode_positions,
                      decode_noise=None if self.decode_noise is None else _json(self.decode_noise))
         return d
 
@@ -195,7 +196,8 @@ def check_against_engine(path: str, model: str, samples: int = 8, seed: int = 0,
     head = Head(model, device)
     columns = ([("last layer", ds.layer_ids.index(last))] if last in ds.layer_ids else []) \
         + ([("final state", None)] if final else [])
-    per: dict[str, dict[Any, dict[str, float]]] = {name: {} for name, _ in columns}
+    # per column, per sample: its measures (floats; with generated rows also decode_positions, a list)
+    per: dict[str, dict[Any, dict[str, Any]]] = {name: {} for name, _ in columns}
     bar = _Bar(len(tokens), progress)
     positions = 0
     try:
@@ -312,8 +314,8 @@ def _top1(rows: torch.Tensor, ours: torch.Tensor, ref: torch.Tensor) -> float:
     return agree / max(total, 1)
 
 
-def _source(name: str, per: dict[Any, dict[str, float]]) -> Source:
-    def bound_of(d: dict[str, float]) -> float:
+def _source(name: str, per: dict[Any, dict[str, Any]]) -> Source:
+    def bound_of(d: dict[str, Any]) -> float:
         return RATIO * (max(d["rounding"], FLOOR) + d["noise"]) + FP8_FACTOR * d.get("fp8", 0.0)
 
     worst = max(per, key=lambda sid: per[sid]["mean_abs"] / bound_of(per[sid]))

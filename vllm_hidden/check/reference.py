@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -45,9 +45,9 @@ def hf_config(model: str) -> Any:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     config = AutoConfig.from_pretrained(model)
-    own = getattr(transformers, CONFIG_MAPPING_NAMES.get(config.model_type, ""), None)
+    own: Any = getattr(transformers, CONFIG_MAPPING_NAMES.get(config.model_type, ""), None)
     if isinstance(own, type) and type(config) is not own:
-        config = own.from_pretrained(model)
+        config = cast(Any, own).from_pretrained(model)
     return config
 
 
@@ -63,11 +63,11 @@ def causal_lm(config: Any) -> tuple[Any, Any]:
     cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, ""), None)
     if cls is None:
         return None, config
-    text = config.get_text_config()
+    text: Any = config.get_text_config()
     if text is not config and isinstance(text, getattr(cls, "config_class", ())):
         quant = getattr(config, "quantization_config", None)
         if quant is not None:
-            text.quantization_config = quant
+            cast(Any, text).quantization_config = quant
         return cls, text
     return cls, config
 

@@ -35,7 +35,7 @@ class CheckReport:
         return self.verdict == "pass"
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"path": self.path, "model": self.model, "device": self.device, "dtype": self.dtype,
+        d: dict[str, Any] = {"path": self.path, "model": self.model, "device": self.device, "dtype": self.dtype,
              "samples": self.samples, "bound": {"ratio": RATIO, "floor": FLOOR, "fp8_factor": FP8_FACTOR},
              "layers": {str(k): c.to_dict() for k, c in self.layers.items()}}
         if self.final_state is not None:
@@ -63,7 +63,7 @@ class CheckReport:
         w = self.worst
         where = f"sample {w.sample!r}, {'the final state' if w.layer == FINAL else f'layer {w.layer}'}"
         col = self.final_state if w.layer == FINAL else self.layers[w.layer]
-        near = "" if col.neighbour_ok else " and closer to a neighbouring layer's state than to its own"
+        near = "" if col is None or col.neighbour_ok else " and closer to a neighbouring layer's state than to its own"
         head = (f"pass: {len(self.samples)} samples match HF Transformers on every layer" if self.ok
                 else "fail: the stored states do not match HF Transformers")
         gdn = "" if self.gdn_kernels is None else f", Gated-DeltaNet kernels: {self.gdn_kernels}"

@@ -16,7 +16,7 @@ the copy, reading each sample's rows straight into its place in the batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -150,7 +150,7 @@ class BatchBuilder:
     """One batch's tensors, allocated once (see `alloc_tensors`); sample b's rows of tensor
     `name` go to `view(b, name)`."""
 
-    def __init__(self, lengths: Sequence[int], specs: dict[str, tuple[torch.dtype, Sequence[int]]],
+    def __init__(self, lengths: Sequence[int], specs: Mapping[str, tuple[torch.dtype, Sequence[int]]],
                  layout: str = "packed", pool: BufferPool | None = None) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")

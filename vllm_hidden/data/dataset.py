@@ -283,10 +283,11 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
         state["_open"] = OrderedDict()
         state["_checked"] = set()  # checked by this process, not by the one it is sent to
         state["_lock"] = None
-        if state.get("_s3") is not None:  # a boto3 client does not cross processes: a fresh one there
+        s3 = state.get("_s3")
+        if s3 is not None:  # a boto3 client does not cross processes: a fresh one there
             from vllm_hidden.storage.s3 import S3Location
 
-            state["_s3"] = S3Location(self._s3.uri, self._s3.endpoint_url)
+            state["_s3"] = S3Location(s3.uri, s3.endpoint_url)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -296,4 +297,9 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
 
 
 _DATASETS: "weakref.WeakSet[HiddenStatesDataset]" = weakref.WeakSet()  # this process's, reset in a forked child
-os.register_at_fork(after_in_child=lambda: [ds._forked() for ds in list(_DATASETS)])
+def _after_fork() -> None:
+    for ds in list(_DATASETS):
+        ds._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork)

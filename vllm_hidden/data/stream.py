@@ -99,7 +99,7 @@ class ShardedStream(torch.utils.data.IterableDataset):
     def _topology(self) -> tuple[int, int]:
         if self.rank is None and torch.distributed.is_available() and torch.distributed.is_initialized():
             self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        return (self.rank, self.world_size) if self.rank is not None else (0, 1)
+        return (self.rank, self.world_size or 1) if self.rank is not None else (0, 1)
 
     def __getstate__(self) -> dict[str, Any]:
         self._topology()  # in the training process, where torch.distributed is set up: workers get its rank
@@ -245,7 +245,10 @@ class _Unit:
         self.samples[b] = {"id": sample["id"], "num_prompt_tokens": sample.get("num_prompt_tokens")}
 
     def result(self) -> dict[str, Any]:
+        samples = [s for s in self.samples if s is not None]
+        if len(samples) != len(self.samples):
+            raise RuntimeError(f"{len(self.samples) - len(samples)} of the batch's samples were not read")
         if self.builder is None:
-            return self.samples[0]
-        prompts = [s["num_prompt_tokens"] for s in self.samples]
-        return self.builder.finish([s["id"] for s in self.samples], prompts if prompts[0] is not None else None)
+            return samples[0]
+        prompts = [s["num_prompt_tokens"] for s in samples]
+        return self.builder.finish([s["id"] for s in samples], prompts if prompts[0] is not None else None)

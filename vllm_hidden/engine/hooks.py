@@ -391,7 +391,9 @@ def _replace(owner: Any, h: Hook, *context: Any) -> bool:
     if getattr(defined.get(h.attr), MARK, None) == h.name or (h.own and h.attr not in defined):
         return False
     original = getattr(owner, h.attr)
-    new = h.wrap(original, *context)
+    if h.wrap is None:
+        raise HookError([f"hook {h.name!r} replaces {h.attr!r} but has no wrapper"], [h])
+    new: Any = h.wrap(original, *context)
     new.__wrapped__ = original
     setattr(new, MARK, h.name)
     setattr(owner, h.attr, new)

@@ -79,7 +79,13 @@ class Capture:
                             sz.dtype, sz.device, self.cfg.ring_slots, fp8=layout.fp8, per_token=layout.per_token,
                             row_stats=layout.row_stats)
 
-    def _set_layout(self, layout: CaptureLayout) -> None:
+    def _buffers(self) -> StepTransfer:
+        """The device buffer and host ring (the writer rank's: other ranks capture nothing)."""
+        if self.transfer is None:
+            raise CaptureError("capture's buffers are on the writer rank only")
+        return self.transfer
+
+    def _set_layout(self, layout: CaptureLayout) -> StepTransfer:
         """--final-state post-norm: the device buffer and ring get a column for the model's own
         output (after the final norm), so it travels in the step's one gather and one copy;
         --storage-dtype fp8: the rows are quantized on the device, so the copy (and the disk)
@@ -88,7 +94,7 @@ class Capture:
         the starting command named (`CaptureLayout`); a sink that opens with another one gets
         new buffers, which vLLM's memory profile did not see (said in the log)."""
         if layout != self.layout:
-            was, old = self.layout, sum(self.transfer.device_bytes().values())
+            was, old = self.layout, sum(self._buffers().device_bytes().values())
             self.transfer = None  # the old buffers go before the new ones are allocated...
             if self.sizes.device.type == "cuda":
                 torch.cuda.empty_cache()  # ...and back to the device: the KV cache took the rest of the budget
@@ -104,6 +110,7 @@ class Capture:
                 "device memory instead of the %.2f GiB vLLM profiled at start%s", layout, was,
                 new / 2**30, old / 2**30, kept)
         self.final_state = layout.final_state
+        return self._buffers()
 
     def finish_start(self, compilation_seconds: float | None) -> None:
         """End of the engine's start-up (after vLLM's warm-up): say whether it was warm."""
@@ -120,9 +127,9 @@ class Capture:
             return False
         if self.thread is not None:
             raise RuntimeError(f"a capture sink ({self.sink_kind}) is already open on this worker")
-        self._set_layout(CaptureLayout.for_shards(shard_cfg))
-        self.writer = ShardWriter(shard_cfg, list(self.cfg.layer_ids), self.hidden_size, self.transfer.values_dtype)
-        self.thread = AssemblerThread(Assembler(self.transfer, self.writer),
+        transfer = self._set_layout(CaptureLayout.for_shards(shard_cfg))
+        self.writer = ShardWriter(shard_cfg, list(self.cfg.layer_ids), self.hidden_size, transfer.values_dtype)
+        self.thread = AssemblerThread(Assembler(transfer, self.writer),
                                       cpus=compat.cpus_off_the_forward(self.runner.device))
         self.sink_kind = "shards"
         self._stats = _StepStats()
@@ -133,6 +140,8 @@ class Capture:
         if self.thread is None or self.sink_kind != "shards":
             return None
         thread, writer = self.thread, self.writer
+        if writer is None:  # opened with the thread (open)
+            raise CaptureError("a shard sink without its writer")
         self.thread = self.writer = None
         self.sink_kind = None
         error: BaseException | None = None
@@ -183,9 +192,9 @@ class Capture:
         process each request names."""
         pub = Publisher()
         # hs_connectors' FP8 files: quantized here, on the device
-        self._set_layout(CaptureLayout.for_server(ConnectorConfig.from_env(os.environ)))
-        sink = MemorySink(self.transfer.shape[1:], self.transfer.values_dtype, pub.send_sample, pub.send_failure)
-        self.thread = AssemblerThread(Assembler(self.transfer, sink),
+        transfer = self._set_layout(CaptureLayout.for_server(ConnectorConfig.from_env(os.environ)))
+        sink = MemorySink(transfer.shape[1:], transfer.values_dtype, pub.send_sample, pub.send_failure)
+        self.thread = AssemblerThread(Assembler(transfer, sink),
                                       cpus=compat.cpus_off_the_forward(self.runner.device))
         self.sink_kind = "publish"
         log.info("vllm-hidden: sending hidden states to the API server")
@@ -268,9 +277,10 @@ class Capture:
             segments = [Segment(s.req_id, s.row - lo, s.count, s.pos) for s in segments]
         st = self._stats
         t0 = time.perf_counter()
-        slot = self.transfer.acquire()  # blocks while the host side is behind (backpressure)
+        transfer = self._buffers()
+        slot = transfer.acquire()  # blocks while the host side is behind (backpressure)
         t1 = time.perf_counter()
-        self.transfer.submit(layers, hi - lo, slot, lo, staged=staged)
+        transfer.submit(layers, hi - lo, slot, lo, staged=staged)
         thread.put(StepRecord(slot, hi - lo, segments, new, frozenset(ended)))
         st.steps += 1
         st.rows += hi - lo
@@ -285,7 +295,7 @@ class Capture:
         aux, output = compat.step_states(self.runner)
         if self.stash is not None:
             staged = self.stash.values
-            if staged.data_ptr() == self.transfer.stage().data_ptr():
+            if staged.data_ptr() == self._buffers().stage().data_ptr():
                 layers, k = [], staged.shape[1]  # in place: the layers are in the step buffer
             else:  # the buffers were reallocated for another layout: gather from where the forward wrote
                 layers, k = [staged[:, c] for c in range(staged.shape[1])], 0

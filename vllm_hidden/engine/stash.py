@@ -20,6 +20,7 @@ external event, so that a graph replay waits on the latest copy too.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -78,7 +79,7 @@ def aux_module(model, aux_ids: tuple[int, ...]) -> torch.nn.Module | None:
     return None
 
 
-def _calls_mixin(cls: type) -> bool:
+def _calls_mixin(cls: Any) -> bool:
     """Whether the class's forward adds aux states through the mixin's method (vLLM's models do,
     except those that write the sum inline, such as DeepSeek-V2's)."""
     import inspect

@@ -30,7 +30,7 @@ class Extractor:
     plans the run (`extract.plan`) first."""
 
     def __init__(self, cfg: ExtractConfig, plan: Plan, *, start: bool = True) -> None:
-        self.engine = None
+        self.engine: Any = None  # vLLM's LLMEngine once started (engine.compat)
         self.t_created = time.perf_counter()
         self.first_sample_at: float | None = None
         self.cache = CacheDirs.resolve(cfg.cache_dir)
@@ -57,8 +57,8 @@ class Extractor:
                                 max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
                                 tp=resolve_tp(cfg.engine_args, cfg.tp), generate_tokens=self.generate_tokens,
                                 prefix_cache=cfg.generate is not None)
-        self.layers_run = CaptureConfig.from_additional_config(self.args.additional_config).layers_run \
-            or plan.info.num_layers
+        written = CaptureConfig.from_additional_config(self.args.additional_config)  # engine_args put it there
+        self.layers_run = (written.layers_run if written is not None else None) or plan.info.num_layers
         if cfg.generate is not None and cfg.generate.seed is not None:
             compat.check_seeded_generation(self.args)
         compat.check_parallel(self.args.pipeline_parallel_size)  # before an engine start fails on it less clearly
@@ -82,7 +82,8 @@ class Extractor:
         self.engine = self._start_engine(self.args)
         compat.watch_engine_death(self.engine)
         self.engine_init_seconds = time.perf_counter() - t0
-        self.start_report = next((r for r in self.engine.collective_rpc("vllm_hidden_start_report") if r), {})
+        self.start_report: dict[str, Any] = next(
+            (r for r in self.engine.collective_rpc("vllm_hidden_start_report") if r), {})
 
     def _start_engine(self, args):
         """A start with settings no engine has started with before (no stamp) compiles: it

@@ -194,6 +194,8 @@ class Responses:
     def _stops_at(self, tokens: list[int], i: int) -> bool:
         """Whether a stop string ends within token i (it was not complete before it)."""
         lo = max(0, i + 1 - self._stop_len - STOP_WINDOW)
+        if self.tok is None:  # stop strings need the tokenizer (GenerateConfig asks for one with them)
+            raise RuntimeError("stop strings without a tokenizer to decode the response")
         text = self.tok.decode(tokens[lo : i + 1])
         prev = self.tok.decode(tokens[lo:i])
         return any(s in text and s not in prev for s in self.gen.stop)
@@ -202,10 +204,12 @@ class Responses:
         return self.tok.decode(tokens, skip_special_tokens=True) if self.tok is not None else None
 
     def _ended(self, rid: str, r: _Response, abort: bool) -> Ended:
-        conv, keep = r.conv, r.keep
+        if r.keep is None or r.reason is None:
+            raise RuntimeError(f"request {rid!r} ended before its end was known")
+        conv, keep, reason = r.conv, r.keep, r.reason
         item, p = conv.item, len(conv.ids)
         response = r.tokens[:keep]
-        conv.done.append({"text": self._text(response), "token_ids": response, "finish_reason": r.reason})
+        conv.done.append({"text": self._text(response), "token_ids": response, "finish_reason": reason})
         stopped = None
         if not conv.last:  # the conversation goes on: the end of this turn and the next user turn, as tokens
             joint, closing = item.turns[conv.turn]
@@ -225,11 +229,11 @@ class Responses:
                 raise RuntimeError(f"sample {item.id!r}: turn {conv.turn} was not captured but ends the conversation")
         conv.spans.append([p, p + keep])
         rows, generated = p + keep, sum(len(t["token_ids"]) for t in conv.done)
-        return Ended(rid, item.line, self._end(conv, response, rows, generated, r.reason, stopped), abort, rows,
+        return Ended(rid, item.line, self._end(conv, response, rows, generated, reason, stopped), abort, rows,
                      generated)
 
     def _end(self, conv: _Conversation, response: list[int], rows: int, generated: int, reason: str,
-             stopped: str | None) -> dict[str, Any]:
+             stopped: str | None) -> ResponseEnd:
         """The worker's word on a finished sample: what it keeps, and its generations.jsonl record."""
         item, p0 = conv.item, len(conv.item.token_ids)
         spans = None

@@ -59,7 +59,8 @@ class RayRanks:
         self.ray, self.cfg = ray, cfg
         self.actors: list[Any] = []
         self.refs: list[Any] = []
-        self.work = self.events = None
+        self.work: Any = None  # ray.util.queue.Queue once started
+        self.events: Any = None
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             try:

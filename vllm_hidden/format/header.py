@@ -89,13 +89,13 @@ def parse_header(read: Callable[[int, int], bytes], size: int | None = None) -> 
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise ValueError(f"{METADATA} must map names to strings, got {meta!r:.200}")
     tensors = {}
-    for name, e in raw.items():
+    for name, entry in raw.items():
         try:
-            dtype, shape, (lo, hi) = dtype_of(e["dtype"]), tuple(e["shape"]), e["data_offsets"]
+            dtype, shape, (lo, hi) = dtype_of(entry["dtype"]), tuple(entry["shape"]), entry["data_offsets"]
             if not all(isinstance(d, int) and d >= 0 for d in (*shape, lo, hi)) or lo > hi:
                 raise ValueError(f"shape {list(shape)} / offsets {[lo, hi]} are not valid")
         except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"tensor {name!r} has a bad entry {e!r:.200} ({err})") from None
+            raise ValueError(f"tensor {name!r} has a bad entry {entry!r:.200} ({err})") from None
         if hi - lo != dtype.itemsize * math.prod(shape):
             raise ValueError(f"tensor {name!r}: {hi - lo} bytes for shape {list(shape)} of {dtype}")
         if size is not None and data_start + hi > size:

@@ -78,7 +78,7 @@ class RowSums:
         for i in range(0, t, step):
             n = min(step, t - i)
             f = self.f32[: n * c * h].view(n, c, h)
-            if self.fp8:
+            if self.i16 is not None:  # fp8 rows
                 w = self.i16[: n * c * h].view(n, c, h)
                 w.copy_(x[i : i + n].view(torch.int8))
                 w.bitwise_left_shift_(7).bitwise_and_(_F16_KEEP)
@@ -142,6 +142,8 @@ class ColumnStats:
         k = buf.shape[1]
         self.add_rows(sums, slice(0, k), buf, stat)
         if final is not None:
+            if final_stat is None:
+                raise ValueError("the final state's rows came without their statistics")
             self.add_rows(sums, slice(k, k + 1), final[:, None], final_stat[:, None])
         self.rows += buf.shape[0]
 

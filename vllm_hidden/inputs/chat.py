@@ -161,10 +161,10 @@ class ChatEncoder:
         conv: list[dict[str, Any]] = list(messages[: users[0] + 1])
         for a, b in zip(users, users[1:]):
             conv += [{"role": "assistant", "content": _SLOT}]
-            closing = self.render(conv, tools, False)
+            ended = self.render(conv, tools, False)
             conv += messages[a + 1 : b + 1]
             text = self.render(conv, tools, True)
-            closing = closing[closing.rindex(_SLOT) + len(_SLOT):] if _SLOT in closing else None
+            closing = ended[ended.rindex(_SLOT) + len(_SLOT):] if _SLOT in ended else None
             after = text[text.rindex(_SLOT) + len(_SLOT):] if _SLOT in text else None
             if closing is None or after is None or not after.startswith(closing):
                 raise ValueError(f"--regenerate all: the chat template does not write the end of an assistant turn "

@@ -250,7 +250,8 @@ class PromptReader:
         if kind in CHAT_KINDS:
             tools = _tools(obj.get("tools"))
             check_tools(tools)
-            return Record(i, sid, kind, self._turns(kind, val, rule), tools, rule)
+            chat_rule = mask_rule_for(self.loss_mask, kind, "loss_mask" in obj)
+            return Record(i, sid, kind, self._turns(kind, val, chat_rule), tools, chat_rule)
         if kind == "text":
             if not isinstance(val, str):
                 raise ValueError(f"text must be a string, got {type(val).__name__}")
@@ -302,6 +303,8 @@ class PromptReader:
             self._check_vocab(ids)
             return ids, self._plain_spans(rec.rule, len(ids), None), {"text": rec.value} if generate else None, ()
         enc = self._chat_encoder()
+        if rec.rule is None:  # a conversation's rule is always set (`check`)
+            raise ValueError(f"record {rec.id!r}: a conversation without a loss-mask rule")
         if not generate:
             ids, spans = enc.encode(rec.value, rec.tools, rec.rule)
             self._check_vocab(ids)

@@ -94,6 +94,8 @@ class ConnectorStore(FetchStore):
 
     def __init__(self, cfg: ConnectorConfig, budget_bytes: int, ttl_s: float) -> None:
         self.cfg = cfg
+        if cfg.storage_path is None:  # the file connectors' (config.ConnectorConfig checks it)
+            raise ValueError(f"{cfg.connector}: no shared_storage_path to write the files under")
         super().__init__(cfg.storage_path, budget_bytes, ttl_s)
 
     def adopt(self, started: float) -> None:
@@ -201,6 +203,8 @@ class FileTransport(ConnectorTransport):
         t = len(token_ids)
         if not got.finite:
             log.warning("vllm-hidden: NaN/Inf in the hidden states of a %d-token prompt; written as they are", t)
+        if got.rows is None:  # a failure: the middleware answers it before any form sees it
+            raise RuntimeError(f"no rows to store: {got.error}")
         try:
             pieces = await asyncio.to_thread(file_pieces, self.cfg, got.rows[:t],
                                              None if got.scale is None else got.scale[:t], token_ids)

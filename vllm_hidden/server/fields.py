@@ -89,10 +89,10 @@ class FetchTransport(FieldTransport):
         return columns * self.hidden_size * self.dtype.itemsize + 8  # the rows and their token ids
 
     def reserve(self, nbytes: int) -> str | None:
-        return self.form.store.reserve(nbytes)
+        return self.form.open_store().reserve(nbytes)
 
     def release(self, nbytes: int) -> None:
-        self.form.store.release(nbytes)
+        self.form.open_store().release(nbytes)
 
     async def _value(self, got: Delivery, pending: Any, reserved: int) -> tuple[list, str | None]:
         try:
@@ -101,17 +101,17 @@ class FetchTransport(FieldTransport):
             self.release(reserved)
             raise
         try:
-            entry, size = await self.form.store.put(prepared.pieces, reserved)
+            entry, size = await self.form.open_store().put(prepared.pieces, reserved)
         except OSError as e:
             raise RequestError(f"could not keep the hidden states for fetching: {e}", status=500) from None
         url = pending.root_path + FETCH_PATH + entry
         return fetch_parts(prepared, url, size, self.form.cfg.fetch_ttl_s), entry
 
     async def discard(self, stored: str) -> None:
-        fd = self.form.store.open(stored)  # claimed as a GET would: gone from the store
+        fd = self.form.open_store().open(stored)  # claimed as a GET would: gone from the store
         if fd is not None:
             os.close(fd)
-        self.form.store.sweep()
+        self.form.open_store().sweep()
 
     def describe(self) -> str:
         return "the fetch store"

@@ -126,7 +126,7 @@ def connector_from_argv(argv: list[str], num_layers: int) -> tuple[Any, list[str
                              f"input of layer j, {num_layers} = the last layer's output before the final norm; "
                              "aux 0, the embeddings, is not captured)")
     try:
-        where = None if mooncake else os.path.abspath(os.path.expanduser(path))
+        where = None if mooncake or path is None else os.path.abspath(os.path.expanduser(path))
         cfg = ConnectorConfig(connector=name, storage_path=where,
                               aux_layer_ids=tuple(aux), use_lock=bool(extra.get("use_synchronization_lock", True)),
                               mooncake=extra.get("mooncake", {}) if mooncake else None)

@@ -133,7 +133,7 @@ class HiddenStatesMiddleware:
         self._layers: tuple[int, ...] | None = None
         self._auth: tuple[type, tuple, dict] | None = None
         self._auth_checked = False
-        self._receiver = None
+        self._receiver: Any = None  # capture.channel.Receiver once set up
         self._address = ""
         self._slots: asyncio.Semaphore | None = None
         self._fetch_form = FetchForm(self.cfg)  # its store is made with the first fetch-form request or GET
@@ -164,8 +164,8 @@ class HiddenStatesMiddleware:
             log.setLevel(vllm_log.level or logging.INFO)
             log.propagate = False
         self._address = new_address()
-        self._receiver = Receiver(self._address, REGISTRY.deliver)
-        self._receiver.start()
+        receiver = self._receiver = Receiver(self._address, REGISTRY.deliver)
+        receiver.start()
         self._slots = asyncio.Semaphore(self.cfg.max_concurrent)
         mc = vcfg.model_config
         self._fetch_form.processes = compat.api_process_count(vcfg)
@@ -283,11 +283,14 @@ class HiddenStatesMiddleware:
         """The field's spec for this server's layers (None: states not asked for), the request's
         shape checked; the server is set up on its first request."""
         self._setup(scope)
+        layers = self._layers
+        if layers is None:  # _setup sets them
+            raise RuntimeError("the server's layers are not known")
+        spec: HiddenStatesSpec | None
         if value is CONNECTOR:
-            spec = HiddenStatesSpec(layer_ids=self._layers, columns=tuple(range(len(self._layers))),
-                                    transfer=CONNECTOR)
+            spec = HiddenStatesSpec(layer_ids=layers, columns=tuple(range(len(layers))), transfer=CONNECTOR)
         else:
-            spec = parse_field(value, self._layers)
+            spec = parse_field(value, layers)
         if spec is not None:
             _check_shape(req, path(scope))
         return spec

@@ -80,6 +80,8 @@ class MooncakeTransport(ConnectorTransport):
             raise RequestError("the Mooncake connector needs the mooncake-transfer-engine package in the server's "
                                "environment (pip install -e \".[mooncake]\")", status=500) from None
         m = cfg.mooncake
+        if m is None:  # the Mooncake connector's config always has it (config.ConnectorConfig)
+            raise RequestError(f"{cfg.connector}: no Mooncake store configuration", status=500)
         self.store = MooncakeDistributedStore()
         rc = self.store.setup(m["local_hostname"], m["metadata_server"], m["global_segment_size"],
                               m["local_buffer_size"], m["protocol"], m["device_name"], m["master_server_address"])
@@ -96,11 +98,10 @@ class MooncakeTransport(ConnectorTransport):
         self.reserved = self.held = 0
         self._own: dict[str, _Held] = {}
         self._buffers: list[torch.Tensor] = []  # registered staging buffers not in use
-        self._made = 0
         self._slots = asyncio.Semaphore(m["num_writer_threads"])
 
     def describe(self) -> str:
-        m = self.cfg.mooncake
+        m = self.cfg.mooncake or {}
         return (f"one object in the Mooncake store of master {m['master_server_address']} ({m['protocol']}; this "
                 f"process contributes {m['global_segment_size'] / 1e9:.1f} GB, {self.budget / 1e9:.1f} GB of unread "
                 "objects at most)")
@@ -164,7 +165,6 @@ class MooncakeTransport(ConnectorTransport):
         rc = self.store.register_buffer(buf.data_ptr(), size)
         if rc != 0:
             raise RuntimeError(f"Mooncake register_buffer of {size} bytes failed (status {rc})")
-        self._made += 1
         return buf
 
     def _largest(self) -> int:
@@ -194,6 +194,8 @@ class MooncakeTransport(ConnectorTransport):
     async def keep(self, got: Delivery, token_ids: list[int], reserved: int) -> Stored:
         t = len(token_ids)
         rows = got.rows
+        if rows is None:  # a failure: the middleware answers it before any form sees it
+            raise RuntimeError(f"no rows to store: {got.error}")
         if rows.dtype.itemsize == 1:  # float8 rows: only the FP8 file connector asks for them
             self.release(reserved)
             raise RequestError("the Mooncake connector stores the model's dtype; the rows came as float8", status=500)

@@ -22,7 +22,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from vllm_hidden.config import DEFAULT_S3_RETRY_S, ShardConfig
 from vllm_hidden.format.shard import GENERATIONS as GENERATIONS_TENSOR
@@ -108,7 +108,7 @@ class Output:
             self.local = Path(uri)
         self.state = OutputState()
         self.num_errors = 0
-        self._errors = None
+        self._errors: TextIO | None = None
 
     @property
     def where(self) -> str:
@@ -116,7 +116,7 @@ class Output:
 
     def begin(self, resume: bool) -> OutputState:
         if self.loc is not None:
-            self._begin_s3(resume)
+            self._begin_s3(self.loc, resume)
         else:
             self._begin_local(resume)
         if self.state.removed:
@@ -145,10 +145,9 @@ class Output:
         out.mkdir(parents=True, exist_ok=True)
         write_json_atomic(out / RUN, self.identity)
 
-    def _begin_s3(self, resume: bool) -> None:
+    def _begin_s3(self, loc: S3Location, resume: bool) -> None:
         """The shard objects under the prefix are what is done (an object exists only once its
         upload completed); the staging directory starts empty."""
-        loc = self.loc
         names = loc.names()
         if names and resume:
             self._check_identity(loc.get_json(RUN))
@@ -157,7 +156,8 @@ class Output:
                 sub = loc.sub(part)
                 shards, done_ids = read_uploaded(sub, sub.shard_infos())
                 state = ResumeState(shards=shards, done_ids=done_ids)
-                state.next_index = max((shard_number(s.file) for s in shards), default=-1) + 1
+                numbers = (shard_number(s.file) for s in shards)
+                state.next_index = max((n for n in numbers if n is not None), default=-1) + 1
                 self.state.add(part, state, loc.uri)
             for name in (MANIFEST, ERRORS):  # rewritten by this run
                 if name in names:

@@ -126,6 +126,7 @@ def _verify_s3(uri: str, endpoint_url: str | None, threads: int) -> Report:
 
     loc = S3Location(uri, endpoint_url)
     names = set(loc.names())
+    layers: int | None  # the output's layer count; None where an interrupted run's record has none
     if MANIFEST in names:
         m = Manifest.from_dict(loc.get_json(MANIFEST))
         summary, shards, layers = _from_manifest(m)
@@ -146,6 +147,7 @@ def verify_output(path: str | os.PathLike[str], threads: int = 8, s3_endpoint_ur
     root = Path(path)
     if not root.is_dir():
         raise ValueError(f"no such output directory {str(path)!r}")
+    layers: int | None
     if (root / MANIFEST).is_file():
         m = Manifest.read(root)
         summary, shards, layers = _from_manifest(m)
