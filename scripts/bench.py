@@ -31,6 +31,9 @@ case and runs every workload):
                  weight blocks; --qwen36-27b only: its config with `quantization_config`, random weights)
 Every case also reports, from its engine's log, the model's memory ("Model loading took") and the
 GEMM kernels vLLM selected.
+--step-trace records every scheduler step of every case (plain cases run vLLM's scheduler
+through vllm-hidden's, which schedules as vLLM's for them) and gives each workload its `steps`:
+how many, their tokens, how many were small, and the time between them.
 Every output is verified after its clock stops: every sample present with its token ids,
 no NaN/inf, and (extract) every shard's checksum. Results: one JSON under benchmarks/results/
 (command, versions, git revision, per case and workload: tok/s, samples/s, ratio to plain,
@@ -53,6 +56,8 @@ CASES = ("plain", "extract", "extract-shm", "upstream", "extract-tuned", "extrac
          "extract-eagle3", "extract-fp8", "extract-stats", "plain-fp8w", "extract-fp8w", "plain-fp8b",
          "extract-fp8b")
 FP8_WEIGHTS = ["--quantization", "fp8"]  # vLLM 0.26's name for online per-tensor FP8
+STEP_TRACE = "VHIDDEN_STEP_TRACE"  # vllm_hidden.envs.STEP_TRACE
+SCHEDULER = "vllm_hidden.engine.scheduler.taper_scheduler"  # vLLM's scheduler for plain requests, traced
 # Qwen3.6-27B: FLOP per prefill token (2 x params + attention at these lengths), and the
 # H200's measured dense bf16 peak
 GFLOP_PER_TOKEN_27B = 48.7
@@ -70,9 +75,10 @@ def run_plain(args: list[str], max_len: int, workloads: dict[str, list[list[int]
     save(res)
     try:
         for name, prompts in workloads.items():
+            mark = _trace_mark()
             with RssPeak() as rss:
                 dt, _ = benchlib.timed_loop(engine, prompts, lambda i: sp)
-            res["workloads"][name] = {"seconds": dt, "peak_rss_bytes_during_run": rss.peak}
+            res["workloads"][name] = {"seconds": dt, "peak_rss_bytes_during_run": rss.peak, **_trace_since(mark)}
             save(res)
     finally:
         engine.engine_core.shutdown()
@@ -102,16 +108,47 @@ def run_extract(args: list[str], max_len: int, workloads: dict[str, list[list[in
             for stats in (None,) if stats_ab is None else ("1", "0") * stats_ab:
                 if stats is not None:  # read when the run's shard config is made, in this process
                     os.environ[LAYER_STATS_ENV] = stats
+                mark = _trace_mark()
                 with RssPeak() as rss:
                     s = extract_file(ex, str(inputs[name]), str(out_root / name)).to_dict()
+                steps = _trace_since(mark)
                 v = benchlib.verify_extract(out_root / name, prompts)
                 runs.append({"seconds": s["seconds"], "flush_seconds": s["flush_seconds"],
                              "peak_rss_bytes_during_run": rss.peak, "capture_stats": s["capture_stats"],
-                             "verified": v, "layer_stats": stats != "0"})
+                             "verified": v, "layer_stats": stats != "0", **steps})
                 shutil.rmtree(out_root / name)  # keep the disk for the next run
             res["workloads"][name] = runs[0] if stats_ab is None else _stats_ab(runs)
             save(res)
     return res
+
+
+def _trace_mark() -> int:
+    """Lines in this case's step trace so far (0 without --step-trace)."""
+    path = os.environ.get(STEP_TRACE)
+    return len(Path(path).read_text().splitlines()) if path and Path(path).exists() else 0
+
+
+def _trace_since(mark: int) -> dict:
+    """The steps the engine scheduled since `mark`: how many, their tokens (quantiles, and how
+    many were under an eighth of the largest), the time between them."""
+    path = os.environ.get(STEP_TRACE)
+    if not path or not Path(path).exists():
+        return {}
+    rows = [ln.split() for ln in Path(path).read_text().splitlines()[mark:]]
+    if not rows:
+        return {"steps": {"count": 0}}
+    t = [float(r[0]) for r in rows]
+    tokens = sorted(int(r[1]) for r in rows)
+    gaps = sorted(b - a for a, b in zip(t, t[1:]))
+
+    def q(xs, p):
+        return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else None
+
+    return {"steps": {"count": len(rows), "tokens_p10_p50_p90": [q(tokens, 0.1), q(tokens, 0.5), q(tokens, 0.9)],
+                      "under_an_eighth_of_the_largest": sum(n < tokens[-1] / 8 for n in tokens),
+                      "mean_tokens": round(sum(tokens) / len(tokens), 1),
+                      "interval_ms_p50_p90": [round(1e3 * q(gaps, 0.5), 2), round(1e3 * q(gaps, 0.9), 2)] if gaps
+                      else None}}
 
 
 def _stats_ab(runs: list[dict]) -> dict:
@@ -194,6 +231,11 @@ def child(spec_path: str) -> None:
             raise ValueError(f"case {case!r} needs --qwen36-27b (an FP8 checkpoint's config with random weights)")
         args = [spec["model_fp8b"], *spec["engine_args"]]
     base = case.removesuffix("-fp8w").removesuffix("-fp8b")
+    if spec.get("step_trace"):  # read by the engine's scheduler, started in this process's children
+        os.environ[STEP_TRACE] = str(Path(spec["out_dir"]).parent / f"steps-{case}.txt")
+        Path(os.environ[STEP_TRACE]).unlink(missing_ok=True)
+        if base == "plain":
+            args += ["--scheduler-cls", SCHEDULER]
 
     if base == "plain":
         run_plain(args, max_len, workloads, save)
@@ -254,6 +296,9 @@ def main() -> None:
     ap.add_argument("--tuned-arg", action="append", default=[], help="extra vLLM args for extract-tuned (repeat)")
     ap.add_argument("--result", default=None, help="result JSON (default benchmarks/results/<kind>-<time>.json)")
     ap.add_argument("--append", action="store_true", help="merge these cases into an existing --result")
+    ap.add_argument("--step-trace", action="store_true",
+                    help="record every scheduler step of every case (VHIDDEN_STEP_TRACE; plain cases run vLLM's "
+                         "scheduler through ours, which schedules as vLLM's for them) and summarize each workload's")
     a = ap.parse_args()
     benchlib.exit_on_sigterm()  # run finally blocks on `timeout`
     if a.child:
@@ -310,7 +355,8 @@ def main() -> None:
                 "max_model_len": a.max_model_len, "layers": ",".join(map(str, layer_ids)), "layer_ids": layer_ids,
                 "num_layers": text.num_hidden_layers, "model_fp8b": model_fp8b,
                 "prompts": prompts, "inputs": inputs, "out_dir": str(work / "out"), "shm_dir": a.shm_dir,
-                "writer_threads": a.writer_threads, "result": str(work / f"result-{case}.json")}
+                "writer_threads": a.writer_threads, "result": str(work / f"result-{case}.json"),
+                "step_trace": a.step_trace}
         print(f"bench: case {case} ...", flush=True)
         result["cases"][case] = benchlib.run_case(spec, work, __file__)
         summarize(result)

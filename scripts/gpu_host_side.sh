@@ -15,6 +15,8 @@
 #                 CASES=extract; or STEP=plain-bf16, then STEP=extract-bf16)
 #   STEP=fp8b     bench.py plain-fp8b, then extract-fp8b (CASES= as for bf16)
 #   STEP=generate scripts/bench_generate.py single turn (TURNS=3 for turn by turn)
+#   STEP=trace-plain, then STEP=trace-extract: bench.py --step-trace of plain-fp8w, then extract-fp8w,
+#                 on W-chat and W-short: every scheduler step of each, merged into bench-trace.json
 # Environment: OUT (required: results and logs go there), RESULT (see STEP=extract), CASES.
 # Everything takes about ten calls after the kit's three (fp8, tests, plain, extract, server, bf16 x2,
 # fp8b x2, generate x2): each 27B case starts its own cold engine (~4 min) and a call may run 10.
@@ -22,7 +24,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the output folder of the call}"
-STEP=${STEP:?set STEP to fp8, fp8gen, tests, plain, extract, server, bf16, plain-bf16, extract-bf16, fp8b or generate}
+STEP=${STEP:?set STEP to fp8, fp8gen, tests, plain, extract, server, bf16, plain-bf16, extract-bf16, fp8b, generate, trace-plain or trace-extract}
 mkdir -p "$OUT"
 
 env_sh=$(ls .kit/*/device-env.sh /tmp/kitstage/device-env.sh 2>/dev/null | head -1)
@@ -48,8 +50,9 @@ quiet() { grep -v "^INFO\|^(EngineCore\|^WARNING\|^(Worker\|^(APIServer" "$1" | 
 bench() {  # bench.py cases $1 on both workloads, merged into $BENCH
   local append=()
   [ -f "$BENCH" ] && append=(--append)
+  # shellcheck disable=SC2086  # BENCH_EXTRA: extra flags, word-split on purpose
   timeout -s TERM "${BENCH_TIMEOUT:-560}" python3 scripts/bench.py --qwen36-27b --workloads w-chat,w-short \
-    --cases "$1" --result "$BENCH" "${append[@]}" > "$OUT/bench-$1.log" 2>&1
+    --cases "$1" --result "$BENCH" "${append[@]}" ${BENCH_EXTRA:-} > "$OUT/bench-$1.log" 2>&1
   local rc=$?
   quiet "$OUT/bench-$1.log" 25
   cp "$BENCH" "$OUT/" 2>/dev/null
@@ -84,6 +87,8 @@ case "$STEP" in
   extract) bench extract-fp8w; rc=$? ;;
   bf16) bench "${CASES:-plain}"; rc=$? ;;
   plain-bf16) bench plain; rc=$? ;;
+  trace-plain | trace-extract)
+    BENCH=/tmp/vh-results/bench-trace.json BENCH_EXTRA=--step-trace bench "${STEP#trace-}-fp8w"; rc=$? ;;
   extract-bf16) bench extract; rc=$? ;;
   fp8b) bench "${CASES:-plain-fp8b}"; rc=$? ;;
   server)

@@ -104,3 +104,34 @@ def test_scheduler_next_run_is_not_tapered():
     s.add_request(_request("b", 150))
     s.add_request(_request("c", 150, extra=False))  # a request with no extra args at all
     assert _run(s) == [100, 100, 100]
+
+
+def test_the_step_trace_has_a_line_per_step_with_its_tokens_and_requests():
+    import io
+
+    class OutBase(_Base):  # what vLLM's schedule() returns, as far as the trace reads it
+        def schedule(self, *args, **kwargs):
+            budget = self.max_num_scheduled_tokens
+            sizes = {}
+            for r in self.requests.values():
+                n = min(budget, r.num_prompt_tokens - r.num_computed_tokens)
+                if n:
+                    sizes[r.request_id] = n
+                r.num_computed_tokens += n
+                budget -= n
+            self.requests = {k: r for k, r in self.requests.items() if r.num_computed_tokens < r.num_prompt_tokens}
+            return SimpleNamespace(total_num_scheduled_tokens=sum(sizes.values()), num_scheduled_tokens=sizes)
+
+    class Traced(_Taper, OutBase):
+        pass
+
+    s = Traced(100)
+    s._vh_trace = trace = io.StringIO()
+    for i, n in enumerate((60, 60, 30)):
+        s.add_request(_request(f"r{i}", n))
+    while s.requests:
+        s.schedule()
+    s.schedule()  # an idle step (nothing scheduled) is not a step
+    rows = [line.split() for line in trace.getvalue().splitlines()]
+    assert [(int(t), int(r)) for _, t, r in rows] == [(100, 2), (50, 2)]
+    assert float(rows[0][0]) <= float(rows[1][0])  # perf_counter times, in order

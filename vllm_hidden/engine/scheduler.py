@@ -13,15 +13,21 @@ small. The GPU does the same work in a few more steps (mostly 3 more at the end 
 tokens left of 16,384-token steps go as 15,000, 7,500, 3,750, 1,875 and 1,875).
 
 `taper_scheduler` is what the engine is given as its `scheduler_cls`: it builds the scheduler
-vLLM would have picked (async or not) with this one change. The vLLM methods the subclass
+vLLM would have picked (async or not) with this one change. A plain vLLM engine given it
+(`--scheduler-cls vllm_hidden.engine.scheduler.taper_scheduler`) schedules exactly as vLLM's, as
+no request of its says it is a run's last; with VHIDDEN_STEP_TRACE set it records each step
+(scripts/bench.py --step-trace, plain and extract alike). The vLLM methods the subclass
 overrides and the budget attribute it lowers are rows of `hooks.HOOKS`.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+import os
+import time
+from typing import Any, TextIO
 
+import vllm_hidden.envs as envs
 from vllm_hidden.engine import compat
 
 log = logging.getLogger("vllm.vllm_hidden")  # in the engine core process: through vLLM's logging
@@ -47,6 +53,7 @@ class _Taper:
     budget from it) follows `taper_budget` while a run drains."""
 
     _vh_draining = False
+    _vh_trace: TextIO | None = None  # VHIDDEN_STEP_TRACE's file
     max_num_scheduled_tokens: int  # vLLM's Scheduler's, which every schedule() reads its budget from
 
     def add_request(self, request: Any) -> None:
@@ -58,13 +65,18 @@ class _Taper:
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         if not self._vh_draining:
-            return super().schedule(*args, **kwargs)  # type: ignore[misc]
-        full = self.max_num_scheduled_tokens
-        self.max_num_scheduled_tokens = taper_budget(compat.prompt_tokens_left(self), full)
-        try:
-            return super().schedule(*args, **kwargs)  # type: ignore[misc]
-        finally:
-            self.max_num_scheduled_tokens = full
+            out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        else:
+            full = self.max_num_scheduled_tokens
+            self.max_num_scheduled_tokens = taper_budget(compat.prompt_tokens_left(self), full)
+            try:
+                out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+            finally:
+                self.max_num_scheduled_tokens = full
+        if self._vh_trace is not None and out.total_num_scheduled_tokens:
+            self._vh_trace.write(f"{time.perf_counter():.6f} {out.total_num_scheduled_tokens} "
+                                 f"{len(out.num_scheduled_tokens)}\n")
+        return out
 
 
 def taper_scheduler(*args: Any, **kwargs: Any) -> Any:
@@ -78,4 +90,7 @@ def taper_scheduler(*args: Any, **kwargs: Any) -> Any:
              "async or not as vLLM chose: its warning about a custom scheduler class does not apply)", base.__name__)
     scheduler = cls(*args, **kwargs)
     hooks.check_scheduler(scheduler)  # the budget it lowers while a run drains
+    trace = os.environ.get(envs.STEP_TRACE)
+    if trace:  # a benchmark's record of every step (line-buffered: readable while the engine runs)
+        scheduler._vh_trace = open(trace, "a", buffering=1)
     return scheduler
