@@ -92,7 +92,7 @@ class RayRanks:
         except ray.exceptions.GetTimeoutError:
             raise ValueError(f"Ray could not place {cfg.dp} engine actors of {opts} within "
                              f"{self.PLACE_TIMEOUT_S:.0f} s (resources taken by other work?)") from None
-        envs: list[dict[str, str]] = [{} for _ in self.actors]
+        actor_envs: list[dict[str, str]] = [{} for _ in self.actors]
         if not self.gpu:  # actors sharing a host get disjoint cores
             by_host: dict[str, list[int]] = {}
             for r, (host, _) in enumerate(where):
@@ -102,10 +102,10 @@ class RayRanks:
                 share = max(1, len(cpus) // len(ranks))
                 for k, r in enumerate(ranks):
                     mine = cpus[k * share:(k + 1) * share] or cpus[-share:]
-                    envs[r] = {CPU_BIND: cpu_bind(mine, cfg.tp)}
+                    actor_envs[r] = {CPU_BIND: cpu_bind(mine, cfg.tp)}
         self.work = Queue(QUEUE_PER_ENGINE * cfg.dp)
         self.events = Queue()
-        self.refs = [a.run.remote(spec, self.work, self.events) for a, spec in zip(self.actors, make_specs(envs))]
+        self.refs = [a.run.remote(spec, self.work, self.events) for a, spec in zip(self.actors, make_specs(actor_envs))]
         return self
 
     def put(self, item: Any, timeout: float) -> bool:
