@@ -84,13 +84,14 @@ def taper_scheduler(*args: Any, **kwargs: Any) -> Any:
     from vllm_hidden.engine import hooks
 
     base = compat.scheduler_base(*args, **kwargs)
-    cls = type(f"Tapering{base.__name__}", (_Taper, base), {"__module__": __name__})
+    attrs: dict[str, Any] = {"__module__": __name__}
+    trace = os.environ.get(envs.STEP_TRACE)
+    if trace:  # a benchmark's record of every step (line-buffered: readable while the engine runs)
+        attrs["_vh_trace"] = open(trace, "a", buffering=1)
+    cls = type(f"Tapering{base.__name__}", (_Taper, base), attrs)
     # vLLM warns about every scheduler class it did not name; say that this one is its own
     log.info("vllm-hidden: %s, with the last steps of each extract run tapered (vLLM's own scheduler, "
              "async or not as vLLM chose: its warning about a custom scheduler class does not apply)", base.__name__)
     scheduler = cls(*args, **kwargs)
     hooks.check_scheduler(scheduler)  # the budget it lowers while a run drains
-    trace = os.environ.get(envs.STEP_TRACE)
-    if trace:  # a benchmark's record of every step (line-buffered: readable while the engine runs)
-        scheduler._vh_trace = open(trace, "a", buffering=1)
     return scheduler
