@@ -17,6 +17,8 @@
 #   STEP=generate scripts/bench_generate.py single turn (TURNS=3 for turn by turn)
 #   STEP=trace-plain, then STEP=trace-extract: bench.py --step-trace of plain-fp8w, then extract-fp8w,
 #                 on W-chat and W-short: every scheduler step of each, merged into bench-trace.json
+#   STEP=online   scripts/gpu_online.sh, CASES default plain-fp8w,vllm-connector-fp8w,ours-fp8w (three cold
+#                 servers: run it in scripts/gpu_background.sh, it outlasts one call)
 # Environment: OUT (required: results and logs go there), RESULT (see STEP=extract), CASES.
 # Everything takes about ten calls after the kit's three (fp8, tests, plain, extract, server, bf16 x2,
 # fp8b x2, generate x2): each 27B case starts its own cold engine (~4 min) and a call may run 10.
@@ -24,7 +26,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the output folder of the call}"
-STEP=${STEP:?set STEP to fp8, fp8gen, tests, plain, extract, server, bf16, plain-bf16, extract-bf16, fp8b, generate, trace-plain or trace-extract}
+STEP=${STEP:?set STEP to fp8, fp8gen, tests, plain, extract, server, bf16, plain-bf16, extract-bf16, fp8b, generate, trace-plain, trace-extract or online}
 mkdir -p "$OUT"
 
 env_sh=$(ls .kit/*/device-env.sh /tmp/kitstage/device-env.sh 2>/dev/null | head -1)
@@ -103,6 +105,12 @@ case "$STEP" in
       > "$OUT/generate.log" 2>&1
     rc=$?
     quiet "$OUT/generate.log" 25
+    ;;
+  online)
+    CASES=${CASES:-plain-fp8w,vllm-connector-fp8w,ours-fp8w} BENCH_TIMEOUT=${BENCH_TIMEOUT:-1500} \
+      bash scripts/gpu_online.sh > "$OUT/online.log" 2>&1
+    rc=$?
+    quiet "$OUT/online.log" 30
     ;;
   *) echo "gpu_host_side: unknown STEP=$STEP"; exit 2 ;;
 esac
