@@ -31,7 +31,9 @@ case and runs every workload):
                  weight blocks; --qwen36-27b only: its config with `quantization_config`, random weights)
 Every case also reports, from its engine's log, the model's memory ("Model loading took") and the
 GEMM kernels vLLM selected.
---step-trace records every scheduler step of every case (plain cases run vLLM's scheduler
+--feeds runs each workload once per way of keeping prompts in the engine (extract's window of a
+few full steps of prompt tokens, 2 x max_num_seqs requests, or all up front), plain and extract
+alike. --step-trace records every scheduler step of every case (plain cases run vLLM's scheduler
 through vllm-hidden's, which schedules as vLLM's for them) and gives each workload its `steps`:
 how many, their tokens, how many were small, and the time between them.
 Every output is verified after its clock stops: every sample present with its token ids,
@@ -42,6 +44,7 @@ MFU, engine init, bytes, verification, peak RSS of the case's process tree).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -65,7 +68,29 @@ PEAK_TFLOPS_H200 = 790.0
 
 
 # -- child side: one case, every workload ----------------------------------------------------
-def run_plain(args: list[str], max_len: int, workloads: dict[str, list[list[int]]], save) -> dict:
+def _runs(workloads: dict, feeds: list[str]):
+    """(result key, workload name, its prompts, feed) of every run: the first feed's under the
+    workload's name, the others' under name@feed."""
+    for name, prompts in workloads.items():
+        for i, feed in enumerate(feeds):
+            yield (name if i == 0 else f"{name}@{feed}"), name, prompts, feed
+
+
+@contextlib.contextmanager
+def _extract_feed(feed: str):
+    """extract's window set to one of benchlib.FEEDS for a run (its module's constants, read per run)."""
+    from vllm_hidden.extract import run
+
+    saved = run.FILL_STEPS, run.MAX_REQUESTS_FACTOR
+    run.FILL_STEPS, run.MAX_REQUESTS_FACTOR = {"steps": saved, "seqs": (0, 2), "all": (1 << 40, 1 << 40)}[feed]
+    try:
+        yield
+    finally:
+        run.FILL_STEPS, run.MAX_REQUESTS_FACTOR = saved
+
+
+def run_plain(args: list[str], max_len: int, workloads: dict[str, list[list[int]]], save,
+              feeds: list[str]) -> dict:
     from vllm_hidden.engine import compat
 
     engine, init = benchlib.start_engine(args, max_len)
@@ -74,11 +99,12 @@ def run_plain(args: list[str], max_len: int, workloads: dict[str, list[list[int]
            "workloads": {}}
     save(res)
     try:
-        for name, prompts in workloads.items():
+        for key, _, prompts, feed in _runs(workloads, feeds):
             mark = _trace_mark()
             with RssPeak() as rss:
-                dt, _ = benchlib.timed_loop(engine, prompts, lambda i: sp)
-            res["workloads"][name] = {"seconds": dt, "peak_rss_bytes_during_run": rss.peak, **_trace_since(mark)}
+                dt, _ = benchlib.timed_loop(engine, prompts, lambda i: sp, feed)
+            res["workloads"][key] = {"seconds": dt, "feed": feed, "peak_rss_bytes_during_run": rss.peak,
+                                     **_trace_since(mark)}
             save(res)
     finally:
         engine.engine_core.shutdown()
@@ -87,7 +113,7 @@ def run_plain(args: list[str], max_len: int, workloads: dict[str, list[list[int]
 
 def run_extract(args: list[str], max_len: int, workloads: dict[str, list[list[int]]], out_root: Path,
                 inputs: dict[str, Path], layers: str | None, writer_threads: int | None, save,
-                stats_ab: int | None = None, **options) -> dict:
+                feeds: list[str], stats_ab: int | None = None, **options) -> dict:
     from vllm_hidden.config import LAYER_STATS_ENV, ExtractConfig
     from vllm_hidden.extract.job import extract_file, start_extractor
 
@@ -103,21 +129,21 @@ def run_extract(args: list[str], max_len: int, workloads: dict[str, list[list[in
         res["layers_run"] = ex.layers_run
         res["model_runner"] = ex.start_report.get("model_runner")
         save(res)
-        for name, prompts in workloads.items():
+        for key, name, prompts, feed in _runs(workloads, feeds):
             runs = []
             for stats in (None,) if stats_ab is None else ("1", "0") * stats_ab:
                 if stats is not None:  # read when the run's shard config is made, in this process
                     os.environ[LAYER_STATS_ENV] = stats
                 mark = _trace_mark()
-                with RssPeak() as rss:
+                with RssPeak() as rss, _extract_feed(feed):
                     s = extract_file(ex, str(inputs[name]), str(out_root / name)).to_dict()
                 steps = _trace_since(mark)
                 v = benchlib.verify_extract(out_root / name, prompts)
-                runs.append({"seconds": s["seconds"], "flush_seconds": s["flush_seconds"],
+                runs.append({"seconds": s["seconds"], "feed": feed, "flush_seconds": s["flush_seconds"],
                              "peak_rss_bytes_during_run": rss.peak, "capture_stats": s["capture_stats"],
                              "verified": v, "layer_stats": stats != "0", **steps})
                 shutil.rmtree(out_root / name)  # keep the disk for the next run
-            res["workloads"][name] = runs[0] if stats_ab is None else _stats_ab(runs)
+            res["workloads"][key] = runs[0] if stats_ab is None else _stats_ab(runs)
             save(res)
     return res
 
@@ -237,8 +263,9 @@ def child(spec_path: str) -> None:
         if base == "plain":
             args += ["--scheduler-cls", SCHEDULER]
 
+    feeds = spec["feeds"]
     if base == "plain":
-        run_plain(args, max_len, workloads, save)
+        run_plain(args, max_len, workloads, save, feeds)
     elif base in ("extract", "extract-tuned", "extract-final", "extract-full", "extract-eagle3", "extract-fp8",
                   "extract-stats"):
         options = {"extract-final": {"final_state": "post-norm"}, "extract-full": {"full_model": True},
@@ -248,10 +275,10 @@ def child(spec_path: str) -> None:
             n = spec["num_layers"]
             layers = ",".join(map(str, sorted({1, n // 2 - 1, n - 4})))
         run_extract([*args, *(spec["tuned_args"] if base == "extract-tuned" else [])], max_len, workloads,
-                    Path(spec["out_dir"]) / case, inputs, layers, spec["writer_threads"], save, **options)
+                    Path(spec["out_dir"]) / case, inputs, layers, spec["writer_threads"], save, feeds, **options)
     elif case == "extract-shm":
         run_extract(args, max_len, workloads, Path(spec["shm_dir"]) / case, inputs, spec["layers"],
-                    spec["writer_threads"], save)
+                    spec["writer_threads"], save, feeds)
     elif case == "upstream":
         run_upstream(args, max_len, workloads, Path(spec["shm_dir"]) / case, spec["layer_ids"], save)
     else:
@@ -264,8 +291,8 @@ def summarize(result: dict) -> None:
     wl = result["workloads"]
     for r in result["cases"].values():
         for name, w in r.get("workloads", {}).items():
-            w["tokens"] = wl[name]["tokens"]
-            w["samples"] = wl[name]["samples"]
+            w["tokens"] = wl[name.split("@")[0]]["tokens"]
+            w["samples"] = wl[name.split("@")[0]]["samples"]
             w["tokens_per_s"] = round(w["tokens"] / w["seconds"], 1)
             w["samples_per_s"] = round(w["samples"] / w["seconds"], 2)
             if result.get("gflop_per_token"):
@@ -296,6 +323,11 @@ def main() -> None:
     ap.add_argument("--tuned-arg", action="append", default=[], help="extra vLLM args for extract-tuned (repeat)")
     ap.add_argument("--result", default=None, help="result JSON (default benchmarks/results/<kind>-<time>.json)")
     ap.add_argument("--append", action="store_true", help="merge these cases into an existing --result")
+    ap.add_argument("--feeds", default="steps",
+                    help=f"comma list of {benchlib.FEEDS}: how prompts are kept in the engine (steps: extract's "
+                         "window, a few full steps of prompt tokens; seqs: 2 x max_num_seqs requests; all: every "
+                         "prompt up front, as LLM.generate); each workload runs once per feed, the first under its "
+                         "name, the others as name@feed")
     ap.add_argument("--step-trace", action="store_true",
                     help="record every scheduler step of every case (VHIDDEN_STEP_TRACE; plain cases run vLLM's "
                          "scheduler through ours, which schedules as vLLM's for them) and summarize each workload's")
@@ -310,6 +342,12 @@ def main() -> None:
     for c in cases:
         if c not in CASES:
             ap.error(f"--cases: unknown case {c!r}; choose from {CASES}")
+    feeds = [f for f in a.feeds.split(",") if f]
+    for f in feeds:
+        if f not in benchlib.FEEDS:
+            ap.error(f"--feeds: unknown feed {f!r}; choose from {benchlib.FEEDS}")
+    if not feeds or len(set(feeds)) != len(feeds):
+        ap.error(f"--feeds: {a.feeds!r} must name each feed once")
     for w in names:
         if w not in WORKLOADS:
             ap.error(f"--workloads: unknown workload {w!r}; choose from {sorted(WORKLOADS)}")
@@ -356,7 +394,7 @@ def main() -> None:
                 "num_layers": text.num_hidden_layers, "model_fp8b": model_fp8b,
                 "prompts": prompts, "inputs": inputs, "out_dir": str(work / "out"), "shm_dir": a.shm_dir,
                 "writer_threads": a.writer_threads, "result": str(work / f"result-{case}.json"),
-                "step_trace": a.step_trace}
+                "step_trace": a.step_trace, "feeds": feeds}
         print(f"bench: case {case} ...", flush=True)
         result["cases"][case] = benchlib.run_case(spec, work, __file__)
         summarize(result)

@@ -16,7 +16,8 @@
 #   STEP=fp8b     bench.py plain-fp8b, then extract-fp8b (CASES= as for bf16)
 #   STEP=generate scripts/bench_generate.py single turn (TURNS=3 for turn by turn)
 #   STEP=trace-plain, then STEP=trace-extract: bench.py --step-trace of plain-fp8w, then extract-fp8w,
-#                 on W-chat and W-short: every scheduler step of each, merged into bench-trace.json
+#                 on W-chat and W-short: every scheduler step of each, merged into bench-trace.json; each
+#                 workload once per feed (FEEDS, bench.py --feeds: plain steps,seqs,all, extract steps,seqs)
 #   STEP=online   scripts/gpu_online.sh, CASES default plain-fp8w,vllm-connector-fp8w,ours-fp8w (three cold
 #                 servers: run it in scripts/gpu_background.sh, it outlasts one call)
 # Environment: OUT (required: results and logs go there), RESULT (see STEP=extract), CASES.
@@ -90,7 +91,9 @@ case "$STEP" in
   bf16) bench "${CASES:-plain}"; rc=$? ;;
   plain-bf16) bench plain; rc=$? ;;
   trace-plain | trace-extract)
-    BENCH=/tmp/vh-results/bench-trace.json BENCH_EXTRA=--step-trace bench "${STEP#trace-}-fp8w"; rc=$? ;;
+    feeds=${FEEDS:-$([ "$STEP" = trace-plain ] && echo steps,seqs,all || echo steps,seqs)}
+    BENCH=/tmp/vh-results/bench-trace.json BENCH_EXTRA="--step-trace --feeds $feeds" bench "${STEP#trace-}-fp8w"
+    rc=$? ;;
   extract-bf16) bench extract; rc=$? ;;
   fp8b) bench "${CASES:-plain-fp8b}"; rc=$? ;;
   server)
