@@ -31,11 +31,12 @@ case and runs every workload):
                  weight blocks; --qwen36-27b only: its config with `quantization_config`, random weights)
 Every case also reports, from its engine's log, the model's memory ("Model loading took") and the
 GEMM kernels vLLM selected.
---feeds runs each workload once per way of keeping prompts in the engine (extract's window of a
-few full steps of prompt tokens, 2 x max_num_seqs requests, or all up front), plain and extract
-alike. --step-trace records every scheduler step of every case (plain cases run vLLM's scheduler
+--feeds runs each workload of a plain case once per way of keeping prompts in the engine (2 x
+max_num_seqs requests as extract keeps them, or all up front as LLM.generate).
+--step-trace records every scheduler step of every case (plain cases run vLLM's scheduler
 through vllm-hidden's, which schedules as vLLM's for them) and gives each workload its `steps`:
-how many, their tokens, how many were small, and the time between them.
+how many, their tokens, how many were small, the time between them, and every step's row with
+the scheduler's running and waiting requests and free KV-cache blocks as it was made.
 Every output is verified after its clock stops: every sample present with its token ids,
 no NaN/inf, and (extract) every shard's checksum. Results: one JSON under benchmarks/results/
 (command, versions, git revision, per case and workload: tok/s, samples/s, ratio to plain,
@@ -44,7 +45,6 @@ MFU, engine init, bytes, verification, peak RSS of the case's process tree).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -76,19 +76,6 @@ def _runs(workloads: dict, feeds: list[str]):
             yield (name if i == 0 else f"{name}@{feed}"), name, prompts, feed
 
 
-@contextlib.contextmanager
-def _extract_feed(feed: str):
-    """extract's window set to one of benchlib.FEEDS for a run (its module's constants, read per run)."""
-    from vllm_hidden.extract import run
-
-    saved = run.FILL_STEPS, run.MAX_REQUESTS_FACTOR
-    run.FILL_STEPS, run.MAX_REQUESTS_FACTOR = {"steps": saved, "seqs": (0, 2), "all": (1 << 40, 1 << 40)}[feed]
-    try:
-        yield
-    finally:
-        run.FILL_STEPS, run.MAX_REQUESTS_FACTOR = saved
-
-
 def run_plain(args: list[str], max_len: int, workloads: dict[str, list[list[int]]], save,
               feeds: list[str]) -> dict:
     from vllm_hidden.engine import compat
@@ -113,7 +100,7 @@ def run_plain(args: list[str], max_len: int, workloads: dict[str, list[list[int]
 
 def run_extract(args: list[str], max_len: int, workloads: dict[str, list[list[int]]], out_root: Path,
                 inputs: dict[str, Path], layers: str | None, writer_threads: int | None, save,
-                feeds: list[str], stats_ab: int | None = None, **options) -> dict:
+                stats_ab: int | None = None, **options) -> dict:
     from vllm_hidden.config import LAYER_STATS_ENV, ExtractConfig
     from vllm_hidden.extract.job import extract_file, start_extractor
 
@@ -129,21 +116,21 @@ def run_extract(args: list[str], max_len: int, workloads: dict[str, list[list[in
         res["layers_run"] = ex.layers_run
         res["model_runner"] = ex.start_report.get("model_runner")
         save(res)
-        for key, name, prompts, feed in _runs(workloads, feeds):
+        for name, prompts in workloads.items():
             runs = []
             for stats in (None,) if stats_ab is None else ("1", "0") * stats_ab:
                 if stats is not None:  # read when the run's shard config is made, in this process
                     os.environ[LAYER_STATS_ENV] = stats
                 mark = _trace_mark()
-                with RssPeak() as rss, _extract_feed(feed):
+                with RssPeak() as rss:
                     s = extract_file(ex, str(inputs[name]), str(out_root / name)).to_dict()
                 steps = _trace_since(mark)
                 v = benchlib.verify_extract(out_root / name, prompts)
-                runs.append({"seconds": s["seconds"], "feed": feed, "flush_seconds": s["flush_seconds"],
+                runs.append({"seconds": s["seconds"], "flush_seconds": s["flush_seconds"],
                              "peak_rss_bytes_during_run": rss.peak, "capture_stats": s["capture_stats"],
                              "verified": v, "layer_stats": stats != "0", **steps})
                 shutil.rmtree(out_root / name)  # keep the disk for the next run
-            res["workloads"][key] = runs[0] if stats_ab is None else _stats_ab(runs)
+            res["workloads"][name] = runs[0] if stats_ab is None else _stats_ab(runs)
             save(res)
     return res
 
@@ -156,7 +143,10 @@ def _trace_mark() -> int:
 
 def _trace_since(mark: int) -> dict:
     """The steps the engine scheduled since `mark`: how many, their tokens (quantiles, and how
-    many were under an eighth of the largest), the time between them."""
+    many were under an eighth of the largest), the time between them, and every step as a row of
+    `rows_columns` (time from the first step; the scheduler's queues as the step was made)."""
+    from vllm_hidden.engine.scheduler import TRACE_COLUMNS
+
     path = os.environ.get(STEP_TRACE)
     if not path or not Path(path).exists():
         return {}
@@ -174,7 +164,9 @@ def _trace_since(mark: int) -> dict:
                       "under_an_eighth_of_the_largest": sum(n < tokens[-1] / 8 for n in tokens),
                       "mean_tokens": round(sum(tokens) / len(tokens), 1),
                       "interval_ms_p50_p90": [round(1e3 * q(gaps, 0.5), 2), round(1e3 * q(gaps, 0.9), 2)] if gaps
-                      else None}}
+                      else None,
+                      "rows_columns": ["ms", *TRACE_COLUMNS[1:]],
+                      "rows": [[round(1e3 * (float(r[0]) - t[0]), 1), *map(int, r[1:])] for r in rows]}}
 
 
 def _stats_ab(runs: list[dict]) -> dict:
@@ -275,10 +267,10 @@ def child(spec_path: str) -> None:
             n = spec["num_layers"]
             layers = ",".join(map(str, sorted({1, n // 2 - 1, n - 4})))
         run_extract([*args, *(spec["tuned_args"] if base == "extract-tuned" else [])], max_len, workloads,
-                    Path(spec["out_dir"]) / case, inputs, layers, spec["writer_threads"], save, feeds, **options)
+                    Path(spec["out_dir"]) / case, inputs, layers, spec["writer_threads"], save, **options)
     elif case == "extract-shm":
         run_extract(args, max_len, workloads, Path(spec["shm_dir"]) / case, inputs, spec["layers"],
-                    spec["writer_threads"], save, feeds)
+                    spec["writer_threads"], save)
     elif case == "upstream":
         run_upstream(args, max_len, workloads, Path(spec["shm_dir"]) / case, spec["layer_ids"], save)
     else:
@@ -323,11 +315,11 @@ def main() -> None:
     ap.add_argument("--tuned-arg", action="append", default=[], help="extra vLLM args for extract-tuned (repeat)")
     ap.add_argument("--result", default=None, help="result JSON (default benchmarks/results/<kind>-<time>.json)")
     ap.add_argument("--append", action="store_true", help="merge these cases into an existing --result")
-    ap.add_argument("--feeds", default="steps",
-                    help=f"comma list of {benchlib.FEEDS}: how prompts are kept in the engine (steps: extract's "
-                         "window, a few full steps of prompt tokens; seqs: 2 x max_num_seqs requests; all: every "
-                         "prompt up front, as LLM.generate); each workload runs once per feed, the first under its "
-                         "name, the others as name@feed")
+    ap.add_argument("--feeds", default="window",
+                    help=f"plain cases: comma list of {benchlib.FEEDS}, how prompts are kept in the engine (window: "
+                         "2 x max_num_seqs requests, as extract keeps them; all: every prompt up front, as "
+                         "LLM.generate); each workload runs once per feed, the first under its name, the others "
+                         "as name@feed")
     ap.add_argument("--step-trace", action="store_true",
                     help="record every scheduler step of every case (VHIDDEN_STEP_TRACE; plain cases run vLLM's "
                          "scheduler through ours, which schedules as vLLM's for them) and summarize each workload's")

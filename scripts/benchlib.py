@@ -238,31 +238,25 @@ def start_engine(args: list[str], max_len: int, generate: bool = False):
     return engine, time.perf_counter() - t0
 
 
-FEEDS = ("steps", "seqs", "all")  # how a benchmark keeps prompts in the engine (see timed_loop)
+FEEDS = ("window", "all")  # how a benchmark keeps prompts in a plain engine (see timed_loop)
 
 
-def timed_loop(engine: Any, prompts: list[list[int]], params_for, feed: str = "steps") -> tuple[float, list]:
-    """Feed prompts as extract does (`steps`: extract.run.prefill_window, prompt tokens of a few
-    full steps), or with 2 x max_num_seqs requests in flight (`seqs`, extract's window before it
-    counted tokens), or every prompt up front (`all`, as vLLM's LLM.generate); returns the wall
-    time to the last finished request and the finished outputs."""
-    from vllm_hidden.extract.run import Window, prefill_window
-
-    sc = engine.vllm_config.scheduler_config
-    window = {"steps": prefill_window(sc), "seqs": Window(2 * sc.max_num_seqs, 0, 2 * sc.max_num_seqs),
-              "all": Window(len(prompts), 0, len(prompts))}[feed]
+def timed_loop(engine: Any, prompts: list[list[int]], params_for, feed: str = "window") -> tuple[float, list]:
+    """Feed prompts with at most 2 x max_num_seqs in flight (`window`, as extract does) or every
+    prompt up front (`all`, as vLLM's LLM.generate); returns the wall time to the last finished
+    request and the finished outputs."""
+    max_inflight = 2 * engine.vllm_config.scheduler_config.max_num_seqs if feed == "window" else len(prompts)
     pending = list(enumerate(prompts))[::-1]
-    inflight, tokens, finished = {}, 0, []
+    inflight, finished = 0, []
     t0 = time.perf_counter()
     while pending or inflight:
-        while pending and window.wants(len(inflight), tokens):
+        while pending and inflight < max_inflight:
             i, p = pending.pop()
             engine.add_request(str(i), {"prompt_token_ids": p}, params_for(i))
-            inflight[str(i)] = len(p)
-            tokens += len(p)
+            inflight += 1
         for o in engine.step():
             if o.finished:
-                tokens -= inflight.pop(o.request_id)
+                inflight -= 1
                 finished.append(o)
     return time.perf_counter() - t0, finished
 

@@ -16,8 +16,11 @@
 #   STEP=fp8b     bench.py plain-fp8b, then extract-fp8b (CASES= as for bf16)
 #   STEP=generate scripts/bench_generate.py single turn (TURNS=3 for turn by turn)
 #   STEP=trace-plain, then STEP=trace-extract: bench.py --step-trace of plain-fp8w, then extract-fp8w,
-#                 on W-chat and W-short: every scheduler step of each, merged into bench-trace.json; each
-#                 workload once per feed (FEEDS, bench.py --feeds: plain steps,seqs,all, extract steps,seqs)
+#                 on W-chat and W-short: every scheduler step of each (with the scheduler's queues), merged
+#                 into bench-trace.json; plain once per feed (FEEDS, bench.py --feeds: default window,all)
+#   STEP=truncate scripts/check_truncate.py under torch.compile and CUDA graphs, tiny hybrid: layers 1,4 (built
+#                 whole, the forward stopped at layer 5 of 8) and 1,3 (built with 4 layers), each against
+#                 --full-model
 #   STEP=online   scripts/gpu_online.sh, CASES default plain-fp8w,vllm-connector-fp8w,ours-fp8w (three cold
 #                 servers: run it in scripts/gpu_background.sh, it outlasts one call)
 # Environment: OUT (required: results and logs go there), RESULT (see STEP=extract), CASES.
@@ -27,7 +30,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the output folder of the call}"
-STEP=${STEP:?set STEP to fp8, fp8gen, tests, plain, extract, server, bf16, plain-bf16, extract-bf16, fp8b, generate, trace-plain, trace-extract or online}
+STEP=${STEP:?set STEP to fp8, fp8gen, tests, plain, extract, server, bf16, plain-bf16, extract-bf16, fp8b, generate, trace-plain, trace-extract, truncate or online}
 mkdir -p "$OUT"
 
 env_sh=$(ls .kit/*/device-env.sh /tmp/kitstage/device-env.sh 2>/dev/null | head -1)
@@ -91,8 +94,8 @@ case "$STEP" in
   bf16) bench "${CASES:-plain}"; rc=$? ;;
   plain-bf16) bench plain; rc=$? ;;
   trace-plain | trace-extract)
-    feeds=${FEEDS:-$([ "$STEP" = trace-plain ] && echo steps,seqs,all || echo steps,seqs)}
-    BENCH=/tmp/vh-results/bench-trace.json BENCH_EXTRA="--step-trace --feeds $feeds" bench "${STEP#trace-}-fp8w"
+    BENCH=/tmp/vh-results/bench-trace.json BENCH_EXTRA="--step-trace --feeds ${FEEDS:-window,all}" \
+      bench "${STEP#trace-}-fp8w"
     rc=$? ;;
   extract-bf16) bench extract; rc=$? ;;
   fp8b) bench "${CASES:-plain-fp8b}"; rc=$? ;;
@@ -108,6 +111,13 @@ case "$STEP" in
       > "$OUT/generate.log" 2>&1
     rc=$?
     quiet "$OUT/generate.log" 25
+    ;;
+  truncate)
+    for layers in 1,4 1,3; do
+      timeout 280 python3 scripts/check_truncate.py --layers $layers --result "$OUT/check-truncate-${layers/,/-}.json" \
+        > "$OUT/check-truncate-${layers/,/-}.log" 2>&1 || rc=1
+      quiet "$OUT/check-truncate-${layers/,/-}.log" 6
+    done
     ;;
   online)
     CASES=${CASES:-plain-fp8w,vllm-connector-fp8w,ours-fp8w} BENCH_TIMEOUT=${BENCH_TIMEOUT:-1500} \

@@ -123,9 +123,13 @@ def test_reference_states_are_the_test_suites(model, hf):
     want = hf.states(ids)
     ref = Reference(str(model))
     got = ref.run(ids, {EMBEDDINGS, *range(NUM_LAYERS), FINAL})
+    # two float32 forwards of one model on the CPU: equal but for the last bits (a oneDNN/MKL kernel
+    # can reduce in another order between calls), far closer than one layer is to the next
     for i in range(NUM_LAYERS):
-        assert torch.equal(got[i], want[i]), i
-    assert torch.equal(got[FINAL], hf.post_norm)
+        torch.testing.assert_close(got[i], want[i], rtol=1e-5, atol=1e-5, msg=f"layer {i}")
+        if i:
+            assert not torch.allclose(got[i], want[i - 1], rtol=1e-2, atol=1e-2), i
+    torch.testing.assert_close(got[FINAL], hf.post_norm, rtol=1e-5, atol=1e-5)
     assert not torch.equal(got[NUM_LAYERS - 1], got[FINAL])  # the last layer is before the norm
     assert torch.equal(got[EMBEDDINGS], hf.model.model.embed_tokens(torch.tensor(ids)))
     assert set(ref.run(ids, {1})) == {1}  # only what is asked for is kept

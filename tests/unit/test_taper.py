@@ -106,10 +106,22 @@ def test_scheduler_next_run_is_not_tapered():
     assert _run(s) == [100, 100, 100]
 
 
-def test_the_step_trace_has_a_line_per_step_with_its_tokens_and_requests():
+def test_the_step_trace_has_a_line_per_step_with_its_tokens_requests_and_queues():
     import io
 
-    class OutBase(_Base):  # what vLLM's schedule() returns, as far as the trace reads it
+    from vllm_hidden.engine.scheduler import TRACE_COLUMNS
+
+    class OutBase(_Base):  # what vLLM's schedule() returns, and its queues, as far as the trace reads them
+        kv_cache_manager = SimpleNamespace(block_pool=SimpleNamespace(get_num_free_blocks=lambda: 7))
+
+        @property
+        def running(self):  # started, not finished
+            return [r for r in self.requests.values() if r.num_computed_tokens]
+
+        @property
+        def waiting(self):
+            return [r for r in self.requests.values() if not r.num_computed_tokens]
+
         def schedule(self, *args, **kwargs):
             budget = self.max_num_scheduled_tokens
             sizes = {}
@@ -133,5 +145,8 @@ def test_the_step_trace_has_a_line_per_step_with_its_tokens_and_requests():
         s.schedule()
     s.schedule()  # an idle step (nothing scheduled) is not a step
     rows = [line.split() for line in trace.getvalue().splitlines()]
-    assert [(int(t), int(r)) for _, t, r in rows] == [(100, 2), (50, 2)]
+    assert all(len(r) == len(TRACE_COLUMNS) for r in rows)
+    # 100 tokens of r0 (60) and r1 (40 of 60), then r1's last 20 and r2's 30: running and
+    # waiting as each step was made (r1 started, r2 not), free blocks as the pool said
+    assert [[int(x) for x in r[1:]] for r in rows] == [[100, 2, 0, 3, 7], [50, 2, 1, 1, 7]]
     assert float(rows[0][0]) <= float(rows[1][0])  # perf_counter times, in order

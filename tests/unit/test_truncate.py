@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from transformers import Qwen3Config, Qwen3NextConfig
 
 from vllm_hidden.config import CaptureConfig, ExtractConfig
@@ -112,3 +113,42 @@ def test_the_plan_cuts_unless_something_needs_every_layer(tmp_path, options, exp
 def test_storage_dtype_is_checked():
     with pytest.raises(ValueError, match="--storage-dtype.*'fp16'"):
         ExtractConfig(model="m", input_path="x", output_dir="y", storage_dtype="fp16")
+
+
+def _vllm_kv_groups(types):
+    """(groups, padded) as vLLM itself groups KV-cache specs of these layer kinds."""
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    gdn = MambaSpec(block_size=16, shapes=((4, 64),), dtypes=(torch.bfloat16,))
+    groups = kv_cache_utils._get_kv_cache_groups_uniform_page_size(
+        {f"layers.{i}": full if t == "full_attention" else gdn for i, t in enumerate(types)})
+    sizes = [len(g.layer_names) for g in groups]
+    return len(groups), min(sizes) < max(sizes)
+
+
+@pytest.mark.parametrize("every", [4, 3, 6])
+def test_kv_groups_are_vllms_own(every):
+    from vllm_hidden.engine.truncate import kv_groups
+
+    types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(64)]
+    for n in range(1, 65):
+        assert kv_groups(types[:n]) == _vllm_kv_groups(types[:n]), n
+
+
+def test_a_hybrid_is_cut_in_its_config_only_where_its_kv_cache_does_not_grow():
+    from types import SimpleNamespace
+
+    from vllm_hidden.engine.truncate import cut_in_config
+
+    def config(types):
+        text = SimpleNamespace(num_hidden_layers=len(types), layer_types=types)
+        return SimpleNamespace(get_text_config=lambda: text)
+
+    qwen36 = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(64)]
+    # 62 layers: 15 attention + 47 GDN, 5 groups of 15 (one 13/15 padding) where the whole has 4 of 16
+    assert not cut_in_config(config(qwen36), 62) and not cut_in_config(config(qwen36), 61)
+    assert cut_in_config(config(qwen36), 60) and cut_in_config(config(qwen36), 32)
+    assert not cut_in_config(config(qwen36[:8]), 5) and cut_in_config(config(qwen36[:8]), 4)
+    assert cut_in_config(SimpleNamespace(get_text_config=lambda: SimpleNamespace(num_hidden_layers=8)), 3)  # dense

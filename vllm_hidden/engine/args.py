@@ -54,9 +54,10 @@ def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: C
     quant.check_platform(args.quantization, hf_config, model)
     if capture is not None:
         args.worker_extension_cls = WORKER_EXTENSION
-        if capture.layers_run is not None and not _can_truncate(args):
+        if capture.layers_run is not None and args.speculative_config:
+            log.info("vllm-hidden: a speculative config needs the whole target; running every decoder layer")
             capture = dataclasses.replace(capture, layers_run=None)
-        if capture.layers_run is not None:
+        if capture.layers_run is not None and _cut_in_config(args, hf_config, capture.layers_run):
             from vllm_hidden.engine.truncate import hf_overrides
 
             args.hf_overrides = hf_overrides(hf_config, capture.layers_run)
@@ -148,20 +149,26 @@ def _taper_the_end(args) -> None:
     args.scheduler_cls = scheduler.QUALNAME
 
 
-def _can_truncate(args) -> bool:
-    """Whether the model can be cut to the captured layers: not with the user's own
-    --hf-overrides, a loader that does not read through vLLM's default one, or a drafter."""
+def _cut_in_config(args, hf_config, layers: int) -> bool:
+    """Whether the model is built with only the layers it runs (truncate.cut_in_config), or
+    built whole and run to its last captured layer: so for the user's own --hf-overrides, a
+    loader that does not read through vLLM's default one, and a hybrid model whose cut would
+    cost KV cache."""
+    from vllm_hidden.engine.truncate import cut_in_config
+
     if args.hf_overrides:
-        log.info("vllm-hidden: --hf-overrides given; running every decoder layer")
+        log.info("vllm-hidden: --hf-overrides given; the model is built whole and runs its first %d layers", layers)
         return False
     if str(args.load_format) not in TRUNCATABLE_LOAD_FORMATS:
-        log.info("vllm-hidden: --load-format %s cannot drop the cut layers' weights; running every decoder layer",
-                 args.load_format)
+        log.info("vllm-hidden: --load-format %s cannot drop the cut layers' weights; the model is built whole and "
+                 "runs its first %d layers", args.load_format, layers)
         return False
-    if args.speculative_config:
-        log.info("vllm-hidden: a speculative config needs the whole target; running every decoder layer")
-        return False
-    return True
+    if cut_in_config(hf_config, layers):
+        log.info("vllm-hidden: the model is built with its first %d decoder layers only", layers)
+        return True
+    log.info("vllm-hidden: the model is built whole and its forward stops after its first %d decoder layers (built "
+             "with only those, vLLM would group its KV cache into more groups: fewer requests at once)", layers)
+    return False
 
 
 def with_tp(vllm_args: list[str], tp: int) -> list[str]:

@@ -174,6 +174,20 @@ def runner_model(runner):
     return runner.get_model()
 
 
+def run_first_layers(model, layers: int) -> bool:
+    """Make a model built whole run its decoder layers 0 .. layers-1 only: the decoder module's
+    `end_layer`, which its forward reads as `islice(self.layers, self.start_layer, self.end_layer)`
+    (vLLM's `make_layers` models: Llama, Qwen2/3, Qwen3-Next, Qwen3.5/3.6, 0.26 and 0.32). Set at
+    capture install, before the forward is compiled. False where no such module is found (then
+    every layer runs)."""
+    for m in model.modules():
+        ids = (getattr(m, "start_layer", None), getattr(m, "end_layer", None))
+        if ids[0] == 0 and isinstance(ids[1], int) and ids[1] == len(getattr(m, "layers", ())) > layers:
+            m.end_layer = layers
+            return True
+    return False
+
+
 def aux_outputs_taken(runner) -> bool:
     """Whether the runner's aux outputs are on already: `use_aux_hidden_state_outputs` (both
     runners, 0.26 and 0.32), which vLLM sets only for a speculative method (EAGLE-3, DFlash,
@@ -473,6 +487,13 @@ def prompt_tokens_left(scheduler) -> int:
     """Prompt tokens not yet computed over the scheduler's requests (`Scheduler.requests`, every
     request it holds, with `num_prompt_tokens` and `num_computed_tokens`: 0.26 and 0.32)."""
     return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in scheduler.requests.values())
+
+
+def scheduler_queues(scheduler) -> tuple[int, int, int]:
+    """(running requests, waiting requests, free KV-cache blocks) of a scheduler (`running`,
+    `waiting`, `kv_cache_manager.block_pool`: 0.26 and 0.32), for the step trace."""
+    return (len(scheduler.running), len(scheduler.waiting),
+            scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
 
 
 def rejection_error() -> type[Exception]:

@@ -50,6 +50,7 @@ class Capture:
         self.cfg = cfg
         self.sizes = compat.runner_sizes(runner)
         self.hidden_size = self.sizes.hidden_size
+        self.layers_run = self.sizes.num_layers  # decoder layers the forward runs (install_capture)
         self.writer_rank = compat.is_writer_rank()
         self.transfer: StepTransfer | None = None
         self.layout: CaptureLayout | None = None  # the writer rank's buffers' layout
@@ -116,7 +117,8 @@ class Capture:
         """End of the engine's start-up (after vLLM's warm-up): say whether it was warm."""
         if self.start_probe is None:
             return
-        self.start_report = {**self.start_probe.finish(compilation_seconds), "model_runner": self.kind}
+        self.start_report = {**self.start_probe.finish(compilation_seconds), "model_runner": self.kind,
+                             "layers_run": self.layers_run}
         self.start_probe = None
         if self.writer_rank:  # through vLLM's logger: the worker's own output (extract and serve)
             logging.getLogger("vllm.vllm_hidden").info("vllm-hidden: %s", describe(self.start_report))
@@ -409,7 +411,15 @@ def install_capture(runner: Any, cfg: CaptureConfig) -> Capture:
     kind = compat.runner_kind(runner)
     compat.check_runner(runner, kind)
     compat.set_aux_layers(model, cfg.aux_ids)
+    layers_run = num_layers
+    if cfg.layers_run is not None and cfg.layers_run < num_layers:  # built whole: run to the deepest layer
+        if compat.run_first_layers(model, cfg.layers_run):
+            layers_run = cfg.layers_run
+        else:
+            logging.getLogger("vllm.vllm_hidden").info(
+                "vllm-hidden: %s has no decoder module with end_layer; every decoder layer runs", type(model).__name__)
     cap = Capture(runner, cfg, kind)
+    cap.layers_run = layers_run
     module = stash.aux_module(model, cfg.aux_ids)
     if module is not None:  # the forward writes the captured layers into the step buffer itself
         stash.attach(module, {i + 1: c for c, i in enumerate(cfg.layer_ids)}, cap.sizes.device)

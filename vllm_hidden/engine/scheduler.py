@@ -36,6 +36,8 @@ log = logging.getLogger("vllm.vllm_hidden")  # in the engine core process: throu
 LAST_KEY = "vllm_hidden_last"
 QUALNAME = f"{__name__}.taper_scheduler"
 FLOOR_FRACTION = 16  # no halved step below this fraction of a full step (the last step, the rest, may be)
+# a VHIDDEN_STEP_TRACE line: one scheduled step, and the scheduler's queues as the step was being made
+TRACE_COLUMNS = ("time", "tokens", "requests", "running_before", "waiting_before", "free_blocks_before")
 
 
 def taper_budget(remaining: int, full: int) -> int:
@@ -64,6 +66,8 @@ class _Taper:
         self._vh_draining = bool(extra.get(LAST_KEY))
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        trace = self._vh_trace
+        before = compat.scheduler_queues(self) if trace is not None else None
         if not self._vh_draining:
             out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         else:
@@ -73,9 +77,9 @@ class _Taper:
                 out = super().schedule(*args, **kwargs)  # type: ignore[misc]
             finally:
                 self.max_num_scheduled_tokens = full
-        if self._vh_trace is not None and out.total_num_scheduled_tokens:
-            self._vh_trace.write(f"{time.perf_counter():.6f} {out.total_num_scheduled_tokens} "
-                                 f"{len(out.num_scheduled_tokens)}\n")
+        if trace is not None and before is not None and out.total_num_scheduled_tokens:  # see TRACE_COLUMNS
+            trace.write(f"{time.perf_counter():.6f} {out.total_num_scheduled_tokens} "
+                                 f"{len(out.num_scheduled_tokens)} {' '.join(map(str, before))}\n")
         return out
 
 

@@ -84,6 +84,7 @@ class Extractor:
         self.engine_init_seconds = time.perf_counter() - t0
         self.start_report: dict[str, Any] = next(
             (r for r in self.engine.collective_rpc("vllm_hidden_start_report") if r), {})
+        self.layers_run = int(self.start_report.get("layers_run", self.layers_run))  # what the forward runs
 
     def _start_engine(self, args):
         """A start with settings no engine has started with before (no stamp) compiles: it
@@ -171,7 +172,7 @@ class Extractor:
         return {"dtype": str(mc.dtype).replace("torch.", ""), "max_model_len": self.max_prompt_len,
                 "max_num_batched_tokens": sc.max_num_batched_tokens, "max_num_seqs": sc.max_num_seqs,
                 "enforce_eager": mc.enforce_eager, "tensor_parallel_size": vc.parallel_config.tensor_parallel_size,
-                "layers_run": int(mc.hf_text_config.num_hidden_layers),
+                "layers_run": self.layers_run,
                 "model_runner": (self.start_report or {}).get("model_runner"),
                 "quantization": quant.describe(mc.quantization, mc.hf_config)}
 

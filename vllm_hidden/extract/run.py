@@ -22,33 +22,6 @@ log = logging.getLogger("vllm_hidden")
 STATUS_EVERY_S = 1.0  # how often a running extract asks the workers whether capture failed
 DEFAULT_INFLIGHT_CAP = 32 << 30  # --generate: host memory for in-flight rows, at most (default)
 END_EVERY_S = 0.25  # --generate: how often the ends of finished responses go to the worker (one RPC)
-# prefill: full steps' worth of prompt tokens kept in the engine (with at least 2 x max_num_seqs
-# requests, at most MAX_REQUESTS_FACTOR x); 0: requests alone set the window (see prefill_window)
-FILL_STEPS = 4
-MAX_REQUESTS_FACTOR = 16
-
-
-@dataclass(frozen=True)
-class Window:
-    """What a run keeps in the engine: requests up to `min_requests`, then more while their
-    prompt tokens are under `tokens`, never more than `max_requests` requests."""
-
-    min_requests: int
-    tokens: int
-    max_requests: int
-
-    def wants(self, requests: int, tokens: int) -> bool:
-        return requests < self.min_requests or (tokens < self.tokens and requests < self.max_requests)
-
-
-def prefill_window(scheduler_config) -> Window:
-    """The window of a prefill-only run. vLLM schedules a step from what is queued when the step
-    before it is launched (async scheduling: while that one runs), and the requests the driver adds
-    once a step's outputs arrive are queued a step later; so the queue holds the next steps' prompt
-    tokens as well as the running one's. 2 x max_num_seqs requests alone do that for long prompts
-    but not short ones: 512 prompts of W-short's ~72 tokens are 2.2 full steps of 16,384."""
-    seqs = scheduler_config.max_num_seqs
-    return Window(2 * seqs, FILL_STEPS * scheduler_config.max_num_batched_tokens, MAX_REQUESTS_FACTOR * seqs)
 
 
 class CaptureFailed(VllmHiddenError, RuntimeError):
@@ -149,18 +122,12 @@ class _Run:
         self.res.samples += 1
         return rows
 
-    def _window(self, scheduler_config) -> Window:
-        """What this run keeps in the engine: 2 x max_num_seqs requests (a mode may say more)."""
-        seqs = 2 * scheduler_config.max_num_seqs
-        return Window(seqs, 0, seqs)
-
-    def _fill(self, window: Window) -> None:
+    def _fill(self, max_inflight: int) -> None:
         """Requests into the engine up to the window (requests and rows)."""
         from vllm_hidden.engine.runner import LINE_KEY, REQUEST_KEY
 
         feed = self.feed
-        while (not feed.exhausted and self.tokens_inflight < self.max_tokens
-               and window.wants(len(self.inflight), self.tokens_inflight)):
+        while not feed.exhausted and len(self.inflight) < max_inflight and self.tokens_inflight < self.max_tokens:
             item = feed.next(wait=not self.inflight)
             if item is None:
                 break
@@ -187,12 +154,12 @@ class _Run:
             opened = any(engine.collective_rpc("vllm_hidden_open", args=(self.shard_cfg.to_dict(),)))
             if not opened:
                 raise RuntimeError("no worker opened a capture sink")
-            window = self._window(engine.vllm_config.scheduler_config)
+            max_inflight = 2 * engine.vllm_config.scheduler_config.max_num_seqs
             t1 = time.perf_counter()
             next_check = t1 + STATUS_EVERY_S
             self._begin(t1)
             while True:
-                self._fill(window)
+                self._fill(max_inflight)
                 if not self.inflight:
                     self._idle()
                     if self.feed.exhausted:
@@ -251,9 +218,6 @@ class _Run:
 class _PrefillRun(_Run):
     """Each request: its prompt and one sampled (discarded) token; done when the engine finishes it."""
 
-    def _window(self, scheduler_config) -> Window:
-        return prefill_window(scheduler_config)
-
     def _request(self, rid: str, item, extra: dict[str, Any]):
         from vllm_hidden.engine import compat
         from vllm_hidden.engine.runner import LOSS_KEY
@@ -292,11 +256,11 @@ class _GenerateRun(_Run):
         req = self.responses.first(item)  # its capture keys are the responses' to give (or not)
         return req.params, req.rows
 
-    def _fill(self, window: Window) -> None:
+    def _fill(self, max_inflight: int) -> None:
         while self.turns:  # each takes the place of its conversation's previous turn
             req = self.turns.popleft()
             self._submit(req.rid, req.item, req.token_ids, req.params, req.rows)
-        super()._fill(window)
+        super()._fill(max_inflight)
 
     def _begin(self, t: float) -> None:
         self.next_ends = t + STATUS_EVERY_S

@@ -9,7 +9,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm_hidden.engine.args import with_tp
 
@@ -163,17 +163,27 @@ def serve_layer_ids(num_layers: int, connector: Any, layers: str | None, aux_lay
     return ids
 
 
+class ServeCut(NamedTuple):
+    """The connector form's cut: vLLM arguments (--hf-overrides, where the model is built with
+    only the layers it runs) and the layers it runs (None: all)."""
+
+    args: list[str]
+    layers_run: int | None
+
+
+NO_CUT = ServeCut([], None)
+
+
 def connector_cut(model: str, connector: Any, layer_ids: list[int], num_layers: int,
-                  vllm_args: list[str]) -> list[str]:
-    """The connector form without the last layer asked for: the model cut after the deepest
-    one (as extract cuts it, `truncate`), since only the file matters there: --hf-overrides for
-    vLLM (empty where no cut is possible or useful). The sampled token of such a server is
-    not the model's."""
+                  vllm_args: list[str]) -> ServeCut:
+    """The connector form without the last layer asked for: the model run to the deepest one
+    (as extract runs it, `truncate`), since only the file matters there. The sampled token of
+    such a server is not the model's."""
     from vllm_hidden.engine.caches import flag_values
-    from vllm_hidden.engine.truncate import TRUNCATABLE_LOAD_FORMATS
+    from vllm_hidden.engine.truncate import TRUNCATABLE_LOAD_FORMATS, cut_in_config
 
     if connector is None:
-        return []
+        return NO_CUT
     from transformers import AutoConfig
 
     from vllm_hidden.layers import layers_to_run, moe_layer_indices
@@ -181,48 +191,35 @@ def connector_cut(model: str, connector: Any, layer_ids: list[int], num_layers: 
     config = AutoConfig.from_pretrained(model)
     n = layers_to_run(num_layers, layer_ids, moe_layer_indices(config.get_text_config()))
     if n >= num_layers:
-        return []
-    if flag_values(vllm_args, frozenset({"--hf-overrides", "--hf_overrides"})):
-        log.info("vllm-hidden: --hf-overrides given; running every decoder layer")
-        return []
-    fmt = (flag_values(vllm_args, frozenset({"--load-format", "--load_format"})) or ["auto"])[-1]
-    if fmt not in TRUNCATABLE_LOAD_FORMATS:
-        log.info("vllm-hidden: --load-format %s cannot drop the cut layers' weights; running every decoder layer", fmt)
-        return []
-    from vllm_hidden.engine.truncate import hf_overrides
-
+        return NO_CUT
     log.info("vllm-hidden: the deepest aux id is %d of %d: the model runs its first %d decoder layers only (the "
              "responses' sampled tokens are not the model's)", max(layer_ids) + 1, num_layers, n)
-    return ["--hf-overrides", json.dumps(hf_overrides(config, n))]
+    if flag_values(vllm_args, frozenset({"--hf-overrides", "--hf_overrides"})):
+        log.info("vllm-hidden: --hf-overrides given; the model is built whole")
+        return ServeCut([], n)
+    fmt = (flag_values(vllm_args, frozenset({"--load-format", "--load_format"})) or ["auto"])[-1]
+    if fmt not in TRUNCATABLE_LOAD_FORMATS:
+        log.info("vllm-hidden: --load-format %s cannot drop the cut layers' weights; the model is built whole", fmt)
+        return ServeCut([], n)
+    if not cut_in_config(config, n):  # a hybrid model: built whole, its KV cache as plain vLLM's
+        return ServeCut([], n)
+    from vllm_hidden.engine.truncate import hf_overrides
 
-
-def _cut_layers(cut: list[str] | None) -> int | None:
-    """The layer count a `connector_cut` gives the model (None: no cut)."""
-    if not cut:
-        return None
-    from vllm_hidden.engine.truncate import MARKER
-
-    def find(d: dict[str, Any]) -> int | None:
-        if MARKER in d:
-            return int(d["num_hidden_layers"])
-        return next((v for v in (find(x) for x in d.values() if isinstance(x, dict)) if v is not None), None)
-
-    return find(json.loads(cut[1]))
+    return ServeCut(["--hf-overrides", json.dumps(hf_overrides(config, n))], n)
 
 
 def serve_argv(model: str, layer_ids: list[int], vllm_args: list[str], tp: int = 1,
-               cut: list[str] | None = None, connector: bool = False) -> list[str]:
+               cut: ServeCut = NO_CUT, connector: bool = False) -> list[str]:
     """The `vllm serve` argument list: the user's vLLM arguments plus our middleware, the
     capture config, `--tp` as vLLM's --tensor-parallel-size, the cut (`connector_cut`) and, for
     the connector form, what vLLM needs to serve /v1/chat/completions/render."""
     from vllm_hidden.config import CaptureConfig
     from vllm_hidden.engine import compat
 
-    argv = ["serve", model, *with_tp(vllm_args, tp), *(cut or [])]
+    argv = ["serve", model, *with_tp(vllm_args, tp), *cut.args]
     if connector:  # speculators' prepare-data renders conversations at /v1/chat/completions/render
         argv += compat.render_flags(vllm_args)
-    layers_run = _cut_layers(cut)
-    capture = CaptureConfig(layer_ids=tuple(layer_ids), layers_run=layers_run)
+    capture = CaptureConfig(layer_ids=tuple(layer_ids), layers_run=cut.layers_run)
     argv = _merge_additional_config(argv, capture.to_additional_config())
     return argv + ["--middleware", MIDDLEWARE]
 
