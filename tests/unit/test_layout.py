@@ -129,7 +129,7 @@ ALLOWED: dict[str, set[str]] = {
     "warmup": {"config", "engine", "extract", "layers"},
     # warm caches as one archive: the cache root's layout (engine.caches) and S3 reads (storage.s3)
     "cache_archive": {"errors", "engine", "storage"},
-    "server": {"capture", "config", "engine", "format", "layers"},
+    "server": {"envs", "capture", "config", "engine", "format", "layers"},
     "check": {"config", "data", "engine", "format", "layers", "storage"},
     "export": {"config", "data", "format", "layers", "storage"},
     # the top: parses and reports, may use any of them

@@ -4,40 +4,27 @@ A finished sample travels as two frames, a small JSON header and the raw rows (s
 without a copy). Each API server process binds its own IPC socket (vLLM may run several,
 `--api-server-count`) and names it in each request it sends to the engine, so every sample
 goes back to the process that holds its HTTP request; a writer rank (one per engine, so also
-each data-parallel engine) keeps one PUSH socket per API server process. A key set in the
-environment before vLLM starts its processes (by `vllm-hidden serve`, or, in a `vllm serve`
-naming vllm_hidden in its arguments, by the plugin's registration, which vLLM runs while
-parsing them; engine.plugin) proves a request came through an API server process: the worker
-connects only where such a request says.
+each data-parallel engine) keeps one PUSH socket per API server process. The worker connects
+only where a request carrying the server's key says (capture.server_env).
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
 import secrets
-import shutil
 import tempfile
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-import vllm_hidden.envs as envs
 from vllm_hidden.format.header import dtype_name, dtype_of
 
 log = logging.getLogger("vllm_hidden")
 
-# "1" in every vLLM process started for vllm-hidden: its plugin acts only there (engine.plugin)
-PLUGIN_ENV = envs.PLUGIN
-KEY_ENV = envs.CHANNEL_KEY
-# where a server keeps fetch-form states (server.store), shared by its API server processes
-DIR_ENV = envs.FETCH_DIR
-_PREFIX = "vllm-hidden-fetch-"
 # A full 27B sample of a few thousand tokens is hundreds of MB: few in flight per sender.
 SEND_HWM = 16
 SEND_TIMEOUT_MS = 120_000
@@ -47,57 +34,6 @@ MAX_ROUTES = 256  # API server processes one writer rank keeps a socket to
 def new_address() -> str:
     # ZMQ makes the socket file with the umask's mode: other users cannot connect by default
     return f"ipc://{tempfile.gettempdir()}/vllm-hidden-{os.getpid()}-{secrets.token_hex(6)}.sock"
-
-
-def channel_key() -> str | None:
-    """A secret the API server's engine hook puts in each capture request and the worker
-    checks: a client cannot reach the worker's capture through other endpoints' extra args."""
-    return os.environ.get(KEY_ENV) or None
-
-
-def ensure_key(fresh: bool = False) -> str:
-    """The key for this server's processes, set in the environment so that the processes
-    vLLM starts next inherit it."""
-    if fresh or channel_key() is None:
-        os.environ[KEY_ENV] = secrets.token_hex(16)
-    return os.environ[KEY_ENV]
-
-
-def default_parent() -> str:
-    """/dev/shm when there is one (memory, shared by processes), else the temp directory."""
-    shm = Path("/dev/shm")
-    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else tempfile.gettempdir()
-
-
-def ensure_dir_env(parent: str | None = None, fresh: bool = False) -> str:
-    """This server's directory (named, not made), in the environment the API server processes
-    inherit. Directories left by servers that are gone are removed on the way."""
-    current = None if fresh else os.environ.get(DIR_ENV)
-    if current:
-        return current
-    parent = parent or default_parent()
-    _remove_stale(Path(parent))
-    path = os.path.join(parent, f"{_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
-    os.environ[DIR_ENV] = path
-    atexit.register(shutil.rmtree, path, ignore_errors=True)  # this process started the server
-    return path
-
-
-def _remove_stale(parent: Path) -> None:
-    try:
-        found = list(parent.glob(f"{_PREFIX}*"))
-    except OSError:
-        return
-    for d in found:
-        try:
-            pid = int(d.name[len(_PREFIX):].split("-", 1)[0])
-            os.kill(pid, 0)
-        except ValueError:
-            continue
-        except ProcessLookupError:
-            shutil.rmtree(d, ignore_errors=True)
-        except PermissionError:  # another user's live server
-            continue
 
 
 def routed_id(address: str, token: str) -> str:

@@ -27,7 +27,6 @@ import sys
 from collections.abc import Mapping, Sequence
 
 import vllm_hidden.envs as envs
-from vllm_hidden.capture.channel import PLUGIN_ENV as MARKER_ENV
 
 log = logging.getLogger("vllm_hidden")
 
@@ -59,7 +58,7 @@ def is_ours(env: Mapping[str, str] | None = None, argv: Sequence[object] | None 
     """Whether this vLLM process was started for vllm-hidden: the marker in `env` (default this
     process's), or `argv` (default this process's arguments) naming vllm_hidden."""
     env = os.environ if env is None else env
-    if env.get(MARKER_ENV) == "1":
+    if env.get(envs.PLUGIN) == "1":
         return True
     argv = list(getattr(sys, "argv", None) or [])[1:] if argv is None else argv
     return named_in(argv)
@@ -93,12 +92,12 @@ def activate(engine_argv: Sequence[str] = ()) -> None:
     arguments where they are not this process's own): vLLM registers plugins once per process,
     and its call may have come (and passed, unmarked) before. Idempotent."""
     global _registered
-    os.environ[MARKER_ENV] = "1"
+    os.environ[envs.PLUGIN] = "1"
     if uses_ray([*(getattr(sys, "argv", None) or [])[1:], *engine_argv]):
         _carry_to_ray()
     if _registered:
         return
-    from vllm_hidden.capture.channel import ensure_dir_env, ensure_key
+    from vllm_hidden.capture.server_env import ensure_dir_env, ensure_key
     from vllm_hidden.engine import hooks  # imports vLLM's worker and runner modules
 
     allowed = os.environ.get("VLLM_PLUGINS")

@@ -21,10 +21,11 @@ from typing import Any
 import torch
 
 from vllm_hidden.capture.assembler import Assembler, AssemblerThread
-from vllm_hidden.capture.channel import Publisher, channel_key, routed_id
+from vllm_hidden.capture.channel import Publisher, routed_id
 from vllm_hidden.capture.memory import MemorySink
 from vllm_hidden.capture.records import CaptureError, NewRequest, ResponseEnd, Segment, StepRecord
 from vllm_hidden.capture.ring import StepTransfer
+from vllm_hidden.capture.server_env import channel_key
 from vllm_hidden.config import CaptureConfig, CaptureLayout, ConnectorConfig, ShardConfig, layer_stats_default
 from vllm_hidden.engine import compat, stash
 from vllm_hidden.engine.caches import StartProbe, describe

@@ -45,7 +45,7 @@ async def captured(pending: Any, prompt: Any, params: Any, start: Callable[[], A
     token ids recorded for the response."""
     from vllm.sampling_params import RequestOutputKind
 
-    from vllm_hidden.capture.channel import channel_key
+    from vllm_hidden.capture.server_env import channel_key
     from vllm_hidden.engine import compat
 
     spec = pending.spec

@@ -39,11 +39,11 @@ class FetchForm:
     def open_store(self) -> FetchStore:
         """This process's view of the server's fetch-form directory (made on first use)."""
         if self.store is None:
-            from vllm_hidden.capture.channel import DIR_ENV
+            import vllm_hidden.envs as envs
 
-            root = os.environ.get(DIR_ENV)
+            root = os.environ.get(envs.FETCH_DIR)
             if not root:
-                raise RequestError(f"the fetch form is not configured ({DIR_ENV} is unset)", status=500)
+                raise RequestError(f"the fetch form is not configured ({envs.FETCH_DIR} is unset)", status=500)
             self.store = FetchStore(root, max(1, self.cfg.max_unfetched_bytes // self.processes), self.cfg.fetch_ttl_s)
             atexit.register(self.store.close)
             asyncio.get_running_loop().create_task(self._sweep(self.store))

@@ -242,7 +242,8 @@ def prepare_environment(serve_env: dict[str, str], fetch_parent: str | None = No
     connector form's config (or its absence), in the environment the engine and API server
     processes inherit, and the plugin's marker: vLLM's call of the plugin, here while it parses
     the arguments and in each of those processes, then installs the hooks (engine.plugin)."""
-    from vllm_hidden.capture.channel import PLUGIN_ENV, ensure_dir_env, ensure_key
+    import vllm_hidden.envs as envs
+    from vllm_hidden.capture.server_env import ensure_dir_env, ensure_key
     from vllm_hidden.config import CaptureLayout, ConnectorConfig
 
     os.environ.update(serve_env)
@@ -252,7 +253,7 @@ def prepare_environment(serve_env: dict[str, str], fetch_parent: str | None = No
     os.environ.update(CaptureLayout.for_server(connector).to_env())  # the buffers the worker allocates at load
     ensure_key(fresh=True)
     ensure_dir_env(fetch_parent, fresh=True)
-    os.environ[PLUGIN_ENV] = "1"
+    os.environ[envs.PLUGIN] = "1"
 
 
 def prepare_serve(model: str, num_layers: int, argv: list[str], limits: Any, layers: str | None = None,

@@ -145,7 +145,8 @@ class HiddenStatesMiddleware:
     def _setup(self, scope: dict[str, Any]) -> None:
         if self._layers is not None:
             return
-        from vllm_hidden.capture.channel import Receiver, channel_key, new_address
+        from vllm_hidden.capture.channel import Receiver, new_address
+        from vllm_hidden.capture.server_env import channel_key
         from vllm_hidden.config import CaptureConfig
         from vllm_hidden.engine import compat
 

@@ -37,7 +37,7 @@ import torch
 
 from vllm_hidden.config import ConnectorConfig, ServeConfig
 from vllm_hidden.server.protocol import RequestError
-from vllm_hidden.server.store import new_id
+from vllm_hidden.server.store import HeldBytes, new_id
 from vllm_hidden.server.transport import ConnectorTransport, Delivery, ServerShape, Stored
 
 log = logging.getLogger("vllm_hidden")
@@ -71,7 +71,10 @@ class _Held:
     expires: float
 
 
-class MooncakeTransport(ConnectorTransport):
+class MooncakeTransport(ConnectorTransport, HeldBytes):
+    reserve = HeldBytes.reserve  # before Transport's defaults (nothing held) in the MRO
+    release = HeldBytes.release
+
     def __init__(self, cfg: ConnectorConfig, serve: ServeConfig, shape: ServerShape) -> None:
         super().__init__(cfg, serve, shape)
         try:
@@ -93,9 +96,8 @@ class MooncakeTransport(ConnectorTransport):
         self.put_config.replica_num = 1
         self.put_config.with_hard_pin = True  # never evicted: removed by its reader, or by us after --unread-ttl
         self.put_config.preferred_segment = self.store.get_hostname()  # our memory: gone with this process
-        self.budget = max(1, min(serve.max_unread_bytes // shape.processes,
-                                 int(SEGMENT_SHARE * m["global_segment_size"])))
-        self.reserved = self.held = 0
+        HeldBytes.__init__(self, max(1, min(serve.max_unread_bytes // shape.processes,
+                                            int(SEGMENT_SHARE * m["global_segment_size"]))))
         self._own: dict[str, _Held] = {}
         self._buffers: list[torch.Tensor] = []  # registered staging buffers not in use
         self._slots = asyncio.Semaphore(m["num_writer_threads"])
@@ -110,19 +112,11 @@ class MooncakeTransport(ConnectorTransport):
     def row_bytes(self, columns: int) -> int:
         return columns * self.shape.hidden_size * self.shape.itemsize + 8
 
-    def reserve(self, nbytes: int) -> str | None:
-        if self.reserved + self.held + nbytes > self.budget:
-            self.sweep()
-        if self.reserved + self.held + nbytes > self.budget:
-            return (f"unread hidden-state objects in the Mooncake store hold {self.held + self.reserved} of this "
-                    f"server's {self.budget} bytes, no room for {nbytes} more (--max-unread-bytes, at most "
-                    f"{SEGMENT_SHARE:.0%} of global_segment_size); retry once the trainer has read and removed some "
-                    f"(objects nobody removes go after {self.serve.unread_ttl_s:g} s, --unread-ttl)")
-        self.reserved += nbytes
-        return None
-
-    def release(self, nbytes: int) -> None:
-        self.reserved = max(0, self.reserved - nbytes)
+    def full(self, nbytes: int) -> str:
+        return (f"unread hidden-state objects in the Mooncake store hold {self.held + self.reserved} of this "
+                f"server's {self.budget} bytes, no room for {nbytes} more (--max-unread-bytes, at most "
+                f"{SEGMENT_SHARE:.0%} of global_segment_size); retry once the trainer has read and removed some "
+                f"(objects nobody removes go after {self.serve.unread_ttl_s:g} s, --unread-ttl)")
 
     def sweep(self) -> None:
         """Objects a trainer removed give their bytes back; those past --unread-ttl are removed."""

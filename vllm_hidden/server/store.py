@@ -8,7 +8,7 @@ wrote the file and owns its memory budget (`--max-unfetched-bytes` split evenly 
 processes) and its expiry (also the file's mtime, so any process can tell). A GET claims a
 file by renaming it (atomic: exactly one GET gets the bytes), unlinks it and sends it from
 the open descriptor. Ids are 192-bit random tokens; nothing in a request names a path. The
-directory is named (`capture.channel.ensure_dir_env`) by the process that starts the server.
+directory is named (`capture.server_env.ensure_dir_env`) by the process that starts the server.
 """
 
 from __future__ import annotations
@@ -37,28 +37,22 @@ class _Entry:
     expires: float  # time.time(); also the file's mtime, so that any process can tell
 
 
-class FetchStore:
-    """One API server process's view: `reserve` before a request reaches the engine, `put`
-    when its states are in, `open` for any GET. Call `sweep` now and then (the middleware's
-    background task does)."""
+class HeldBytes:
+    """Bytes one API server process lets clients' states take until they are fetched or read:
+    `reserved` for requests in flight, `held` by what was stored, at most `budget`. A subclass
+    says how to give back what clients took (`sweep`) and what a refusal says (`full`)."""
 
-    BUDGET_FLAG = "--max-unfetched-bytes"
-
-    def __init__(self, root: str, budget_bytes: int, ttl_s: float) -> None:
-        if budget_bytes < 1:
-            raise ValueError(f"the unfetched-states budget must be positive, got {budget_bytes!r} bytes")
-        self.root = Path(root)
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.budget, self.ttl = int(budget_bytes), float(ttl_s)
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget = int(budget_bytes)
         self.reserved = 0  # for requests in flight
-        self.held = 0  # files of ours not yet fetched or expired
-        self._own: dict[str, _Entry] = {}
-        free = shutil.disk_usage(self.root).free
-        if free < self.budget:
-            log.warning("vllm-hidden: %s has %.1f GB free, less than this process's budget of %.1f GB (%s / API "
-                        "processes)", self.root, free / 1e9, self.budget / 1e9, self.BUDGET_FLAG)
+        self.held = 0  # stored, not yet taken or expired
 
-    # -- the owner's side --------------------------------------------------------------
+    def sweep(self) -> None:
+        raise NotImplementedError
+
+    def full(self, nbytes: int) -> str:
+        raise NotImplementedError
+
     def reserve(self, nbytes: int) -> str | None:
         """Room for a response's states; None if granted, else why not (HTTP 503)."""
         if self.reserved + self.held + nbytes > self.budget:
@@ -68,13 +62,35 @@ class FetchStore:
         self.reserved += nbytes
         return None
 
+    def release(self, nbytes: int) -> None:
+        self.reserved = max(0, self.reserved - nbytes)
+
+
+class FetchStore(HeldBytes):
+    """One API server process's view: `reserve` before a request reaches the engine, `put`
+    when its states are in, `open` for any GET. Call `sweep` now and then (the middleware's
+    background task does)."""
+
+    BUDGET_FLAG = "--max-unfetched-bytes"
+
+    def __init__(self, root: str, budget_bytes: int, ttl_s: float) -> None:
+        if budget_bytes < 1:
+            raise ValueError(f"the unfetched-states budget must be positive, got {budget_bytes!r} bytes")
+        super().__init__(budget_bytes)
+        self.root = Path(root)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.ttl = float(ttl_s)
+        self._own: dict[str, _Entry] = {}
+        free = shutil.disk_usage(self.root).free
+        if free < self.budget:
+            log.warning("vllm-hidden: %s has %.1f GB free, less than this process's budget of %.1f GB (%s / API "
+                        "processes)", self.root, free / 1e9, self.budget / 1e9, self.BUDGET_FLAG)
+
+    # -- the owner's side --------------------------------------------------------------
     def full(self, nbytes: int) -> str:
         return (f"unfetched hidden states on this server hold {self.held + self.reserved} of "
                 f"{self.budget} bytes, no room for {nbytes} more (--max-unfetched-bytes); fetch "
                 f"earlier responses' states or wait up to {self.ttl:g} s for them to expire")
-
-    def release(self, nbytes: int) -> None:
-        self.reserved = max(0, self.reserved - nbytes)
 
     async def put(self, pieces: list, reserved: int) -> tuple[str, int]:
         """Write one response's bytes (a thread writes; the event loop goes on): (id, size).
