@@ -133,7 +133,7 @@ def ring(k: int, h: int, budget: int, stats: str, slots: int = 2):
     if torch.cuda.is_available():
         tr._host_rows = [r.pin_memory() for r in tr._host_rows]
         views = [tr._views(r) for r in tr._host_rows]
-        tr.host, tr.host_stat, tr.host_moments = ([v[i] for v in views] for i in range(3))
+        tr.host, tr.host_stat, tr.host_row_sums = ([v[i] for v in views] for i in range(3))
     g = torch.Generator().manual_seed(0)
     layers = [torch.randn(budget, h, generator=g).to(torch.bfloat16) for _ in range(k)]
     for slot in range(slots):

@@ -370,20 +370,20 @@ class _Ring:
         step = torch.cat(rows)
         slot = self.tr.acquire(timeout=5)
         self.tr.submit([step[:, k].contiguous() for k in range(K)], r, slot)
-        moments = self.tr.host_moments[slot]
+        row_sums = self.tr.host_row_sums[slot]
         for (_, s, pos, count), seg in zip(parts, segs):
             for j in range(count):
                 i = seg.row + j
                 self.seen[s, pos + j] = (self.tr.host_stat[slot][i].clone(),
-                                         None if moments is None else moments[i].clone())
+                                         None if row_sums is None else row_sums[i].clone())
         self.asm.process(StepRecord(slot, r, list(listed(segs)), new or {}, ends=list(ends)))
 
-    def check(self, sample, rows, stat, moments):
+    def check(self, sample, rows, stat, row_sums):
         assert torch.equal(rows, _vals(sample, rows.shape[0])), sample
         want = [self.seen[sample, p] for p in range(rows.shape[0])]
         assert torch.equal(stat, torch.stack([w[0] for w in want])), sample
-        if moments is not None:
-            assert torch.equal(moments, torch.stack([w[1] for w in want])), sample
+        if row_sums is not None:
+            assert torch.equal(row_sums, torch.stack([w[1] for w in want])), sample
 
 
 class _Keep(Sink):
@@ -391,7 +391,7 @@ class _Keep(Sink):
 
     def add_rows(self, sample_id, token_ids, rows, stat, **kw):
         super().add_rows(sample_id, token_ids, rows, stat, **kw)
-        m = kw["moments"]
+        m = kw["row_sums"]
         self.added[-1] = (sample_id, rows.clone(), stat.clone(), None if m is None else m.clone(), kw["done"])
 
 
@@ -416,9 +416,9 @@ def test_many_generating_requests_decoding_together_each_get_their_own_rows(row_
         assert sink.added == []
         ring.asm.process(StepRecord(None, 0, [], ends=[_end(p + decode, line=s) for s, p in prompts.items()]))
         assert sorted(a[0] for a in sink.added) == sorted(str(s) for s in prompts)
-        for sid, rows, stat, moments, _ in sink.added:
-            assert (moments is not None) == row_stats
-            ring.check(int(sid), rows, stat, moments)
+        for sid, rows, stat, row_sums, _ in sink.added:
+            assert (row_sums is not None) == row_stats
+            ring.check(int(sid), rows, stat, row_sums)
         for i in torch.randperm(n, generator=g).tolist():
             sink.added[i][4]()
         sink.added.clear()
@@ -456,8 +456,8 @@ def test_a_recompute_from_position_zero_overwrites_rows_while_others_decode():
     ring.step([("a", 1, 2, 3), ("b", 2, 6, 1)], ends=[_end(7, line=2)])
     ring.step([("a", 1, 5, 2)], ends=[_end(7, line=1)])
     assert [x[0] for x in sink.added] == ["b", "a"]
-    for sid, rows, stat, moments, _ in sink.added:
-        ring.check({"a": 1, "b": 2}[sid], rows, stat, moments)
+    for sid, rows, stat, row_sums, _ in sink.added:
+        ring.check({"a": 1, "b": 2}[sid], rows, stat, row_sums)
 
 
 def test_a_generating_request_skipping_rows_fails_alone_in_its_step():
@@ -473,9 +473,9 @@ def test_a_generating_request_skipping_rows_fails_alone_in_its_step():
     ring.step([("a", 1, 0, 3), ("b", 2, 0, 3)], new={"a": _gen("a", 3, 8, 1), "b": _gen("b", 3, 8, 2)})
     ring.step([("a", 1, 3, 1), ("b", 2, 5, 1)], ends=[_end(4, line=1)])  # b: rows 3 and 4 never came
     assert [r[0] for r in reasons] == ["b"] and "position 5 but 3 rows" in reasons[0][1]
-    (sid, rows, stat, moments, done), = sink.added
+    (sid, rows, stat, row_sums, done), = sink.added
     assert sid == "a"
-    ring.check(1, rows, stat, moments)
+    ring.check(1, rows, stat, row_sums)
     assert ring.asm.in_flight == 0
     pool = ring.asm._stages
     assert [s.live for s in pool._slabs] == [1, 0]  # b's buffer back at once, a's once the sink is done

@@ -18,7 +18,7 @@ class _MemSlot:
         self.sample_id, self.token_ids, self.buf, self.scale = sample_id, token_ids, buf, scale
         self.finite = True
 
-    def place(self, pos: int, rows: torch.Tensor, stat: torch.Tensor, moments: torch.Tensor | None = None) -> None:
+    def place(self, pos: int, rows: torch.Tensor, stat: torch.Tensor, row_sums: torch.Tensor | None = None) -> None:
         self.buf[pos : pos + rows.shape[0]].copy_(rows)
         if self.scale is not None:  # float8 rows: their statistic is the scale they need
             self.scale[pos : pos + rows.shape[0]].copy_(stat)
@@ -51,10 +51,10 @@ class MemorySink(Sink):
 
     def add_rows(self, sample_id: Any, token_ids: Sequence[int] | torch.Tensor, rows: torch.Tensor,
                  stat: torch.Tensor, *, loss_spans: list[list[int]] | None, num_prompt: int, record: str,
-                 line: int | None = None, moments: torch.Tensor | None = None,
+                 line: int | None = None, row_sums: torch.Tensor | None = None,
                  done: Callable[[], None] | None = None) -> None:
         """A whole sample: rows [T, C, H] and statistics [T, C], handed on as one Sample (no
-        per-layer statistics here: `moments` is not kept); copied before this returns."""
+        per-layer statistics here: `row_sums` is not kept); copied before this returns."""
         tok = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
         n = tok.shape[0]
         if tuple(rows.shape) != (n, *self.row_shape):

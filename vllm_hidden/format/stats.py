@@ -131,14 +131,10 @@ class ColumnStats:
         self.zero_rows[cols] += (stat == 0).sum(0)
 
     def add_sample(self, sums: RowSums, buf: torch.Tensor, stat: torch.Tensor, final: torch.Tensor | None,
-                   final_stat: torch.Tensor | None, moments: torch.Tensor | None = None) -> None:
-        """A written sample: its layers' rows [T, K, H] and stats [T, K], and the final state's
-        [T, H] and [T] when the output stores it. `moments` [T, 2, C]: the rows' sums and
-        centred sums of squares made on the device (C: the layers, then the final state's
-        column), so the rows themselves are not read; None: reduced here."""
-        if moments is not None:
-            self.add_summed(moments, stat, final_stat, buf.shape[2], buf.dtype == FP8)
-            return
+                   final_stat: torch.Tensor | None) -> None:
+        """A written sample whose rows came without the device's sums (`add_summed` takes those):
+        its layers' rows [T, K, H] and stats [T, K], and the final state's [T, H] and [T] when the
+        output stores it, reduced here."""
         k = buf.shape[1]
         self.add_rows(sums, slice(0, k), buf, stat)
         if final is not None:
@@ -147,15 +143,15 @@ class ColumnStats:
             self.add_rows(sums, slice(k, k + 1), final[:, None], final_stat[:, None])
         self.rows += buf.shape[0]
 
-    def add_summed(self, moments: torch.Tensor, stat: torch.Tensor, final_stat: torch.Tensor | None, h: int,
+    def add_summed(self, row_sums: torch.Tensor, stat: torch.Tensor, final_stat: torch.Tensor | None, h: int,
                    fp8: bool) -> None:
-        """Written rows known by their sums alone: `moments` [T, 2, C] (the layers, then the
+        """Written rows known by their sums alone: `row_sums` [T, 2, C] (the layers, then the
         final state's column when `final_stat` [T] is given), `stat` [T, K]; rows of `h` values.
         Any rows will do (several samples' at once): every statistic is a sum over rows."""
         k = stat.shape[1]
-        self.add_sums(slice(0, k), moments[:, 0, :k], moments[:, 1, :k], stat, h, fp8)
+        self.add_sums(slice(0, k), row_sums[:, 0, :k], row_sums[:, 1, :k], stat, h, fp8)
         if final_stat is not None:
-            self.add_sums(slice(k, k + 1), moments[:, 0, k:], moments[:, 1, k:], final_stat[:, None], h, fp8)
+            self.add_sums(slice(k, k + 1), row_sums[:, 0, k:], row_sums[:, 1, k:], final_stat[:, None], h, fp8)
         self.rows += stat.shape[0]
 
     def add_not_finite(self, stat: torch.Tensor, final_stat: torch.Tensor | None) -> None:

@@ -40,13 +40,13 @@ Buffers = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor, "torch.Tensor
 
 
 def new_buffers(rows: int, row_shape: tuple[int, int], dtype: torch.dtype, final: bool,
-                moments: bool = False) -> Buffers:
+                row_sums: bool = False) -> Buffers:
     """An arena's tensors for `rows` rows. Untouched until rows are filled: a small run costs
     only what it writes; arenas are reused, so the first-touch page faults are paid once."""
     k, h = row_shape
     return (torch.empty((rows, k, h), dtype=dtype), torch.empty((rows, h), dtype=dtype) if final else None,
             torch.empty((rows, k), dtype=torch.float32), torch.empty(rows, dtype=torch.float32) if final else None,
-            torch.empty((rows, 2, k + final), dtype=torch.float32) if moments else None)
+            torch.empty((rows, 2, k + final), dtype=torch.float32) if row_sums else None)
 
 
 def raw(t: torch.Tensor) -> memoryview:
@@ -66,11 +66,11 @@ class SampleSlot:
     """Rows reserved for one sample; the assembler fills them (`place`), then commits: `buf`
     [T, K, H], `final` [T, H] (--final-state), and their per-row statistics `stat` [T, K] and
     `final_stat` [T] (float32: the amax, or with fp8 values the scale; see format.quant), and
-    when the ring brings them the rows' sums `moments` [T, 2, C] (`has_moments`)."""
+    when the ring brings them the rows' sums `row_sums` [T, 2, C] (`has_row_sums`)."""
 
     __slots__ = ("arena", "sample_id", "token_ids", "row", "buf", "final", "stat", "final_stat", "state", "line",
-                 "loss_spans", "num_prompt", "record", "src", "src_stat", "src_moments", "src_done", "placed",
-                 "digest", "moments", "has_moments")
+                 "loss_spans", "num_prompt", "record", "src", "src_stat", "src_row_sums", "src_done", "placed",
+                 "digest", "row_sums", "has_row_sums")
     # NOT_FINITE: committed, then refused by its writer thread (NaN/Inf); left out like DROPPED
     RESERVED, COMMITTED, DROPPED, NOT_FINITE = 0, 1, 2, 3
 
@@ -82,7 +82,7 @@ class SampleSlot:
         self.record = record
         self.src: torch.Tensor | None = None  # rows [T, C, H] its writer thread places (add_rows)
         self.src_stat: torch.Tensor | None = None
-        self.src_moments: torch.Tensor | None = None
+        self.src_row_sums: torch.Tensor | None = None
         self.src_done: Any = None  # called once `src` is copied in (add_rows' `done`)
         self.sample_id = sample_id
         self.token_ids = token_ids
@@ -92,8 +92,8 @@ class SampleSlot:
         self.final = arena.final[row : row + n] if arena.final is not None else None
         self.stat = arena.stat[row : row + n]
         self.final_stat = arena.final_stat[row : row + n] if arena.final_stat is not None else None
-        self.moments = arena.moments[row : row + n] if arena.moments is not None else None
-        self.has_moments = False  # every placed row came with its sums
+        self.row_sums = arena.row_sums[row : row + n] if arena.row_sums is not None else None
+        self.has_row_sums = False  # every placed row came with its sums
         self.state = SampleSlot.RESERVED
         self.placed = False  # rows came through `place`, with their statistics
         self.line = line
@@ -112,16 +112,16 @@ class SampleSlot:
             m[lo:hi] = 1
         return m
 
-    def place(self, pos: int, rows: torch.Tensor, stat: torch.Tensor, moments: torch.Tensor | None = None) -> None:
+    def place(self, pos: int, rows: torch.Tensor, stat: torch.Tensor, row_sums: torch.Tensor | None = None) -> None:
         """Rows [pos, pos + n) as the ring holds them: [n, C, H] and [n, C], the last column
-        the final state's when this output stores it (kept apart); `moments` [n, 2, C]: their
+        the final state's when this output stores it (kept apart); `row_sums` [n, 2, C]: their
         sums, when the ring has them (kept only where this arena has room for them)."""
         n = rows.shape[0]
         # the first placement decides; a later one without sums means the host reduces them all
-        self.has_moments = (moments is not None and self.moments is not None
-                            and (self.has_moments or not self.placed))
-        if self.has_moments:
-            self.moments[pos : pos + n].copy_(moments)
+        self.has_row_sums = (row_sums is not None and self.row_sums is not None
+                            and (self.has_row_sums or not self.placed))
+        if self.has_row_sums:
+            self.row_sums[pos : pos + n].copy_(row_sums)
         self.placed = True
         if self.final is None:
             self.buf[pos : pos + n].copy_(rows)
@@ -156,12 +156,12 @@ class SampleSlot:
 class Arena:
     """One shard in the making: its rows in memory, its temporary file, its pending writes."""
 
-    __slots__ = ("bufs", "buf", "final", "stat", "final_stat", "moments", "rows", "slots", "pending", "sealed",
+    __slots__ = ("bufs", "buf", "final", "stat", "final_stat", "row_sums", "rows", "slots", "pending", "sealed",
                  "pooled", "tmp", "fd", "index_bytes", "batch", "batch_bytes", "writes", "unsynced", "stats")
 
     def __init__(self, bufs: Buffers, pooled: bool, tmp: Path) -> None:
         self.bufs = bufs
-        self.buf, self.final, self.stat, self.final_stat, self.moments = bufs
+        self.buf, self.final, self.stat, self.final_stat, self.row_sums = bufs
         self.rows = 0
         self.slots: list[SampleSlot] = []
         self.pending = 0  # reserved, not yet committed or dropped

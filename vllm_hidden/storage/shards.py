@@ -231,7 +231,7 @@ class ShardWriter(Sink):
 
     def add_rows(self, sample_id: Any, token_ids: Any, rows: torch.Tensor, stat: torch.Tensor, *,
                  loss_spans: list[list[int]] | None, num_prompt: int, record: str, line: int | None = None,
-                 moments: torch.Tensor | None = None, done: Callable[[], None] | None = None) -> None:
+                 row_sums: torch.Tensor | None = None, done: Callable[[], None] | None = None) -> None:
         """A generated sample, rows [T, C, H] and statistics [T, C] (and the row sums [T, 2, C]
         when the ring has them) as the capture ring holds them (the layers, then the final
         state's column if this output stores it), with its generation record."""
@@ -242,7 +242,7 @@ class ShardWriter(Sink):
                             record=record.encode())
         # the copy into the arena is the writer threads' (several at once), not the caller's: a
         # wave of responses ending together is GBs, and the caller is what the engine waits on
-        slot.src, slot.src_stat, slot.src_moments, slot.src_done = rows, stat, moments, done
+        slot.src, slot.src_stat, slot.src_row_sums, slot.src_done = rows, stat, row_sums, done
         self.commit(slot)
 
     def _resolve(self, slot: SampleSlot, state: int) -> None:
@@ -297,9 +297,9 @@ class ShardWriter(Sink):
             for s in batch:
                 if s.src is not None or not s.placed:  # deferred: its statistics are made here
                     if s.src is not None:
-                        s.place(0, s.src, s.src_stat, s.src_moments)
+                        s.place(0, s.src, s.src_stat, s.src_row_sums)
                         done, s.src = s.src_done, None
-                        s.src_stat = s.src_moments = s.src_done = None
+                        s.src_stat = s.src_row_sums = s.src_done = None
                         if done is not None:
                             done()  # the caller's buffer is free: it is not read again
                     else:  # values written into buf by the caller: no statistics came with them
@@ -316,7 +316,7 @@ class ShardWriter(Sink):
                 pwrite_all(a.fd, mv, offset)
                 write_behind(a.fd, offset, len(mv))
                 nbytes += len(mv)
-                if acc is not None and s.has_moments:
+                if acc is not None and s.has_row_sums:
                     summed.append(s)
                 elif acc is not None:
                     t1 = time.perf_counter()
@@ -324,7 +324,7 @@ class ShardWriter(Sink):
                     stats_s += time.perf_counter() - t1
             if summed:  # the device's row sums of the whole batch at once: a few ops, not a few per sample
                 t1 = time.perf_counter()
-                acc.add_summed(torch.cat([s.moments for s in summed]), torch.cat([s.stat for s in summed]),
+                acc.add_summed(torch.cat([s.row_sums for s in summed]), torch.cat([s.stat for s in summed]),
                                torch.cat([s.final_stat for s in summed]) if self.final_row_bytes else None,
                                self.row_shape[1], self.fp8)
                 stats_s += time.perf_counter() - t1
