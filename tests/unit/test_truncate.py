@@ -152,3 +152,33 @@ def test_a_hybrid_is_cut_in_its_config_only_where_its_kv_cache_does_not_grow():
     assert cut_in_config(config(qwen36), 60) and cut_in_config(config(qwen36), 32)
     assert not cut_in_config(config(qwen36[:8]), 5) and cut_in_config(config(qwen36[:8]), 4)
     assert cut_in_config(SimpleNamespace(get_text_config=lambda: SimpleNamespace(num_hidden_layers=8)), 3)  # dense
+
+
+def test_a_model_built_whole_runs_its_first_layers_through_the_decoders_end_layer():
+    import inspect
+
+    from vllm.model_executor.models.llama import LlamaModel
+    from vllm.model_executor.models.qwen2 import Qwen2Model
+    from vllm.model_executor.models.qwen3_next import Qwen3NextModel
+
+    from vllm_hidden.engine import compat
+
+    # what compat.run_first_layers relies on: the installed vLLM's decoders loop to end_layer
+    for cls in (Qwen3NextModel, Qwen2Model, LlamaModel):
+        assert "islice(self.layers, self.start_layer, self.end_layer)" in inspect.getsource(cls.forward), cls
+
+    class Decoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Identity() for _ in range(8))
+            self.start_layer, self.end_layer = 0, 8
+
+    class CausalLM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = Decoder()
+
+    lm = CausalLM()
+    assert compat.run_first_layers(lm, 5) and lm.model.end_layer == 5
+    assert not compat.run_first_layers(lm, 3)  # already stopped short: not a whole decoder any more
+    assert not compat.run_first_layers(torch.nn.Linear(2, 2), 3)  # no decoder with end_layer: every layer runs
