@@ -69,11 +69,11 @@ PEAK_TFLOPS_H200 = 790.0
 
 # -- child side: one case, every workload ----------------------------------------------------
 def _runs(workloads: dict, feeds: list[str]):
-    """(result key, workload name, its prompts, feed) of every run: the first feed's under the
-    workload's name, the others' under name@feed."""
+    """(result key, prompts, feed) of every run: the first feed's under the workload's name, the
+    others' under name@feed."""
     for name, prompts in workloads.items():
         for i, feed in enumerate(feeds):
-            yield (name if i == 0 else f"{name}@{feed}"), name, prompts, feed
+            yield (name if i == 0 else f"{name}@{feed}"), prompts, feed
 
 
 def run_plain(args: list[str], max_len: int, workloads: dict[str, list[list[int]]], save,
@@ -86,7 +86,7 @@ def run_plain(args: list[str], max_len: int, workloads: dict[str, list[list[int]
            "workloads": {}}
     save(res)
     try:
-        for key, _, prompts, feed in _runs(workloads, feeds):
+        for key, prompts, feed in _runs(workloads, feeds):
             mark = _trace_mark()
             with RssPeak() as rss:
                 dt, _ = benchlib.timed_loop(engine, prompts, lambda i: sp, feed)

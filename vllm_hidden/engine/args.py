@@ -10,7 +10,7 @@ import difflib
 import logging
 
 from vllm_hidden.config import CaptureConfig
-from vllm_hidden.engine.truncate import TRUNCATABLE_LOAD_FORMATS
+from vllm_hidden.engine.truncate import cut_in_config, hf_overrides
 
 log = logging.getLogger("vllm_hidden")
 WORKER_EXTENSION = "vllm_hidden.engine.worker_ext.HiddenStatesWorkerExtension"
@@ -57,9 +57,9 @@ def engine_args(model: str, cli_args: list[str], max_prompt_len: int, capture: C
         if capture.layers_run is not None and args.speculative_config:
             log.info("vllm-hidden: a speculative config needs the whole target; running every decoder layer")
             capture = dataclasses.replace(capture, layers_run=None)
-        if capture.layers_run is not None and _cut_in_config(args, hf_config, capture.layers_run):
-            from vllm_hidden.engine.truncate import hf_overrides
-
+        if capture.layers_run is not None and cut_in_config(hf_config, capture.layers_run,
+                                                            overrides_given=bool(args.hf_overrides),
+                                                            load_format=str(args.load_format)):
             args.hf_overrides = hf_overrides(hf_config, capture.layers_run)
         args.additional_config = {**(args.additional_config or {}), **capture.to_additional_config()}
         if not generate_tokens:
@@ -147,28 +147,6 @@ def _taper_the_end(args) -> None:
         log.info("vllm-hidden: --scheduler-cls %s given; the end of a run is not tapered", args.scheduler_cls)
         return
     args.scheduler_cls = scheduler.QUALNAME
-
-
-def _cut_in_config(args, hf_config, layers: int) -> bool:
-    """Whether the model is built with only the layers it runs (truncate.cut_in_config), or
-    built whole and run to its last captured layer: so for the user's own --hf-overrides, a
-    loader that does not read through vLLM's default one, and a hybrid model whose cut would
-    cost KV cache."""
-    from vllm_hidden.engine.truncate import cut_in_config
-
-    if args.hf_overrides:
-        log.info("vllm-hidden: --hf-overrides given; the model is built whole and runs its first %d layers", layers)
-        return False
-    if str(args.load_format) not in TRUNCATABLE_LOAD_FORMATS:
-        log.info("vllm-hidden: --load-format %s cannot drop the cut layers' weights; the model is built whole and "
-                 "runs its first %d layers", args.load_format, layers)
-        return False
-    if cut_in_config(hf_config, layers):
-        log.info("vllm-hidden: the model is built with its first %d decoder layers only", layers)
-        return True
-    log.info("vllm-hidden: the model is built whole and its forward stops after its first %d decoder layers (built "
-             "with only those, vLLM would group its KV cache into more groups: fewer requests at once)", layers)
-    return False
 
 
 def with_tp(vllm_args: list[str], tp: int) -> list[str]:

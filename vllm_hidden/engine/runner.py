@@ -45,13 +45,13 @@ TURN_KEY = "vllm_hidden_turn"  # --regenerate all: which response of the convers
 
 
 class Capture:
-    def __init__(self, runner: Any, cfg: CaptureConfig, kind: str) -> None:
+    def __init__(self, runner: Any, cfg: CaptureConfig, kind: str, layers_run: int | None = None) -> None:
         self.runner = runner
         self.kind = kind  # which of vLLM's model runners: "v1" or "v2"
         self.cfg = cfg
         self.sizes = compat.runner_sizes(runner)
         self.hidden_size = self.sizes.hidden_size
-        self.layers_run = self.sizes.num_layers  # decoder layers the forward runs (install_capture)
+        self.layers_run = layers_run or self.sizes.num_layers  # decoder layers the forward runs (install_capture)
         self.writer_rank = compat.is_writer_rank()
         self.transfer: StepTransfer | None = None
         self.layout: CaptureLayout | None = None  # the writer rank's buffers' layout
@@ -419,11 +419,10 @@ def install_capture(runner: Any, cfg: CaptureConfig) -> Capture:
         else:
             logging.getLogger("vllm.vllm_hidden").info(
                 "vllm-hidden: %s has no decoder module with end_layer; every decoder layer runs", type(model).__name__)
-    cap = Capture(runner, cfg, kind)
-    cap.layers_run = layers_run
+    cap = Capture(runner, cfg, kind, layers_run)
     module = stash.aux_module(model, cfg.aux_ids)
     if module is not None:  # the forward writes the captured layers into the step buffer itself
-        stash.attach(module, {i + 1: c for c, i in enumerate(cfg.layer_ids)}, cap.sizes.device)
+        stash.attach(module, {aux: c for c, aux in enumerate(to_aux_ids(cfg.layer_ids))}, cap.sizes.device)
         cap.stashing = True
         if cap.transfer is not None:
             k = len(cfg.layer_ids)  # the layers' columns; a final state is gathered after the forward

@@ -29,10 +29,13 @@ plain vLLM and full-model engines are untouched:
 
 from __future__ import annotations
 
+import logging
 import re
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
+
+log = logging.getLogger("vllm_hidden")
 
 # load formats that read through vLLM's default loader, whose weight iterator drops the cut layers
 TRUNCATABLE_LOAD_FORMATS = frozenset({"auto", "safetensors", "pt", "npcache", "fastsafetensors", "dummy"})
@@ -77,17 +80,30 @@ def kv_groups(layer_types: Sequence[str]) -> tuple[int, bool]:
     return sum(-(-c // size) for c in counts), any(c % size for c in counts)
 
 
-def cut_in_config(config: Any, layers: int) -> bool:
-    """Whether a cut to `layers` layers is made in the model's config (`hf_overrides`): yes,
-    unless the model is hybrid and its first `layers` layers would make vLLM pad a KV-cache
-    group or add one (then the model is built whole and run to that layer)."""
+def cut_in_config(config: Any, layers: int, *, overrides_given: bool = False, load_format: str = "auto") -> bool:
+    """Whether a cut to `layers` layers is made in the model's config (`hf_overrides`), or the
+    model is built whole and its forward stops after that layer: so for the user's own
+    --hf-overrides (`overrides_given`), a loader that does not read through vLLM's default one,
+    and a hybrid model whose first `layers` layers would make vLLM pad a KV-cache group or add
+    one. Says which in the log."""
+    whole = f"the model is built whole and its forward stops after its first {layers} decoder layers"
+    if overrides_given:
+        log.info("vllm-hidden: --hf-overrides given; %s", whole)
+        return False
+    if load_format not in TRUNCATABLE_LOAD_FORMATS:
+        log.info("vllm-hidden: --load-format %s cannot drop the cut layers' weights; %s", load_format, whole)
+        return False
     text = config.get_text_config()
     types = getattr(text, "layer_types", None)
-    if not isinstance(types, list) or len(types) != int(text.num_hidden_layers):
-        return True
-    whole, _ = kv_groups(types)
-    cut, padded = kv_groups(types[:layers])
-    return not padded and cut <= whole
+    if isinstance(types, list) and len(types) == int(text.num_hidden_layers):
+        groups, _ = kv_groups(types)
+        cut, padded = kv_groups(types[:layers])
+        if padded or cut > groups:
+            log.info("vllm-hidden: %s (built with only those, vLLM would group its KV cache into more groups: "
+                     "fewer requests at once)", whole)
+            return False
+    log.info("vllm-hidden: the model is built with its first %d decoder layers only", layers)
+    return True
 
 
 def kept_layers(text_config: Any) -> int | None:

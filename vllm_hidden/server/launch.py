@@ -180,7 +180,7 @@ def connector_cut(model: str, connector: Any, layer_ids: list[int], num_layers: 
     (as extract runs it, `truncate`), since only the file matters there. The sampled token of
     such a server is not the model's."""
     from vllm_hidden.engine.caches import flag_values
-    from vllm_hidden.engine.truncate import TRUNCATABLE_LOAD_FORMATS, cut_in_config
+    from vllm_hidden.engine.truncate import cut_in_config, hf_overrides
 
     if connector is None:
         return NO_CUT
@@ -194,17 +194,10 @@ def connector_cut(model: str, connector: Any, layer_ids: list[int], num_layers: 
         return NO_CUT
     log.info("vllm-hidden: the deepest aux id is %d of %d: the model runs its first %d decoder layers only (the "
              "responses' sampled tokens are not the model's)", max(layer_ids) + 1, num_layers, n)
-    if flag_values(vllm_args, frozenset({"--hf-overrides", "--hf_overrides"})):
-        log.info("vllm-hidden: --hf-overrides given; the model is built whole")
-        return ServeCut([], n)
+    overrides = bool(flag_values(vllm_args, frozenset({"--hf-overrides", "--hf_overrides"})))
     fmt = (flag_values(vllm_args, frozenset({"--load-format", "--load_format"})) or ["auto"])[-1]
-    if fmt not in TRUNCATABLE_LOAD_FORMATS:
-        log.info("vllm-hidden: --load-format %s cannot drop the cut layers' weights; the model is built whole", fmt)
+    if not cut_in_config(config, n, overrides_given=overrides, load_format=fmt):
         return ServeCut([], n)
-    if not cut_in_config(config, n):  # a hybrid model: built whole, its KV cache as plain vLLM's
-        return ServeCut([], n)
-    from vllm_hidden.engine.truncate import hf_overrides
-
     return ServeCut(["--hf-overrides", json.dumps(hf_overrides(config, n))], n)
 
 
