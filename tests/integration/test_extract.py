@@ -4,6 +4,7 @@ Transformers' hidden states on the same weights."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 
@@ -12,6 +13,7 @@ import torch
 from transformers import AutoTokenizer
 
 from tests.integration.helpers import HFReference, cli, last_json, rel_l2, run_cli, verify_checksums
+from vllm_hidden import envs
 from vllm_hidden.data import HiddenStatesDataset
 from vllm_hidden.demo import make_tiny_model
 
@@ -139,11 +141,16 @@ def compiled(tiny_models, tmp_path_factory):
             root = tmp_path_factory.mktemp(f"compiled-{arch}")
             good, bad = make_input(root / "in.jsonl", AutoTokenizer.from_pretrained(str(model)))
             out = root / "out"
-            # the final normed state too: it rides as one more column of the compiled model's step
-            r = run_cli("extract", "--model", str(model), "--input", str(root / "in.jsonl"), "--output", str(out),
-                        "--layers", ",".join(map(str, LAYERS)), "--max-model-len", str(MAX_LEN),
-                        "--max-num-batched-tokens", "64", "--dtype", "bfloat16", "--no-progress",
-                        "--final-state", "post-norm")
+            # the final normed state too: it rides as one more column of the compiled model's step;
+            # every scheduler step recorded as the benchmarks record it (--step-trace)
+            os.environ[envs.STEP_TRACE] = str(root / "steps.txt")
+            try:
+                r = run_cli("extract", "--model", str(model), "--input", str(root / "in.jsonl"), "--output",
+                            str(out), "--layers", ",".join(map(str, LAYERS)), "--max-model-len", str(MAX_LEN),
+                            "--max-num-batched-tokens", "64", "--dtype", "bfloat16", "--no-progress",
+                            "--final-state", "post-norm")
+            finally:
+                del os.environ[envs.STEP_TRACE]
             assert r.returncode == 0, r.stderr[-4000:]
             assert f"{len(good)} samples" in r.stdout and f"{len(bad)} errors" in r.stdout
             # the buffers the worker allocated at load, inside vLLM's memory profile, are the ones the run
@@ -177,6 +184,17 @@ def test_the_end_of_a_run_tapers(compiled):
         expected.append(half if half >= 4 else n)
     assert [r for _, r in tapered] == expected, rows
     assert len(tapered) >= 4 and rows[-1] <= 8, rows
+
+    # the step trace of the same run, made in vLLM's own scheduler: a line per step, its tokens
+    # the rows capture took (the last 8 as the capture counted them), and the scheduler's queues
+    from vllm_hidden.engine.scheduler import TRACE_COLUMNS
+
+    trace = [line.split() for line in (root / "steps.txt").read_text().splitlines()]
+    assert trace and all(len(t) == len(TRACE_COLUMNS) for t in trace), trace[:3]
+    stats = json.loads((root / "summary.json").read_text())["capture_stats"]
+    assert [int(t[1]) for t in trace[-8:]] == rows and sum(int(t[1]) for t in trace) == stats["rows"], trace
+    running, waiting, free = ([int(t[k]) for t in trace] for k in (3, 4, 5))
+    assert running[0] == 0 and waiting[0] > 0 and min(running) >= 0 and min(free) > 0, trace
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3"])
