@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from vllm_hidden.config import ExtractConfig
-from vllm_hidden.engine.caches import cache_files, new_kernels, strip_flags
+from vllm_hidden.engine import flags
+from vllm_hidden.engine.caches import cache_files, new_kernels
 
 log = logging.getLogger("vllm_hidden")
 
@@ -153,21 +154,20 @@ def serve_fingerprint(model: str, layer_ids: list[int], vllm_args: list[str],
 
     return fingerprint(mode="serve", model=model,
                        settings={"layer_ids": list(layer_ids), "model_runner": compat.requested_runner()},
-                       engine_args=strip_flags(vllm_args, SERVER_ONLY), device=compat.device_name(),
+                       engine_args=flags.without(vllm_args, SERVER_ONLY), device=compat.device_name(),
                        cache_dirs=cache_dirs, env_digest=compat.compile_env_digest())
 
 
 def _max_hidden_tokens(args: list[str]) -> int:
     from vllm_hidden.config import ServeConfig
 
-    for i, a in enumerate(args):
-        if a.startswith("--max-hidden-tokens"):
-            raw = a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
-            try:
-                return int(raw)
-            except ValueError:
-                raise ValueError(f"--max-hidden-tokens must be an int, got {raw!r}") from None
-    return ServeConfig.max_hidden_tokens
+    raw = flags.last(args, ("--max-hidden-tokens",))
+    if raw is None:
+        return ServeConfig.max_hidden_tokens
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"--max-hidden-tokens must be an int, got {raw!r}") from None
 
 
 def _stop(proc) -> None:
@@ -246,7 +246,7 @@ def run_serve_warmup(model: str, layer_ids: list[int], vllm_args: list[str], *, 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "vllm_hidden.cli", "serve", model, "--layers", ",".join(map(str, layer_ids)),
-           "--cache-dir", str(cache.root), *strip_flags(vllm_args, SERVER_ONLY),
+           "--cache-dir", str(cache.root), *flags.without(vllm_args, SERVER_ONLY),
            "--host", "127.0.0.1", "--port", str(port)]
     with tempfile.TemporaryDirectory(prefix="vllm-hidden-warmup-") as tmp:
         log_path = Path(tmp) / "server.log"

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import vllm_hidden.engine
+from vllm_hidden.engine import flags
 from vllm_hidden.engine.caches import (
     NOT_COMPILED,
     CacheDirs,
@@ -19,7 +20,6 @@ from vllm_hidden.engine.caches import (
     describe,
     fingerprint,
     new_kernels,
-    strip_flags,
     warmth,
 )
 from vllm_hidden.warmup import SERVER_ONLY, serve_fingerprint, warm_lengths
@@ -230,37 +230,37 @@ def test_start_lock_is_released_on_exit_also_when_the_body_raises(tmp_path):
         assert waited is False
 
 
-# -- strip_flags -------------------------------------------------------------------------------
+# -- flags.without -------------------------------------------------------------------------------
 
 
 def test_strip_flags_removes_both_forms_and_keeps_the_rest_in_order():
     names = frozenset({"--a", "--b"})
     args = ["--x", "1", "--a", "5", "--y=2", "--b=7", "--flag", "--a=", "--z", "3", "pos"]
-    assert strip_flags(args, names) == ["--x", "1", "--y=2", "--flag", "--z", "3", "pos"]
-    assert strip_flags([], names) == []
-    assert strip_flags(["--ab", "1", "--a-b=2"], names) == ["--ab", "1", "--a-b=2"]  # whole names only
-    assert strip_flags(["--x", "--a"], names) == ["--x"]  # a trailing flag without its value
+    assert flags.without(args, names) == ["--x", "1", "--y=2", "--flag", "--z", "3", "pos"]
+    assert flags.without([], names) == []
+    assert flags.without(["--ab", "1", "--a-b=2"], names) == ["--ab", "1", "--a-b=2"]  # whole names only
+    assert flags.without(["--x", "--a"], names) == ["--x"]  # a trailing flag without its value
     assert args[2:4] == ["--a", "5"]  # the input is not modified
 
 
 def test_strip_flags_drops_every_value_up_to_the_next_option():
     # vLLM's --api-key takes several keys: none of them may leak into what is kept
-    assert strip_flags(["--api-key", "k1", "k2", "--max-model-len", "4096"], frozenset({"--api-key"})) == [
+    assert flags.without(["--api-key", "k1", "k2", "--max-model-len", "4096"], frozenset({"--api-key"})) == [
         "--max-model-len", "4096"]
-    assert strip_flags(["--a", "--b", "1"], frozenset({"--a"})) == ["--b", "1"]  # a flag follows: no value taken
-    assert strip_flags(["--a", "-1", "--b"], frozenset({"--a"})) == ["--b"]  # a negative number is a value
+    assert flags.without(["--a", "--b", "1"], frozenset({"--a"})) == ["--b", "1"]  # a flag follows: no value taken
+    assert flags.without(["--a", "-1", "--b"], frozenset({"--a"})) == ["--b"]  # a negative number is a value
 
 
 def test_strip_flags_keeps_short_options_after_a_stripped_flag():
     # a short option ends the stripped flag's values: `-tp 2` / `-O3` must reach vLLM and the key
-    assert strip_flags(["--port", "8000", "-tp", "2", "--enforce-eager"], frozenset({"--port"})) == [
+    assert flags.without(["--port", "8000", "-tp", "2", "--enforce-eager"], frozenset({"--port"})) == [
         "-tp", "2", "--enforce-eager"]
-    assert strip_flags(["--seed", "0", "-O3"], frozenset({"--seed"})) == ["-O3"]
+    assert flags.without(["--seed", "0", "-O3"], frozenset({"--seed"})) == ["-O3"]
 
 
 def test_strip_flags_matches_underscore_spellings():
     names = frozenset({"--gpu-memory-utilization", "--api-key"})
-    assert strip_flags(["--gpu_memory_utilization", "0.5", "--api_key=K", "--max_model_len", "9"], names) == [
+    assert flags.without(["--gpu_memory_utilization", "0.5", "--api_key=K", "--max_model_len", "9"], names) == [
         "--max_model_len", "9"]
 
 

@@ -242,11 +242,11 @@ def check_against_engine(path: str, model: str, samples: int = 8, seed: int = 0,
 
 def engine_cli_args(manifest: Any, given: list[str]) -> list[str]:
     """The engine arguments: the output's dtype and (online) quantization unless given."""
-    from vllm_hidden.engine.caches import flag_values
+    from vllm_hidden.engine import flags
     from vllm_hidden.engine.quant import quantization_arg
 
     args = list(given)
-    if not flag_values(args, frozenset({"--dtype"})):
+    if not flags.values(args, ("--dtype",)):
         args += ["--dtype", manifest.dtype]
     q = manifest.quantization or {}
     if q.get("source") == "online" and quantization_arg(args) is None:

@@ -151,9 +151,10 @@ def _taper_the_end(args) -> None:
 
 def with_tp(vllm_args: list[str], tp: int) -> list[str]:
     """vLLM arguments with `--tp` as --tensor-parallel-size (refused if they give another size)."""
-    from vllm_hidden.engine.caches import TP_FLAGS, flag_values, resolve_tp
+    from vllm_hidden.engine import flags
+    from vllm_hidden.engine.caches import TP_FLAGS, resolve_tp
 
     n = resolve_tp(vllm_args, tp)
-    if n == 1 or flag_values(vllm_args, TP_FLAGS):
+    if n == 1 or flags.values(vllm_args, TP_FLAGS):
         return list(vllm_args)
     return [*vllm_args, "--tensor-parallel-size", str(n)]

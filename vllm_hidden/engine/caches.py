@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import vllm_hidden.envs as envs
+from vllm_hidden.engine import flags
 
 log = logging.getLogger("vllm_hidden")
 
@@ -179,27 +180,6 @@ def versions() -> dict[str, str]:
 NOT_COMPILED = frozenset({"--gpu-memory-utilization", "--kv-cache-memory-bytes", "--seed"})
 
 
-def strip_flags(args: list[str], names: frozenset[str]) -> list[str]:
-    """`args` without the named flags and their values (`--flag=v`, or `--flag v1 [v2 ...]` up to
-    the next option, long or short; vLLM's `--api-key` takes several). `--a_b` is `--a-b`, as
-    for vLLM."""
-    out, skipping = [], False
-    for a in args:
-        if a.startswith("-") and not _is_number(a):
-            name = _flag_name(a)
-            skipping = name in names and "=" not in a
-            if name in names:
-                continue
-        elif skipping:
-            continue
-        out.append(a)
-    return out
-
-
-def _flag_name(a: str) -> str:
-    return "--" + a[2:].split("=", 1)[0].replace("_", "-") if a.startswith("--") else a.split("=", 1)[0]
-
-
 TP_FLAGS = frozenset({"--tensor-parallel-size", "-tp"})
 
 
@@ -208,7 +188,7 @@ def resolve_tp(args: list[str], tp: int) -> int:
     both given must agree."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"--tp must be a positive int, got {tp!r}")
-    given = flag_values(args, TP_FLAGS)
+    given = flags.values(args, TP_FLAGS)
     if not given:
         return tp
     try:
@@ -220,26 +200,6 @@ def resolve_tp(args: list[str], tp: int) -> int:
     return n
 
 
-def flag_values(args: list[str], names: frozenset[str]) -> list[str]:
-    """The values given to the named flags, in order (the same spellings as strip_flags)."""
-    out: list[str] = []
-    for i, a in enumerate(args):
-        if a.startswith("-") and not _is_number(a) and _flag_name(a) in names:
-            if "=" in a:
-                out.append(a.split("=", 1)[1])
-            elif i + 1 < len(args):
-                out.append(args[i + 1])
-    return out
-
-
-def _is_number(a: str) -> bool:
-    try:
-        float(a)
-        return True
-    except ValueError:
-        return False
-
-
 def fingerprint(*, mode: str, model: str, settings: dict[str, Any], engine_args: list[str],
                 device: str, cache_dirs: dict[str, str], env_digest: str = "") -> tuple[str, dict[str, Any]]:
     """A key for "these caches were warmed for this": every input that changes what an engine
@@ -248,7 +208,7 @@ def fingerprint(*, mode: str, model: str, settings: dict[str, Any], engine_args:
     path = Path(model).expanduser()
     ident = {
         "mode": mode, "model": str(path.resolve()) if path.is_dir() else model, "config": _config_digest(model),
-        "settings": settings, "engine_args": strip_flags(list(engine_args), NOT_COMPILED), "device": device,
+        "settings": settings, "engine_args": flags.without(list(engine_args), NOT_COMPILED), "device": device,
         "versions": versions(), "cache_dirs": dict(cache_dirs), "env": env_digest,
     }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24], ident

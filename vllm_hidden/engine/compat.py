@@ -440,7 +440,20 @@ def start_engine(args):
     """A started `LLMEngine` (the synchronous engine the extract driver steps) from `EngineArgs`."""
     from vllm.v1.engine.llm_engine import LLMEngine
 
+    freeze_heap()
     return LLMEngine.from_engine_args(args)
+
+
+def freeze_heap() -> None:
+    """Put what this process holds so far (vLLM, torch, transformers and their modules) out of
+    the cyclic collector's reach (`gc.freeze`) before an engine starts: vLLM calls gc.collect()
+    seven times while it starts (model load, profiling, KV-cache clean-up, its own freeze), each
+    pass walking every object of those modules: 1.1-1.4 s of a tiny model's 2.1-2.4 s in-process
+    start on 2 CPU cores. Processes forked from here inherit it. Plain refcounting still frees
+    these objects; only a reference cycle among them would stay."""
+    import gc
+
+    gc.freeze()
 
 
 def shutdown_engine(engine) -> None:
@@ -562,9 +575,9 @@ def render_flags(vllm_args: list[str]) -> list[str]:
         return []
     if "enable_scale_out" not in getattr(FrontendArgs, "__dataclass_fields__", {}):
         return []
-    given = any(a.split("=", 1)[0] in ("--enable-scale-out", "--enable_scale_out", "--no-enable-scale-out")
-                for a in vllm_args)
-    return [] if given else ["--enable-scale-out"]
+    from vllm_hidden.engine import flags
+
+    return [] if flags.given(vllm_args, ("--enable-scale-out", "--no-enable-scale-out")) else ["--enable-scale-out"]
 
 
 def served_vllm_config(app):

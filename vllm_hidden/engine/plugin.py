@@ -27,6 +27,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 import vllm_hidden.envs as envs
+from vllm_hidden.engine import flags
 
 log = logging.getLogger("vllm_hidden")
 
@@ -37,8 +38,7 @@ PLUGIN_NAME = "vllm_hidden"  # the entry point's name (pyproject.toml), as VLLM_
 # key, so it is set only where the arguments ask for Ray.
 RAY_PREFIXES_ENV = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
 OUR_PREFIX = envs.PREFIX
-_RAY_FLAGS = ("--distributed-executor-backend", "--distributed_executor_backend", "--data-parallel-backend",
-              "--data_parallel_backend", "-dpb")
+_RAY_FLAGS = (("--distributed-executor-backend",), ("--data-parallel-backend", "-dpb"))
 
 # An argument naming this package: a dotted path in it (`--middleware vllm_hidden.server...`,
 # `--worker-extension-cls=vllm_hidden...`), our key in a JSON `--additional-config`, or vLLM's
@@ -66,9 +66,7 @@ def is_ours(env: Mapping[str, str] | None = None, argv: Sequence[object] | None 
 
 def uses_ray(argv: Sequence[object]) -> bool:
     """Whether vLLM arguments put the engine's workers or its data-parallel engines on Ray."""
-    args = [a for a in argv if isinstance(a, str)]
-    return any(a.partition("=")[0] in _RAY_FLAGS and (a.partition("=")[2] or (args[i + 1:] or [""])[0]) == "ray"
-               for i, a in enumerate(args))
+    return any(flags.last(argv, names) == "ray" for names in _RAY_FLAGS)
 
 
 def _carry_to_ray() -> None:

@@ -21,10 +21,9 @@ QUANT_FLAGS = frozenset({"--quantization", "-q"})
 def quantization_arg(engine_args: list[str]) -> str | None:
     """The value of vLLM's `--quantization` / `-q` among the engine arguments (None: not given;
     a checkpoint's own quantization goes with --model)."""
-    from vllm_hidden.engine.caches import flag_values
+    from vllm_hidden.engine import flags
 
-    given = flag_values(engine_args, QUANT_FLAGS)
-    return given[-1] if given else None
+    return flags.last(engine_args, QUANT_FLAGS)
 
 
 def checkpoint_quantization(hf_config: Any) -> dict[str, Any] | None:

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from vllm_hidden.engine import flags
 from vllm_hidden.engine.args import with_tp
 
 log = logging.getLogger("vllm_hidden")
@@ -19,45 +20,14 @@ MIDDLEWARE = "vllm_hidden.server.HiddenStatesMiddleware"
 
 def _merge_additional_config(argv: list[str], ours: dict[str, Any]) -> list[str]:
     """Add our entry to a user's --additional-config (JSON) or append one."""
-    out, merged = [], False
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        if a == "--additional-config" or a.startswith("--additional-config="):
-            raw = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
-            i += 1 if "=" in a else 2
-            out += ["--additional-config", json.dumps({**_json_object("--additional-config", raw), **ours})]
-            merged = True
-            continue
-        out.append(a)
-        i += 1
-    if not merged:
-        out += ["--additional-config", json.dumps(ours)]
-    return out
+    raw, rest = flags.take(argv, ("--additional-config",))
+    theirs = _json_object("--additional-config", raw) if raw is not None else {}
+    return [*rest, "--additional-config", json.dumps({**theirs, **ours})]
 
 
-_SPEC_FLAGS = ("--speculative-config", "--speculative_config", "-sc")
-_KV_FLAGS = ("--kv-transfer-config", "--kv_transfer_config")
+_SPEC_FLAGS = ("--speculative-config", "-sc")
+_KV_FLAGS = ("--kv-transfer-config",)
 EXTRACT_METHOD = "extract_hidden_states"
-
-
-def _take_flag(argv: list[str], names: tuple[str, ...]) -> tuple[str | None, list[str]]:
-    """The value of the last of `names` in `argv` (`--x V` or `--x=V`) and argv without any of them."""
-    value, rest, i = None, [], 0
-    while i < len(argv):
-        a = argv[i]
-        name, eq, inline = a.partition("=")
-        if name in names:
-            if eq:
-                value, i = inline, i + 1
-            else:
-                if i + 1 >= len(argv):
-                    raise ValueError(f"{a} needs a value")
-                value, i = argv[i + 1], i + 2
-            continue
-        rest.append(a)
-        i += 1
-    return value, rest
 
 
 def _json_object(flag: str, raw: str) -> dict[str, Any]:
@@ -79,8 +49,8 @@ def connector_from_argv(argv: list[str], num_layers: int) -> tuple[Any, list[str
     naming the bad value."""
     from vllm_hidden.config import CONNECTORS, MOONCAKE_CONNECTORS, ConnectorConfig
 
-    spec_raw, rest = _take_flag(list(argv), _SPEC_FLAGS)
-    kv_raw, rest2 = _take_flag(rest, _KV_FLAGS)
+    spec_raw, rest = flags.take(list(argv), _SPEC_FLAGS)
+    kv_raw, rest2 = flags.take(rest, _KV_FLAGS)
     spec = _json_object("--speculative-config", spec_raw) if spec_raw is not None else None
     kv = _json_object("--kv-transfer-config", kv_raw) if kv_raw is not None else None
     name = kv.get("kv_connector") if kv else None
@@ -179,7 +149,6 @@ def connector_cut(model: str, connector: Any, layer_ids: list[int], num_layers: 
     """The connector form without the last layer asked for: the model run to the deepest one
     (as extract runs it, `truncate`), since only the file matters there. The sampled token of
     such a server is not the model's."""
-    from vllm_hidden.engine.caches import flag_values
     from vllm_hidden.engine.truncate import cut_in_config, hf_overrides
 
     if connector is None:
@@ -194,8 +163,8 @@ def connector_cut(model: str, connector: Any, layer_ids: list[int], num_layers: 
         return NO_CUT
     log.info("vllm-hidden: the deepest aux id is %d of %d: the model runs its first %d decoder layers only (the "
              "responses' sampled tokens are not the model's)", max(layer_ids) + 1, num_layers, n)
-    overrides = bool(flag_values(vllm_args, frozenset({"--hf-overrides", "--hf_overrides"})))
-    fmt = (flag_values(vllm_args, frozenset({"--load-format", "--load_format"})) or ["auto"])[-1]
+    overrides = flags.given(vllm_args, ("--hf-overrides",))
+    fmt = flags.last(vllm_args, ("--load-format",)) or "auto"
     if not cut_in_config(config, n, overrides_given=overrides, load_format=fmt):
         return ServeCut([], n)
     return ServeCut(["--hf-overrides", json.dumps(hf_overrides(config, n))], n)
