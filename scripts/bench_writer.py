@@ -91,11 +91,11 @@ def ring_sums(hs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     from vllm_hidden.format.stats import RowSums
 
     t, c, h = hs.shape
-    stat = torch.empty((t, c), dtype=torch.float32)
-    quant.row_amax(hs, stat)
+    row_scale = torch.empty((t, c), dtype=torch.float32)
+    quant.row_amax(hs, row_scale)
     sums = torch.empty((2, t, c), dtype=torch.float32)
     RowSums(c * h, False)(hs, sums[0], sums[1])
-    return stat, sums.transpose(0, 1).contiguous()
+    return row_scale, sums.transpose(0, 1).contiguous()
 
 
 def bench_writer(data, d: Path, shard_bytes: int, threads: int, k: int, h: int, upload: str | None = None,
@@ -110,9 +110,9 @@ def bench_writer(data, d: Path, shard_bytes: int, threads: int, k: int, h: int, 
     with RssPeak() as rss:
         w = ShardWriter(cfg, list(range(k)), h, torch.bfloat16)
         t0 = time.perf_counter()
-        for (sid, tok, hs), (stat, mom) in zip(data, ring):
+        for (sid, tok, hs), (row_scale, mom) in zip(data, ring):
             slot = w.reserve(sid, tok)
-            slot.place(0, hs, stat, mom if stats == "device" else None)
+            slot.place(0, hs, row_scale, mom if stats == "device" else None)
             w.commit(slot)
         t1 = time.perf_counter()
         shards = w.close()
@@ -133,7 +133,7 @@ def ring(k: int, h: int, budget: int, stats: str, slots: int = 2):
     if torch.cuda.is_available():
         tr._host_rows = [r.pin_memory() for r in tr._host_rows]
         views = [tr._views(r) for r in tr._host_rows]
-        tr.host, tr.host_stat, tr.host_row_sums = ([v[i] for v in views] for i in range(3))
+        tr.host, tr.host_row_scale, tr.host_row_sums = ([v[i] for v in views] for i in range(3))
     g = torch.Generator().manual_seed(0)
     layers = [torch.randn(budget, h, generator=g).to(torch.bfloat16) for _ in range(k)]
     for slot in range(slots):
@@ -285,7 +285,7 @@ def bench_tail(d: Path, workload: str, threads: int, k: int, h: int, tok_per_s: 
     lengths = [len(p) for p in benchlib.make_prompts(benchlib.WORKLOADS[workload], 248320)]
     steps = steps_of(lengths, budget, taper)
     src = torch.randn(budget, k, h).to(torch.bfloat16)  # the ring slot
-    stat = torch.ones(budget, k)
+    row_scale = torch.ones(budget, k)
     shutil.rmtree(d, ignore_errors=True)
     w = ShardWriter(ShardConfig(output_dir=str(d), writer_threads=threads), list(range(k)), h, torch.bfloat16)
     slots: dict[int, object] = {}
@@ -299,7 +299,7 @@ def bench_tail(d: Path, workload: str, threads: int, k: int, h: int, tok_per_s: 
         for i, pos, c in step:
             if pos == 0:
                 slots[i] = w.reserve(i, torch.zeros(lengths[i], dtype=torch.int64))
-            slots[i].place(pos, src[row : row + c], stat[row : row + c])
+            slots[i].place(pos, src[row : row + c], row_scale[row : row + c])
             row += c
             if pos + c == lengths[i]:
                 w.commit(slots.pop(i))

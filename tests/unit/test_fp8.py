@@ -67,13 +67,13 @@ def test_step_transfer_packs_values_and_their_statistic_in_one_row(fp8):
     assert tr.bytes_per_row == k * h * (1 if fp8 else 2) + 4 * k
     slot = tr.acquire()
     tr.submit(layers, n - 2, slot, start=2)
-    values, stat = tr.wait(slot)[: n - 2], tr.host_stat[slot][: n - 2]
+    values, row_scale = tr.wait(slot)[: n - 2], tr.host_row_scale[slot][: n - 2]
     want = x[2:]
     if fp8:
         ref_values, ref_scale = _quantized(want)
-        assert torch.equal(values.view(torch.uint8), ref_values.view(torch.uint8)) and torch.equal(stat, ref_scale)
+        assert torch.equal(values.view(torch.uint8), ref_values.view(torch.uint8)) and torch.equal(row_scale, ref_scale)
     else:
-        assert torch.equal(values, want) and torch.equal(stat, want.float().abs().amax(-1))
+        assert torch.equal(values, want) and torch.equal(row_scale, want.float().abs().amax(-1))
 
 
 def _write(tmp_path, fp8: bool, samples, final: bool = False):
@@ -127,7 +127,7 @@ def test_a_non_finite_row_refuses_its_sample_from_the_statistic(tmp_path, fp8):
         slot = tr.acquire()
         tr.submit([x[:, 0], x[:, 1]], 6, slot)
         s = w.reserve(sid, torch.arange(6), line=3 if poison else 1)
-        s.place(0, tr.wait(slot)[:6], tr.host_stat[slot][:6])
+        s.place(0, tr.wait(slot)[:6], tr.host_row_scale[slot][:6])
         w.commit(s)
         tr.release(slot)
     (info,) = w.close()

@@ -137,8 +137,8 @@ class Sink(records.Sink):
     def __init__(self):
         self.added = []
 
-    def add_rows(self, sample_id, token_ids, rows, stat, **kw):
-        assert torch.equal(stat, rows.float().abs().amax(-1))  # each row's statistic rides with it
+    def add_rows(self, sample_id, token_ids, rows, row_scale, **kw):
+        assert torch.equal(row_scale, rows.float().abs().amax(-1))  # each row's statistic rides with it
         self.added.append((sample_id, list(token_ids), rows.clone(), kw))
 
     def reserve(self, sample_id, token_ids, **kw):
@@ -208,10 +208,10 @@ def test_generated_sample_in_the_shard_writer_keeps_its_prompt_length_and_record
 
     w = shard_writer(tmp_path, [0, 1], 4, dtype=torch.float32, loss_mask=True, final_state=True, generate=True)
     rows = torch.arange(6 * 3 * 4, dtype=torch.float32).reshape(6, 3, 4)  # 2 layers + the final state's column
-    stat = rows.abs().amax(-1)
-    w.add_rows("s", [5, 6, 7, 8, 9, 10], rows, stat, loss_spans=[[2, 6]], num_prompt=2, record='{"id": "s"}\n')
+    row_scale = rows.abs().amax(-1)
+    w.add_rows("s", [5, 6, 7, 8, 9, 10], rows, row_scale, loss_spans=[[2, 6]], num_prompt=2, record='{"id": "s"}\n')
     with pytest.raises(ValueError, match="prompt length"):
-        w.add_rows("t", [1], rows[:1], stat[:1], loss_spans=[], num_prompt=None, record="x\n")
+        w.add_rows("t", [1], rows[:1], row_scale[:1], loss_spans=[], num_prompt=None, record="x\n")
     (info,) = w.close()
     with safe_open(str(tmp_path / info.file), framework="pt") as f:
         assert json.loads(f.metadata()["samples"]) == [["s", 0, 6, 2]]
@@ -302,8 +302,8 @@ def test_a_staging_buffer_is_reused_only_once_the_sink_is_done_with_it():
     only after the sink said it reads it no more (`done`), and then holds that request's rows."""
 
     class Keeping(Sink):
-        def add_rows(self, sample_id, token_ids, rows, stat, **kw):
-            super().add_rows(sample_id, token_ids, rows, stat, **kw)
+        def add_rows(self, sample_id, token_ids, rows, row_scale, **kw):
+            super().add_rows(sample_id, token_ids, rows, row_scale, **kw)
             self.added[-1] = (*self.added[-1], rows)  # the staged rows themselves, not a copy
 
     h = _gen_harness()
@@ -374,14 +374,14 @@ class _Ring:
         for (_, s, pos, count), seg in zip(parts, segs):
             for j in range(count):
                 i = seg.row + j
-                self.seen[s, pos + j] = (self.tr.host_stat[slot][i].clone(),
+                self.seen[s, pos + j] = (self.tr.host_row_scale[slot][i].clone(),
                                          None if row_sums is None else row_sums[i].clone())
         self.asm.process(StepRecord(slot, r, list(listed(segs)), new or {}, ends=list(ends)))
 
-    def check(self, sample, rows, stat, row_sums):
+    def check(self, sample, rows, row_scale, row_sums):
         assert torch.equal(rows, _vals(sample, rows.shape[0])), sample
         want = [self.seen[sample, p] for p in range(rows.shape[0])]
-        assert torch.equal(stat, torch.stack([w[0] for w in want])), sample
+        assert torch.equal(row_scale, torch.stack([w[0] for w in want])), sample
         if row_sums is not None:
             assert torch.equal(row_sums, torch.stack([w[1] for w in want])), sample
 
@@ -389,10 +389,10 @@ class _Ring:
 class _Keep(Sink):
     """Keeps copies of each sample's rows, statistics and row sums, and its `done`."""
 
-    def add_rows(self, sample_id, token_ids, rows, stat, **kw):
-        super().add_rows(sample_id, token_ids, rows, stat, **kw)
+    def add_rows(self, sample_id, token_ids, rows, row_scale, **kw):
+        super().add_rows(sample_id, token_ids, rows, row_scale, **kw)
         m = kw["row_sums"]
-        self.added[-1] = (sample_id, rows.clone(), stat.clone(), None if m is None else m.clone(), kw["done"])
+        self.added[-1] = (sample_id, rows.clone(), row_scale.clone(), None if m is None else m.clone(), kw["done"])
 
 
 def _gen(rid, prompt, rows, line):
@@ -416,9 +416,9 @@ def test_many_generating_requests_decoding_together_each_get_their_own_rows(row_
         assert sink.added == []
         ring.asm.process(StepRecord(None, 0, [], ends=[_end(p + decode, line=s) for s, p in prompts.items()]))
         assert sorted(a[0] for a in sink.added) == sorted(str(s) for s in prompts)
-        for sid, rows, stat, row_sums, _ in sink.added:
+        for sid, rows, row_scale, row_sums, _ in sink.added:
             assert (row_sums is not None) == row_stats
-            ring.check(int(sid), rows, stat, row_sums)
+            ring.check(int(sid), rows, row_scale, row_sums)
         for i in torch.randperm(n, generator=g).tolist():
             sink.added[i][4]()
         sink.added.clear()
@@ -456,8 +456,8 @@ def test_a_recompute_from_position_zero_overwrites_rows_while_others_decode():
     ring.step([("a", 1, 2, 3), ("b", 2, 6, 1)], ends=[_end(7, line=2)])
     ring.step([("a", 1, 5, 2)], ends=[_end(7, line=1)])
     assert [x[0] for x in sink.added] == ["b", "a"]
-    for sid, rows, stat, row_sums, _ in sink.added:
-        ring.check({"a": 1, "b": 2}[sid], rows, stat, row_sums)
+    for sid, rows, row_scale, row_sums, _ in sink.added:
+        ring.check({"a": 1, "b": 2}[sid], rows, row_scale, row_sums)
 
 
 def test_a_generating_request_skipping_rows_fails_alone_in_its_step():
@@ -473,9 +473,9 @@ def test_a_generating_request_skipping_rows_fails_alone_in_its_step():
     ring.step([("a", 1, 0, 3), ("b", 2, 0, 3)], new={"a": _gen("a", 3, 8, 1), "b": _gen("b", 3, 8, 2)})
     ring.step([("a", 1, 3, 1), ("b", 2, 5, 1)], ends=[_end(4, line=1)])  # b: rows 3 and 4 never came
     assert [r[0] for r in reasons] == ["b"] and "position 5 but 3 rows" in reasons[0][1]
-    (sid, rows, stat, row_sums, done), = sink.added
+    (sid, rows, row_scale, row_sums, done), = sink.added
     assert sid == "a"
-    ring.check(1, rows, stat, row_sums)
+    ring.check(1, rows, row_scale, row_sums)
     assert ring.asm.in_flight == 0
     pool = ring.asm._stages
     assert [s.live for s in pool._slabs] == [1, 0]  # b's buffer back at once, a's once the sink is done
@@ -490,7 +490,7 @@ def test_a_generating_request_skipping_rows_fails_alone_in_its_step():
 
 def test_the_stage_pool_cuts_ranges_from_slabs_reuses_them_and_keeps_empty_slabs_up_to_its_cap():
     tr = StepTransfer(4, K, H, torch.float32, torch.device("cpu"), 2)
-    ring = (tr.host[0], tr.host_stat[0], None)
+    ring = (tr.host[0], tr.host_row_scale[0], None)
     row = 4 * (K * H + K)
     pool = StagePool(cap_bytes=2 * 256 * row, slab_bytes=256 * row)  # slabs of 256 rows, two of them kept
     a, b = pool.take(100, *ring), pool.take(128, *ring)

@@ -144,9 +144,9 @@ def test_a_refused_non_finite_sample_is_counted_not_written(tmp_path, deferred):
             w.add(sid, tok, hs, final_hidden_states=fin)
             return
         rows = torch.cat([hs, fin[:, None]], 1)
-        stat = torch.empty(rows.shape[:2])
-        quant.row_amax(rows, stat)
-        w.add_rows(sid, tok, rows, stat, loss_spans=None, num_prompt=1, record=json.dumps({"id": sid}) + "\n")
+        row_scale = torch.empty(rows.shape[:2])
+        quant.row_amax(rows, row_scale)
+        w.add_rows(sid, tok, rows, row_scale, loss_spans=None, num_prompt=1, record=json.dumps({"id": sid}) + "\n")
 
     for sid, s in list(good.items())[:2]:
         add(sid, *s)

@@ -77,14 +77,14 @@ def test_memory_sink_add_rows_delivers_the_rows_given_as_one_sample():
     sink = MemorySink((K, H), torch.float32, out.append)
     big = truth(0, 10)  # the sample is a view of a larger buffer, as the assembler's staging is
     rows = big[:6]
-    stat = rows.abs().amax(-1)
-    sink.add_rows("s", [5, 6, 7, 8, 9, 10], rows, stat, loss_spans=[[2, 6]], num_prompt=2, record="r\n", line=4)
+    row_scale = rows.abs().amax(-1)
+    sink.add_rows("s", [5, 6, 7, 8, 9, 10], rows, row_scale, loss_spans=[[2, 6]], num_prompt=2, record="r\n", line=4)
     (s,) = out
     assert s.sample_id == "s" and s.finite and s.token_ids.tolist() == [5, 6, 7, 8, 9, 10]
     assert s.token_ids.dtype == torch.int64
     assert torch.equal(s.hidden_states, rows) and s.hidden_states.dtype == torch.float32
     assert s.hidden_states.untyped_storage().data_ptr() != big.untyped_storage().data_ptr()  # its own tensor
-    bad = stat.clone()
+    bad = row_scale.clone()
     bad[1, 0] = float("nan")
     sink.add_rows("n", [1] * 6, rows, bad, loss_spans=None, num_prompt=2, record="r\n")
     assert out[1].sample_id == "n" and not out[1].finite

@@ -212,9 +212,9 @@ def test_samples_with_nan_or_inf_are_refused_named_and_not_written(tmp_path, poi
         if fill == "buf":
             slot.buf.copy_(hs)
         else:
-            stat = torch.empty(hs.shape[:2])
-            quant.row_amax(hs, stat)
-            slot.place(0, hs, stat)
+            row_scale = torch.empty(hs.shape[:2])
+            quant.row_amax(hs, row_scale)
+            slot.place(0, hs, row_scale)
         w.commit(slot)
     alone = w.reserve("alone", torch.arange(3))  # never completed: left out at close
     w.close()

@@ -94,13 +94,13 @@ class Assembler:
                 return
             t0 = time.perf_counter()
             host = self.transfer.wait(rec.slot)
-            stat = self.transfer.host_stat[rec.slot]
+            row_scale = self.transfer.host_row_scale[rec.slot]
             row_sums = self.transfer.host_row_sums[rec.slot]
             self.wait_copy_s += time.perf_counter() - t0
             gen = _StepRows()
             for seg in rec.segments:
                 try:
-                    self._take(seg, host, stat, row_sums, gen)
+                    self._take(seg, host, row_scale, row_sums, gen)
                 except CaptureError as e:
                     part = self._partial.pop(seg.req_id, None)
                     if part is None or not self.sink.on_failure(part.req.sample_id, str(e)):
@@ -109,7 +109,7 @@ class Assembler:
                         gen.gone.append(part)
                     else:
                         self._discard(part)
-            self._place_generated(gen, host, stat, row_sums)
+            self._place_generated(gen, host, row_scale, row_sums)
         finally:
             if rec.slot is not None:
                 self.transfer.release(rec.slot)
@@ -177,7 +177,7 @@ class Assembler:
             del self._partial[rid]
             end = part.end
             staged, n = part.slot, part.total
-            self.sink.add_rows(part.req.sample_id, end.token_ids, staged.buf[:n], staged.stat[:n],
+            self.sink.add_rows(part.req.sample_id, end.token_ids, staged.buf[:n], staged.row_scale[:n],
                                loss_spans=end.loss_spans, num_prompt=end.num_prompt, record=end.record,
                                line=part.req.line, row_sums=None if staged.row_sums is None else staged.row_sums[:n],
                                done=lambda: self._stages.give(staged))
@@ -186,7 +186,7 @@ class Assembler:
             self._stages.give(part.slot)
             self._dropped(rid, part.req, f"the request ended with {part.filled} of its {part.total} rows captured")
 
-    def _take(self, seg: Segment, host: torch.Tensor, stat: torch.Tensor, row_sums: torch.Tensor | None,
+    def _take(self, seg: Segment, host: torch.Tensor, row_scale: torch.Tensor, row_sums: torch.Tensor | None,
               gen: _StepRows) -> None:
         part = self._partial.get(seg.req_id)
         if part is None:
@@ -194,14 +194,14 @@ class Assembler:
             if req is None:
                 return  # a request we were not asked to capture, or one already complete
             if req.generate:
-                slot = self._stages.take(req.rows, host, stat, row_sums)
+                slot = self._stages.take(req.rows, host, row_scale, row_sums)
             elif req.rows is None:
                 slot = self.sink.reserve(req.sample_id, req.token_ids, line=req.line, loss_spans=req.loss_spans)
             else:
                 slot = self.sink.reserve(req.sample_id, req.token_ids, rows=req.rows)
             part = self._partial[seg.req_id] = _Partial(req, slot)
         if part.req.generate:
-            self._take_generated(seg, host, stat, row_sums, part, gen)
+            self._take_generated(seg, host, row_scale, row_sums, part, gen)
             return
         total = part.total
         if seg.pos == 0:
@@ -216,13 +216,13 @@ class Assembler:
         keep = min(seg.count, total - seg.pos)  # rows past `total`: tokens nobody asked for
         if keep > 0:
             sel = slice(seg.row, seg.row + keep)
-            part.slot.place(seg.pos, host[sel], stat[sel], None if row_sums is None else row_sums[sel])
+            part.slot.place(seg.pos, host[sel], row_scale[sel], None if row_sums is None else row_sums[sel])
             part.filled = seg.pos + keep
         if part.filled >= total and not part.req.until_finished:
             del self._partial[seg.req_id]
             self.sink.commit(part.slot)
 
-    def _take_generated(self, seg: Segment, host: torch.Tensor, stat: torch.Tensor, row_sums: torch.Tensor | None,
+    def _take_generated(self, seg: Segment, host: torch.Tensor, row_scale: torch.Tensor, row_sums: torch.Tensor | None,
                         part: _Partial, gen: _StepRows) -> None:
         """Rows of a generating request: where they go, noted in `gen` (a long segment is copied
         now); its bookkeeping waits for `_place_generated`. After a preemption its rows are
@@ -236,7 +236,7 @@ class Assembler:
         keep = min(seg.count, part.total - seg.pos)  # rows past `total`: past the response's end
         if keep >= _SCATTER_ROWS:
             sel = slice(seg.row, seg.row + keep)
-            part.slot.place(seg.pos, host[sel], stat[sel], None if row_sums is None else row_sums[sel])
+            part.slot.place(seg.pos, host[sel], row_scale[sel], None if row_sums is None else row_sums[sel])
         elif keep > 0:
             staged = part.slot
             slab = staged.slab
@@ -248,7 +248,7 @@ class Assembler:
             to.src.extend(range(seg.row, seg.row + keep))
         gen.filled[seg.req_id] = (part, max(filled, seg.pos + keep))
 
-    def _place_generated(self, gen: _StepRows, host: torch.Tensor, stat: torch.Tensor,
+    def _place_generated(self, gen: _StepRows, host: torch.Tensor, row_scale: torch.Tensor,
                          row_sums: torch.Tensor | None) -> None:
         """The step's rows of generating requests, a scatter per slab and tensor; then each
         request's bookkeeping (which may hand its rows to the sink)."""
@@ -259,13 +259,13 @@ class Assembler:
                 at = torch.tensor(to.dst, dtype=torch.int64)
                 if src == list(range(src[0], src[0] + len(src))):  # decode rows side by side: no gather
                     sel = slice(src[0], src[0] + len(src))
-                    rows, st, mo = host_words[sel], stat[sel], None if row_sums is None else row_sums[sel]
+                    rows, st, mo = host_words[sel], row_scale[sel], None if row_sums is None else row_sums[sel]
                 else:
                     idx = torch.tensor(src, dtype=torch.int64)
-                    rows, st = host_words.index_select(0, idx), stat.index_select(0, idx)
+                    rows, st = host_words.index_select(0, idx), row_scale.index_select(0, idx)
                     mo = None if row_sums is None else row_sums.index_select(0, idx)
                 slab.words.index_copy_(0, at, rows)
-                slab.stat.index_copy_(0, at, st)
+                slab.row_scale.index_copy_(0, at, st)
                 if slab.row_sums is not None:
                     slab.row_sums.index_copy_(0, at, mo)
         for rid, (part, filled) in gen.filled.items():

@@ -106,7 +106,8 @@ class Slot(Protocol):
     # rows [pos, pos + n) from the ring: values [n, C, H], their per-column statistic [n, C]
     # (C: the layers, then the final state's column if the ring has one) and, when the ring
     # has them, their sums and centred sums of squares [n, 2, C] (`capture.ring`)
-    def place(self, pos: int, rows: torch.Tensor, stat: torch.Tensor, row_sums: torch.Tensor | None = None) -> None: ...
+    def place(self, pos: int, rows: torch.Tensor, row_scale: torch.Tensor,
+              row_sums: torch.Tensor | None = None) -> None: ...
 
 
 class Sink(ABC):
@@ -123,14 +124,14 @@ class Sink(ABC):
 
     @abstractmethod
     def add_rows(self, sample_id: Any, token_ids: Sequence[int] | torch.Tensor, rows: torch.Tensor,
-                 stat: torch.Tensor, *, loss_spans: list[list[int]] | None, num_prompt: int, record: str,
+                 row_scale: torch.Tensor, *, loss_spans: list[list[int]] | None, num_prompt: int, record: str,
                  line: int | None = None, row_sums: torch.Tensor | None = None,
                  done: Callable[[], None] | None = None) -> None:
         """--generate: a whole sample at once, rows [T, C, H] and their statistics [T, C] as the
         ring's columns hold them (the layers, then the final state's column if the ring has one),
         with its prompt length and its generation record (a JSON line); `row_sums` [T, 2, C]: the
         ring's row sums, when it has them. `done`, if given, is called (from any thread) once
-        the sink reads `rows`, `stat` and `row_sums` no more: the caller reuses them then."""
+        the sink reads `rows`, `row_scale` and `row_sums` no more: the caller reuses them then."""
 
     @abstractmethod
     def commit(self, slot: Any) -> None:

@@ -59,7 +59,7 @@ class StepTransfer:
         self.row_stats = row_stats
         self.bytes_per_row = self._values_bytes + 4 * num_layers * (3 if row_stats else 1)
         self._device_rows = torch.empty((max_tokens, self.bytes_per_row), dtype=torch.uint8, device=self.device)
-        self._device_values, self._device_stat, self._device_row_sums = self._views(self._device_rows)
+        self._device_values, self._device_row_scale, self._device_row_sums = self._views(self._device_rows)
         if row_stats:  # contiguous scratch for the reductions' outputs, then one copy into the rows
             self._row_sums = RowSums(num_layers * hidden_size, fp8, self.device,
                                      _DEVICE_SUM_CHUNK if self.cuda else 1 << 19)
@@ -73,7 +73,7 @@ class StepTransfer:
                            for _ in range(slots)]
         views = [self._views(r) for r in self._host_rows]
         self.host = [v[0] for v in views]  # [max_tokens, C, H] values per slot (rows strided)
-        self.host_stat = [v[1] for v in views]  # [max_tokens, C] float32 per slot
+        self.host_row_scale = [v[1] for v in views]  # [max_tokens, C] float32 per slot
         # row_stats: [max_tokens, 2, C] float32 per slot (sum, centred sum of squares); else None
         self.host_row_sums = [v[2] for v in views]
         if self.cuda:
@@ -179,21 +179,22 @@ class StepTransfer:
         `layers` (those before are staged), then every column's statistic; a few kernels, no
         allocation."""
         at = slice(base, base + n)
-        values, stat = self._device_values[at], self._device_stat[at]
+        values, row_scale = self._device_values[at], self._device_row_scale[at]
         gather, work, row_sums = self._gather, self._work, self._device_row_sums  # fp8: gather, work; row_stats: sums
         stage = gather[at] if gather is not None else values
         for k, t in enumerate(layers):  # the rows are packed: one copy per column, not one stack
             stage[:, first + k].copy_(t[:n])
         if work is not None:
-            quant.quantize(stage, values, stat, work[at], None if self._token_work is None else self._token_work[at])
+            token_work = None if self._token_work is None else self._token_work[at]
+            quant.quantize(stage, values, row_scale, work[at], token_work)
         else:
-            quant.row_amax(values, stat)
+            quant.row_amax(values, row_scale)
         if row_sums is not None:  # of the values as stored (fp8: before their scale, as the host's are)
             self._row_sums(values, self._sums[0, at], self._sums[1, at])
             row_sums[at].copy_(self._sums[:, at].transpose(0, 1))
 
     def wait(self, slot: int) -> torch.Tensor:
         """Block until slot's copy landed; returns the slot's values [max_tokens, C, H]
-        (their statistics: `host_stat[slot]`)."""
+        (their statistics: `host_row_scale[slot]`)."""
         self._copied[slot].synchronize()
         return self.host[slot]

@@ -15,17 +15,19 @@ class Slab:
     and, when the ring has them, row sums [S, 2, C]. A decode step's rows of every generating
     request in the slab are placed with one scatter per tensor (`Assembler._place_generated`)."""
 
-    __slots__ = ("buf", "stat", "row_sums", "words", "rows", "used", "live", "nbytes")
+    __slots__ = ("buf", "row_scale", "row_sums", "words", "rows", "used", "live", "nbytes")
 
-    def __init__(self, rows: int, host: torch.Tensor, host_stat: torch.Tensor, row_sums: torch.Tensor | None) -> None:
+    def __init__(self, rows: int, host: torch.Tensor, host_row_scale: torch.Tensor,
+                 row_sums: torch.Tensor | None) -> None:
         self.buf = torch.empty((rows, *host.shape[1:]), dtype=host.dtype)
-        self.stat = torch.empty((rows, host_stat.shape[1]), dtype=host_stat.dtype)
+        self.row_scale = torch.empty((rows, host_row_scale.shape[1]), dtype=host_row_scale.dtype)
         self.row_sums = None if row_sums is None else torch.empty((rows, *row_sums.shape[1:]), dtype=row_sums.dtype)
         self.words = words(self.buf)
         self.rows = rows
         self.used = 0  # rows [0, used) were cut into ranges since the slab was last empty
         self.live = 0  # ranges handed out and not given back
-        self.nbytes = sum(t.numel() * t.element_size() for t in (self.buf, self.stat, self.row_sums) if t is not None)
+        self.nbytes = sum(t.numel() * t.element_size() for t in (self.buf, self.row_scale, self.row_sums)
+                          if t is not None)
 
 
 def words(values: torch.Tensor) -> torch.Tensor:
@@ -40,19 +42,20 @@ class Staged:
     them, row sums [rows, 2, C] (C: the ring's columns, the final state's included, as
     `Sink.add_rows` takes them), until its end is known: rows [offset, offset + rows) of a slab."""
 
-    __slots__ = ("slab", "offset", "rows", "buf", "stat", "row_sums")
+    __slots__ = ("slab", "offset", "rows", "buf", "row_scale", "row_sums")
 
     def __init__(self, slab: Slab, offset: int, rows: int) -> None:
         self.slab, self.offset, self.rows = slab, offset, rows
         sel = slice(offset, offset + rows)
         self.buf = slab.buf[sel]
-        self.stat = slab.stat[sel]
+        self.row_scale = slab.row_scale[sel]
         self.row_sums = None if slab.row_sums is None else slab.row_sums[sel]
 
-    def place(self, pos: int, rows: torch.Tensor, stat: torch.Tensor, row_sums: torch.Tensor | None = None) -> None:
+    def place(self, pos: int, rows: torch.Tensor, row_scale: torch.Tensor,
+              row_sums: torch.Tensor | None = None) -> None:
         n = rows.shape[0]
         self.buf[pos : pos + n].copy_(rows)
-        self.stat[pos : pos + n].copy_(stat)
+        self.row_scale[pos : pos + n].copy_(row_scale)
         if self.row_sums is not None:
             self.row_sums[pos : pos + n].copy_(row_sums)
 
@@ -83,15 +86,16 @@ class StagePool:
         self._bytes = 0  # of the slabs held
         self._lock = threading.Lock()
 
-    def take(self, rows: int, host: torch.Tensor, host_stat: torch.Tensor, row_sums: torch.Tensor | None) -> Staged:
+    def take(self, rows: int, host: torch.Tensor, host_row_scale: torch.Tensor,
+             row_sums: torch.Tensor | None) -> Staged:
         n = -(-rows // self.GRAIN) * self.GRAIN
         with self._lock:
             kept = self._free.get(n)
-            s = kept.pop() if kept else self._cut(n, host, host_stat, row_sums)
+            s = kept.pop() if kept else self._cut(n, host, host_row_scale, row_sums)
             s.slab.live += 1
             return s
 
-    def _cut(self, n: int, host: torch.Tensor, host_stat: torch.Tensor, row_sums: torch.Tensor | None) -> Staged:
+    def _cut(self, n: int, host: torch.Tensor, host_row_scale: torch.Tensor, row_sums: torch.Tensor | None) -> Staged:
         cur = self._cur
         if cur is None or cur.used + n > cur.rows:  # the rest of the current slab is left until it is empty
             cur = next((s for s in self._slabs if s.live == 0 and s.rows >= n), None)
@@ -99,9 +103,10 @@ class StagePool:
                 larger = [k for k, kept in self._free.items() if k > n and kept]
                 if larger:  # memory held anyway, rather than more
                     return self._free[min(larger)].pop()
-                row_bytes = sum(t[0].numel() * t.element_size() for t in (host, host_stat, row_sums) if t is not None)
+                row_bytes = sum(t[0].numel() * t.element_size() for t in (host, host_row_scale, row_sums)
+                                if t is not None)
                 per_slab = -(-self.slab_bytes // row_bytes // self.GRAIN) * self.GRAIN
-                cur = Slab(max(per_slab, n), host, host_stat, row_sums)
+                cur = Slab(max(per_slab, n), host, host_row_scale, row_sums)
                 self._slabs.append(cur)
                 self._bytes += cur.nbytes
             self._cur = cur

@@ -1,7 +1,8 @@
 """Per-row statistics and float8 storage (pure torch; the same code on the GPU and on CPU).
 
 Every captured row gets, per column (layer, or the final state), one float32 beside it in the
-step's one transfer: its largest magnitude (`amax`). With `--storage-dtype fp8` the values
+step's one transfer, named `row_scale` wherever it travels ([T, C]; `final_scale` for the final
+state's column): the row's largest magnitude (`amax`). With `--storage-dtype fp8` the values
 are stored as float8 e4m3 and that float32 is the row's scale, amax / 448 (e4m3's largest
 finite value), so value = fp8 * scale. Either way it is NaN or Inf exactly when the row holds
 a NaN or Inf (the max-norm propagates NaN), which is how the writer tells a non-finite sample

@@ -103,64 +103,64 @@ class ColumnStats:
         self.zero_rows = torch.zeros(columns, dtype=torch.int64)
         self.nonfinite_rows = torch.zeros(columns, dtype=torch.int64)
 
-    def add_rows(self, sums: RowSums, cols: slice, values: torch.Tensor, stat: torch.Tensor) -> None:
-        """Rows `values` [T, C, H] of columns `cols`, with their per-row statistics `stat` [T, C]
+    def add_rows(self, sums: RowSums, cols: slice, values: torch.Tensor, row_scale: torch.Tensor) -> None:
+        """Rows `values` [T, C, H] of columns `cols`, with their per-row statistics `row_scale` [T, C]
         (the amax, or for fp8 values the scale: amax / 448)."""
         t, c, h = values.shape
         s32 = torch.empty((t, c), dtype=torch.float32)
         m2_32 = torch.empty((t, c), dtype=torch.float32)
         sums(values, s32, m2_32)
-        self.add_sums(cols, s32, m2_32, stat, h, values.dtype == FP8)
+        self.add_sums(cols, s32, m2_32, row_scale, h, values.dtype == FP8)
 
-    def add_sums(self, cols: slice, s32: torch.Tensor, m2_32: torch.Tensor, stat: torch.Tensor, h: int,
+    def add_sums(self, cols: slice, s32: torch.Tensor, m2_32: torch.Tensor, row_scale: torch.Tensor, h: int,
                  fp8: bool) -> None:
         """Rows of columns `cols` as `RowSums` reduced them (`s32`, `m2_32` [T, C], on the device
-        or here) with their per-row statistics `stat` [T, C]; `h` values per row."""
+        or here) with their per-row statistics `row_scale` [T, C]; `h` values per row."""
         s, m2 = s32.to(torch.float64), m2_32.to(torch.float64)
         if fp8:  # value = fp8 * scale, summed per row before the scale
-            scale = stat.to(torch.float64) * _F16_SCALE
+            scale = row_scale.to(torch.float64) * _F16_SCALE
             s *= scale
             m2 *= scale.square()
-            amax = stat.amax(0).to(torch.float64) * FP8_MAX
+            amax = row_scale.amax(0).to(torch.float64) * FP8_MAX
         else:
-            amax = stat.amax(0).to(torch.float64)
+            amax = row_scale.amax(0).to(torch.float64)
         # a row's sum of squares from its own (rounded) sum: the rounding cancels in sumsq - sum**2 / n
         self.sum[cols] += s.sum(0)
         self.sumsq[cols] += (m2 + s.square() / h).sum(0)
         torch.maximum(self.absmax[cols], amax, out=self.absmax[cols])
-        self.zero_rows[cols] += (stat == 0).sum(0)
+        self.zero_rows[cols] += (row_scale == 0).sum(0)
 
-    def add_sample(self, sums: RowSums, buf: torch.Tensor, stat: torch.Tensor, final: torch.Tensor | None,
-                   final_stat: torch.Tensor | None) -> None:
+    def add_sample(self, sums: RowSums, buf: torch.Tensor, row_scale: torch.Tensor, final: torch.Tensor | None,
+                   final_scale: torch.Tensor | None) -> None:
         """A written sample whose rows came without the device's sums (`add_summed` takes those):
         its layers' rows [T, K, H] and stats [T, K], and the final state's [T, H] and [T] when the
         output stores it, reduced here."""
         k = buf.shape[1]
-        self.add_rows(sums, slice(0, k), buf, stat)
+        self.add_rows(sums, slice(0, k), buf, row_scale)
         if final is not None:
-            if final_stat is None:
+            if final_scale is None:
                 raise ValueError("the final state's rows came without their statistics")
-            self.add_rows(sums, slice(k, k + 1), final[:, None], final_stat[:, None])
+            self.add_rows(sums, slice(k, k + 1), final[:, None], final_scale[:, None])
         self.rows += buf.shape[0]
 
-    def add_summed(self, row_sums: torch.Tensor, stat: torch.Tensor, final_stat: torch.Tensor | None, h: int,
+    def add_summed(self, row_sums: torch.Tensor, row_scale: torch.Tensor, final_scale: torch.Tensor | None, h: int,
                    fp8: bool) -> None:
         """Written rows known by their sums alone: `row_sums` [T, 2, C] (the layers, then the
-        final state's column when `final_stat` [T] is given), `stat` [T, K]; rows of `h` values.
+        final state's column when `final_scale` [T] is given), `row_scale` [T, K]; rows of `h` values.
         Any rows will do (several samples' at once): every statistic is a sum over rows."""
-        k = stat.shape[1]
-        self.add_sums(slice(0, k), row_sums[:, 0, :k], row_sums[:, 1, :k], stat, h, fp8)
-        if final_stat is not None:
-            self.add_sums(slice(k, k + 1), row_sums[:, 0, k:], row_sums[:, 1, k:], final_stat[:, None], h, fp8)
-        self.rows += stat.shape[0]
+        k = row_scale.shape[1]
+        self.add_sums(slice(0, k), row_sums[:, 0, :k], row_sums[:, 1, :k], row_scale, h, fp8)
+        if final_scale is not None:
+            self.add_sums(slice(k, k + 1), row_sums[:, 0, k:], row_sums[:, 1, k:], final_scale[:, None], h, fp8)
+        self.rows += row_scale.shape[0]
 
-    def add_not_finite(self, stat: torch.Tensor, final_stat: torch.Tensor | None) -> None:
+    def add_not_finite(self, row_scale: torch.Tensor, final_scale: torch.Tensor | None) -> None:
         """A refused sample's rows with NaN/Inf, per column, from their statistics (which are
         NaN/Inf exactly then)."""
-        k = stat.shape[1]
-        self.nonfinite_rows[:k] += (~torch.isfinite(stat)).sum(0)
-        if final_stat is not None:
-            self.nonfinite_rows[k] += int((~torch.isfinite(final_stat)).sum())
+        k = row_scale.shape[1]
+        self.nonfinite_rows[:k] += (~torch.isfinite(row_scale)).sum(0)
+        if final_scale is not None:
+            self.nonfinite_rows[k] += int((~torch.isfinite(final_scale)).sum())
 
     def merge(self, other: "ColumnStats") -> None:
         self.rows += other.rows

@@ -64,12 +64,12 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 class SampleSlot:
     """Rows reserved for one sample; the assembler fills them (`place`), then commits: `buf`
-    [T, K, H], `final` [T, H] (--final-state), and their per-row statistics `stat` [T, K] and
-    `final_stat` [T] (float32: the amax, or with fp8 values the scale; see format.quant), and
+    [T, K, H], `final` [T, H] (--final-state), and their per-row statistics `row_scale` [T, K] and
+    `final_scale` [T] (float32: the amax, or with fp8 values the scale; see format.quant), and
     when the ring brings them the rows' sums `row_sums` [T, 2, C] (`has_row_sums`)."""
 
-    __slots__ = ("arena", "sample_id", "token_ids", "row", "buf", "final", "stat", "final_stat", "state", "line",
-                 "loss_spans", "num_prompt", "record", "src", "src_stat", "src_row_sums", "src_done", "placed",
+    __slots__ = ("arena", "sample_id", "token_ids", "row", "buf", "final", "row_scale", "final_scale", "state", "line",
+                 "loss_spans", "num_prompt", "record", "src", "src_row_scale", "src_row_sums", "src_done", "placed",
                  "digest", "row_sums", "has_row_sums")
     # NOT_FINITE: committed, then refused by its writer thread (NaN/Inf); left out like DROPPED
     RESERVED, COMMITTED, DROPPED, NOT_FINITE = 0, 1, 2, 3
@@ -81,7 +81,7 @@ class SampleSlot:
         self.num_prompt = num_prompt
         self.record = record
         self.src: torch.Tensor | None = None  # rows [T, C, H] its writer thread places (add_rows)
-        self.src_stat: torch.Tensor | None = None
+        self.src_row_scale: torch.Tensor | None = None
         self.src_row_sums: torch.Tensor | None = None
         self.src_done: Any = None  # called once `src` is copied in (add_rows' `done`)
         self.sample_id = sample_id
@@ -90,8 +90,8 @@ class SampleSlot:
         n = token_ids.shape[0]
         self.buf = arena.buf[row : row + n]
         self.final = arena.final[row : row + n] if arena.final is not None else None
-        self.stat = arena.stat[row : row + n]
-        self.final_stat = arena.final_stat[row : row + n] if arena.final_stat is not None else None
+        self.row_scale = arena.row_scale[row : row + n]
+        self.final_scale = arena.final_scale[row : row + n] if arena.final_scale is not None else None
         self.row_sums = arena.row_sums[row : row + n] if arena.row_sums is not None else None
         self.has_row_sums = False  # every placed row came with its sums
         self.state = SampleSlot.RESERVED
@@ -112,7 +112,8 @@ class SampleSlot:
             m[lo:hi] = 1
         return m
 
-    def place(self, pos: int, rows: torch.Tensor, stat: torch.Tensor, row_sums: torch.Tensor | None = None) -> None:
+    def place(self, pos: int, rows: torch.Tensor, row_scale: torch.Tensor,
+              row_sums: torch.Tensor | None = None) -> None:
         """Rows [pos, pos + n) as the ring holds them: [n, C, H] and [n, C], the last column
         the final state's when this output stores it (kept apart); `row_sums` [n, 2, C]: their
         sums, when the ring has them (kept only where this arena has room for them)."""
@@ -125,27 +126,27 @@ class SampleSlot:
         self.placed = True
         if self.final is None:
             self.buf[pos : pos + n].copy_(rows)
-            self.stat[pos : pos + n].copy_(stat)
+            self.row_scale[pos : pos + n].copy_(row_scale)
         else:
             self.buf[pos : pos + n].copy_(rows[:, :-1])
             self.final[pos : pos + n].copy_(rows[:, -1])
-            self.stat[pos : pos + n].copy_(stat[:, :-1])
-            self.final_stat[pos : pos + n].copy_(stat[:, -1])
+            self.row_scale[pos : pos + n].copy_(row_scale[:, :-1])
+            self.final_scale[pos : pos + n].copy_(row_scale[:, -1])
 
     def zero(self) -> None:
-        for t in (self.buf, self.final, self.stat, self.final_stat):
+        for t in (self.buf, self.final, self.row_scale, self.final_scale):
             if t is not None:
                 t.zero_()
 
     def not_finite(self, layer_ids: list[int]) -> str | None:
         """From the rows' statistics ([T, K] floats, computed beside the gather): the states
         themselves are read only for a sample that has a non-finite row, to say where."""
-        if bool(torch.isfinite(self.stat).all()) and (self.final_stat is None
-                                                      or bool(torch.isfinite(self.final_stat).all())):
+        final = self.final_scale
+        if bool(torch.isfinite(self.row_scale).all()) and (final is None or bool(torch.isfinite(final).all())):
             return None
         if self.buf.dtype == quant.FP8:  # the values are the quantized ones: the scales say where
-            stat = self.stat if self.final_stat is None else torch.cat([self.stat, self.final_stat[:, None]], dim=1)
-            return quant.not_finite(stat[:, :, None], [*layer_ids, *(["final"] if self.final_stat is not None else [])],
+            scales = self.row_scale if final is None else torch.cat([self.row_scale, final[:, None]], dim=1)
+            return quant.not_finite(scales[:, :, None], [*layer_ids, *(["final"] if final is not None else [])],
                                     what="(token, layer) rows")
         why = quant.not_finite(self.buf, layer_ids)
         if why is None and self.final is not None:
@@ -156,12 +157,12 @@ class SampleSlot:
 class Arena:
     """One shard in the making: its rows in memory, its temporary file, its pending writes."""
 
-    __slots__ = ("bufs", "buf", "final", "stat", "final_stat", "row_sums", "rows", "slots", "pending", "sealed",
+    __slots__ = ("bufs", "buf", "final", "row_scale", "final_scale", "row_sums", "rows", "slots", "pending", "sealed",
                  "pooled", "tmp", "fd", "index_bytes", "batch", "batch_bytes", "writes", "unsynced", "stats")
 
     def __init__(self, bufs: Buffers, pooled: bool, tmp: Path) -> None:
         self.bufs = bufs
-        self.buf, self.final, self.stat, self.final_stat, self.row_sums = bufs
+        self.buf, self.final, self.row_scale, self.final_scale, self.row_sums = bufs
         self.rows = 0
         self.slots: list[SampleSlot] = []
         self.pending = 0  # reserved, not yet committed or dropped
@@ -198,7 +199,7 @@ class Arena:
 def sample_checksum(s: SampleSlot, *, fp8: bool, loss_mask: bool, generate: bool) -> str:
     """A slot's per-sample checksum (format.shard.SAMPLE_CHECKSUMS): its entry, then the bytes
     `layout` puts in the file, in file order."""
-    parts = [s.buf, s.final, *((s.stat, s.final_stat) if fp8 else ()), s.token_ids.contiguous(),
+    parts = [s.buf, s.final, *((s.row_scale, s.final_scale) if fp8 else ()), s.token_ids.contiguous(),
              s.mask() if loss_mask else None]
     return sample_digest(s.entry(generate), (raw(t) for t in parts if t is not None))
 
@@ -217,7 +218,8 @@ def layout(a: Arena, done: list[SampleSlot], layer_ids: list[int], *, room: int,
         if mask is not None:
             mask[s.row : s.row + s.token_ids.shape[0]] = s.mask()
     gens = torch.frombuffer(bytearray(b"".join(s.record for s in done)), dtype=torch.uint8) if generate else None
-    scales = [(HIDDEN_SCALE, a.stat[:rows]), (FINAL_SCALE, a.final_stat[:rows] if a.final_stat is not None else None)]
+    scales = [(HIDDEN_SCALE, a.row_scale[:rows]),
+              (FINAL_SCALE, a.final_scale[:rows] if a.final_scale is not None else None)]
     tail = [(FINAL, a.final[:rows] if a.final is not None else None), *(scales if fp8 else []), (TOKENS, tokens),
             (LOSS_MASK, mask), (GENERATIONS, gens)]
     tail = [(name, t) for name, t in tail if t is not None]

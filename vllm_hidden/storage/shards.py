@@ -219,17 +219,17 @@ class ShardWriter(Sink):
         slot = self.reserve(sample_id, token_ids, loss_spans=loss_spans)
         rows = (hidden_states if final_hidden_states is None
                 else torch.cat([hidden_states, final_hidden_states[:, None]], 1))
-        stat = torch.empty(rows.shape[:2], dtype=torch.float32)
+        row_scale = torch.empty(rows.shape[:2], dtype=torch.float32)
         if self.fp8:
             values = torch.empty(rows.shape, dtype=quant.FP8)
-            quant.quantize(rows, values, stat, torch.empty_like(stat))
+            quant.quantize(rows, values, row_scale, torch.empty_like(row_scale))
             rows = values
         else:
-            quant.row_amax(rows, stat)
-        slot.place(0, rows, stat)
+            quant.row_amax(rows, row_scale)
+        slot.place(0, rows, row_scale)
         self.commit(slot)
 
-    def add_rows(self, sample_id: Any, token_ids: Any, rows: torch.Tensor, stat: torch.Tensor, *,
+    def add_rows(self, sample_id: Any, token_ids: Any, rows: torch.Tensor, row_scale: torch.Tensor, *,
                  loss_spans: list[list[int]] | None, num_prompt: int, record: str, line: int | None = None,
                  row_sums: torch.Tensor | None = None, done: Callable[[], None] | None = None) -> None:
         """A generated sample, rows [T, C, H] and statistics [T, C] (and the row sums [T, 2, C]
@@ -242,7 +242,7 @@ class ShardWriter(Sink):
                             record=record.encode())
         # the copy into the arena is the writer threads' (several at once), not the caller's: a
         # wave of responses ending together is GBs, and the caller is what the engine waits on
-        slot.src, slot.src_stat, slot.src_row_sums, slot.src_done = rows, stat, row_sums, done
+        slot.src, slot.src_row_scale, slot.src_row_sums, slot.src_done = rows, row_scale, row_sums, done
         self.commit(slot)
 
     def _resolve(self, slot: SampleSlot, state: int) -> None:
@@ -297,15 +297,15 @@ class ShardWriter(Sink):
             for s in batch:
                 if s.src is not None or not s.placed:  # deferred: its statistics are made here
                     if s.src is not None:
-                        s.place(0, s.src, s.src_stat, s.src_row_sums)
+                        s.place(0, s.src, s.src_row_scale, s.src_row_sums)
                         done, s.src = s.src_done, None
-                        s.src_stat = s.src_row_sums = s.src_done = None
+                        s.src_row_scale = s.src_row_sums = s.src_done = None
                         if done is not None:
                             done()  # the caller's buffer is free: it is not read again
                     else:  # values written into buf by the caller: no statistics came with them
-                        quant.row_amax(s.buf, s.stat)
+                        quant.row_amax(s.buf, s.row_scale)
                         if s.final is not None:
-                            quant.row_amax(s.final[:, None], s.final_stat[:, None])
+                            quant.row_amax(s.final[:, None], s.final_scale[:, None])
                     why = s.not_finite(self.layer_ids)
                     if why is not None:
                         self._refuse(s, why)
@@ -320,12 +320,12 @@ class ShardWriter(Sink):
                     summed.append(s)
                 elif acc is not None:
                     t1 = time.perf_counter()
-                    acc.add_sample(self._sums(), s.buf, s.stat, s.final, s.final_stat)
+                    acc.add_sample(self._sums(), s.buf, s.row_scale, s.final, s.final_scale)
                     stats_s += time.perf_counter() - t1
             if summed:  # the device's row sums of the whole batch at once: a few ops, not a few per sample
                 t1 = time.perf_counter()
-                acc.add_summed(torch.cat([s.row_sums for s in summed]), torch.cat([s.stat for s in summed]),
-                               torch.cat([s.final_stat for s in summed]) if self.final_row_bytes else None,
+                acc.add_summed(torch.cat([s.row_sums for s in summed]), torch.cat([s.row_scale for s in summed]),
+                               torch.cat([s.final_scale for s in summed]) if self.final_row_bytes else None,
                                self.row_shape[1], self.fp8)
                 stats_s += time.perf_counter() - t1
             with self._cv:
@@ -348,7 +348,7 @@ class ShardWriter(Sink):
         non-finite rows are counted in the statistics first."""
         with self._cv:
             if s.arena.stats is not None:
-                s.arena.stats.add_not_finite(s.stat, s.final_stat)
+                s.arena.stats.add_not_finite(s.row_scale, s.final_scale)
         s.zero()
         s.state = SampleSlot.NOT_FINITE
         with self._cv:
