@@ -45,8 +45,10 @@ def main() -> None:
                             "-i", str(work / "in.jsonl"), "-o", str(work / name), "--layers", a.layers, "--no-progress",
                             "--cache-dir", str(work / f"cache-{name}"), *extra, *engine],
                            capture_output=True, text=True, check=False,
-                           # (CPU: a small KV cache)
-                           env={"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, "PYTHONPATH": str(benchlib.ROOT)})
+                           # (CPU: a small KV cache; the project first on the path, the rest of it kept)
+                           env={"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ,
+                                "PYTHONPATH": os.pathsep.join(filter(None, [str(benchlib.ROOT),
+                                                                            os.environ.get("PYTHONPATH")]))})
         if r.returncode:
             sys.exit(f"{name}: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     cut, full = HiddenStatesDataset(work / "cut"), HiddenStatesDataset(work / "full")

@@ -170,7 +170,8 @@ def test_a_model_built_whole_runs_its_first_layers_through_the_decoders_end_laye
     class Decoder(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.layers = torch.nn.ModuleList(torch.nn.Identity() for _ in range(8))
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(8))
+            self.layers[7].register_buffer("scale", torch.ones(3))
             self.start_layer, self.end_layer = 0, 8
 
     class CausalLM(torch.nn.Module):
@@ -179,6 +180,14 @@ def test_a_model_built_whole_runs_its_first_layers_through_the_decoders_end_laye
             self.model = Decoder()
 
     lm = CausalLM()
-    assert compat.run_first_layers(lm, 5) and lm.model.end_layer == 5
-    assert not compat.run_first_layers(lm, 3)  # already stopped short: not a whole decoder any more
-    assert not compat.run_first_layers(torch.nn.Linear(2, 2), 3)  # no decoder with end_layer: every layer runs
+    lm.model.layers[6].bias = lm.model.layers[0].bias  # tied to a layer that runs: kept
+    lm.model.layers[5].rope = lm.model.layers[0].rope = torch.nn.Linear(1, 1, bias=False)  # one module in both: kept
+    kept = [p.clone() for p in lm.model.layers[:5].parameters()]
+    # the 3 layers that never run give their weights back (4x4 + 4 floats each, and one buffer of 3)
+    assert compat.run_first_layers(lm, 5) == (3 * 20 - 4 + 3) * 4 and lm.model.end_layer == 5
+    assert lm.model.layers[6].bias.numel() == 4 and lm.model.layers[6].weight.numel() == 0
+    assert lm.model.layers[5].rope.weight.numel() == 1 and lm.model.layers[5].weight.numel() == 0
+    assert all(t.numel() == 0 for t in [*lm.model.layers[7].parameters(), *lm.model.layers[7].buffers()])
+    assert all(torch.equal(a, b) for a, b in zip(kept, lm.model.layers[:5].parameters()))  # the rest as they were
+    assert compat.run_first_layers(lm, 3) is None  # already stopped short: not a whole decoder any more
+    assert compat.run_first_layers(torch.nn.Linear(2, 2), 3) is None  # no decoder with end_layer: every layer runs

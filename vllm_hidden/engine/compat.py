@@ -174,18 +174,43 @@ def runner_model(runner):
     return runner.get_model()
 
 
-def run_first_layers(model, layers: int) -> bool:
+def run_first_layers(model, layers: int) -> int | None:
     """Make a model built whole run its decoder layers 0 .. layers-1 only: the decoder module's
     `end_layer`, which its forward reads as `islice(self.layers, self.start_layer, self.end_layer)`
     (vLLM's `make_layers` models: Llama, Qwen2/3, Qwen3-Next, Qwen3.5/3.6, 0.26 and 0.32). Set at
-    capture install, before the forward is compiled. False where no such module is found (then
-    every layer runs)."""
+    capture install, before the forward is compiled. The layers past it never run: their weights
+    are released there (each parameter and buffer left as an empty tensor; the modules stay, so
+    the KV-cache layout is the whole model's). Install runs inside vLLM's load_model, whose
+    memory profiler then counts the weights without them: the KV cache gets that memory back.
+    Returns the bytes released, or None where no such decoder is found (then every layer runs)."""
     for m in model.modules():
         ids = (getattr(m, "start_layer", None), getattr(m, "end_layer", None))
         if ids[0] == 0 and isinstance(ids[1], int) and ids[1] == len(getattr(m, "layers", ())) > layers:
             m.end_layer = layers
-            return True
-    return False
+            return _release_weights(model, m.layers[layers:])
+    return None
+
+
+def _release_weights(model, skipped) -> int:
+    """Empty the parameters and buffers of the modules `skipped`, but any that a module still
+    run shares (tied weights, or vLLM's one rotary embedding of all layers); the bytes released."""
+    import torch
+
+    roots, kept, todo = {id(mod) for mod in skipped}, {}, [model]
+    while todo:  # every module reachable without entering a skipped layer
+        mod = todo.pop()
+        if id(mod) not in roots and id(mod) not in kept:
+            kept[id(mod)] = mod
+            todo.extend(mod.children())
+    shared = {id(t) for mod in kept.values() for t in [*mod.parameters(recurse=False), *mod.buffers(recurse=False)]}
+    released, seen = 0, set()
+    for t in [*skipped.parameters(), *skipped.buffers()]:
+        if id(t) in seen or id(t) in shared or t.numel() == 0:
+            continue
+        seen.add(id(t))
+        released += t.numel() * t.element_size()
+        t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    return released
 
 
 def aux_outputs_taken(runner) -> bool:

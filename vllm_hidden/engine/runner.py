@@ -414,8 +414,13 @@ def install_capture(runner: Any, cfg: CaptureConfig) -> Capture:
     compat.set_aux_layers(model, cfg.aux_ids)
     layers_run = num_layers
     if cfg.layers_run is not None and cfg.layers_run < num_layers:  # built whole: run to the deepest layer
-        if compat.run_first_layers(model, cfg.layers_run):
+        released = compat.run_first_layers(model, cfg.layers_run)
+        if released is not None:
             layers_run = cfg.layers_run
+            logging.getLogger("vllm.vllm_hidden").info(
+                "vllm-hidden: the forward runs decoder layers 0-%d of %d; the %d after them never run: their "
+                "weights (%.2f GiB) are released before vLLM sizes its KV cache", layers_run - 1, num_layers,
+                num_layers - layers_run, released / 2**30)
         else:
             logging.getLogger("vllm.vllm_hidden").info(
                 "vllm-hidden: %s has no decoder module with end_layer; every decoder layer runs", type(model).__name__)
