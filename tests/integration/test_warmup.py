@@ -44,20 +44,35 @@ SGLANG_CONFIG = {"architectures": ["LlamaForCausalLMEagle3"],
 
 
 def test_warmup_then_extract_compiles_nothing(model, tmp_path):
-    """Warmup and extract take their layers from a SpecForge/SGLang EAGLE-3 config; the parity
-    check at the end is also the check of that config's meaning."""
+    """Warmup and an extract with the same settings started together on an empty cache: one
+    compiles while the other waits on the start lock, then starts from what the first compiled.
+    Then a warmup with the stamp there starts nothing and packs the caches, and an extract on
+    another empty cache, from that archive, starts warm. Warmup and extract take their layers
+    from a SpecForge/SGLang EAGLE-3 config; the parity check at the end is also the check of
+    that config's meaning."""
     cache = tmp_path / "cache"
     (tmp_path / "draft").mkdir()
     (tmp_path / "draft" / "config.json").write_text(json.dumps(SGLANG_CONFIG))
     args = ["-m", str(model), "--layers-from", str(tmp_path / "draft"), "--max-model-len", MAX_LEN,
             "--cache-dir", str(cache), *ENGINE]
 
-    r = run_cli("warmup", *args)
-    assert r.returncode == 0, r.stderr[-3000:]
-    w = last_json(r)
+    warmup_prompts(tmp_path / "first.jsonl", 4, seed=2)
+    runs = [ForkedRun.start(["warmup", *args], cli_env(inprocess=True)),
+            ForkedRun.start(["extract", *args, "-i", str(tmp_path / "first.jsonl"), "-o", str(tmp_path / "first"),
+                             "--no-progress"], cli_env(inprocess=True))]
+    done = [run.wait(900) for run in runs]  # (output to files: a full pipe cannot stall the engine holding the lock)
+    for r in done:
+        assert r.returncode == 0, r.stderr[-3000:]
+    w = last_json(done[0])
     assert not w["noop"]
-    assert w["start"]["warm"] is False and w["start"]["kernels_compiled"] > 0, w["start"]  # a fresh cache is cold
     assert w["workload"]["samples"] > 0 and w["workload"]["tokens"] > 0
+    starts = [w["start"], last_json(done[1])["engine_start"]]
+    assert sorted(s["kernels_compiled"] for s in starts)[0] == 0, starts  # exactly one of them compiled
+    waited = [("waiting for it" in r.stderr) for r in done]
+    assert sum(waited) == 1, waited
+    cold, warm = starts[waited.index(False)], starts[waited.index(True)]
+    assert cold["warm"] is False and cold["kernels_compiled"] > 0, cold  # a fresh cache is cold
+    assert warm["warm"] is True and warm["kernels_compiled"] == 0, warm
     stamp = json.loads(open(w["stamp"]).read())
     assert stamp["kind"] == "warmup" and stamp["fingerprint"] == w["fingerprint"]
 
@@ -101,31 +116,6 @@ def test_warmup_then_extract_compiles_nothing(model, tmp_path):
         states = ref.states(prompts[s["id"]])
         for k, lid in enumerate(layer_ids):
             assert rel_l2(s["hidden_states"][:, k], states[lid]) <= 1e-2, (s["id"], lid)
-
-
-def test_engines_started_at_once_compile_once(tiny_models, tmp_path):
-    """Two extracts started together on an empty cache: one compiles while the other waits on
-    the start lock, then starts from what the first compiled. (The dense model: the lock does
-    not depend on the model, and it compiles faster on the 2-core CI machine.)"""
-    model = tiny_models("qwen3", 4)
-    cache = tmp_path / "cache"
-    warmup_prompts(tmp_path / "in.jsonl", 4, seed=2)
-    runs = [ForkedRun.start(["extract", "-m", str(model), "--layers", LAYERS, "--max-model-len", MAX_LEN,
-                             "--cache-dir", str(cache), *ENGINE, "-i", str(tmp_path / "in.jsonl"),
-                             "-o", str(tmp_path / f"out{i}"), "--no-progress"], cli_env(inprocess=True))
-            for i in range(2)]  # (their output goes to files: a full pipe cannot stall the engine holding the lock)
-    results = []
-    for run in runs:
-        r = run.wait(900)
-        assert r.returncode == 0, r.stderr[-3000:]
-        results.append((r.stdout, r.stderr))
-    starts = [last_json(out)["engine_start"] for out, _ in results]
-    compiled = sorted(s["kernels_compiled"] for s in starts)
-    assert compiled[0] == 0 and compiled[1] > 0, starts  # exactly one of them compiled
-    waited = [("waiting for it" in err) for _, err in results]
-    assert sum(waited) == 1, waited
-    warm = starts[waited.index(True)]
-    assert warm["warm"] is True, warm
 
 
 def test_serve_starts_warm_after_serve_warmup(tiny_models, tmp_path):
