@@ -18,6 +18,8 @@
 #   STEP=trace-plain, then STEP=trace-extract: bench.py --step-trace of plain-fp8w, then extract-fp8w,
 #                 on W-chat and W-short: every scheduler step of each (with the scheduler's queues), merged
 #                 into bench-trace.json; plain once per feed (FEEDS, bench.py --feeds: default window,all)
+#   STEP=trace-extract-notaper: the same extract-fp8w trace with VHIDDEN_TAPER=0 (the end of the run not
+#                 tapered), into bench-notaper.json: what the taper costs or saves, against trace-extract
 #   STEP=truncate scripts/check_truncate.py under torch.compile and CUDA graphs, tiny hybrid: layers 1,4 (built
 #                 whole, the forward stopped at layer 5 of 8) and 1,3 (built with 4 layers), each against
 #                 --full-model
@@ -30,7 +32,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the output folder of the call}"
-STEP=${STEP:?set STEP to fp8, fp8gen, tests, plain, extract, server, bf16, plain-bf16, extract-bf16, fp8b, generate, trace-plain, trace-extract, truncate or online}
+STEP=${STEP:?set STEP to fp8, fp8gen, tests, plain, extract, server, bf16, plain-bf16, extract-bf16, fp8b, generate, trace-plain, trace-extract, trace-extract-notaper, truncate or online}
 mkdir -p "$OUT"
 
 env_sh=$(ls .kit/*/device-env.sh /tmp/kitstage/device-env.sh 2>/dev/null | head -1)
@@ -96,6 +98,10 @@ case "$STEP" in
   trace-plain | trace-extract)
     BENCH=/tmp/vh-results/bench-trace.json BENCH_EXTRA="--step-trace --feeds ${FEEDS:-window,all}" \
       bench "${STEP#trace-}-fp8w"
+    rc=$? ;;
+  trace-extract-notaper)
+    BENCH=/tmp/vh-results/bench-notaper.json BENCH_EXTRA="--step-trace --feeds window" VHIDDEN_TAPER=0 \
+      bench extract-fp8w
     rc=$? ;;
   extract-bf16) bench extract; rc=$? ;;
   fp8b) bench "${CASES:-plain-fp8b}"; rc=$? ;;

@@ -106,6 +106,15 @@ def test_scheduler_next_run_is_not_tapered():
     assert _run(s) == [100, 100, 100]
 
 
+def test_taper_off_schedules_full_steps_to_the_end():
+    class Untapered(_Sched):
+        _vh_taper = False  # what taper_scheduler sets under VHIDDEN_TAPER=0
+
+    s = Untapered(100)
+    s.add_request(_request("a", 150, last=True))
+    assert _run(s) == [100, 100]
+
+
 def test_the_step_trace_has_a_line_per_step_with_its_tokens_requests_and_queues(tmp_path):
     from vllm_hidden.engine.scheduler import TRACE_COLUMNS
 

@@ -55,6 +55,7 @@ class _Taper:
     budget from it) follows `taper_budget` while a run drains."""
 
     _vh_draining = False
+    _vh_taper = True  # VHIDDEN_TAPER=0: never drains (a benchmark of the taper's cost)
     _vh_trace: str | None = None  # VHIDDEN_STEP_TRACE's path (opened per step: a benchmark's, and never left open)
     max_num_scheduled_tokens: int  # vLLM's Scheduler's, which every schedule() reads its budget from
 
@@ -63,7 +64,7 @@ class _Taper:
         extra = compat.request_extra_args(request)
         # the last request of a run starts its end; any other request belongs to a run still
         # being fed (or the next run on this engine)
-        self._vh_draining = bool(extra.get(LAST_KEY))
+        self._vh_draining = self._vh_taper and bool(extra.get(LAST_KEY))
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         trace = self._vh_trace
@@ -93,10 +94,12 @@ def taper_scheduler(*args: Any, **kwargs: Any) -> Any:
     trace = os.environ.get(envs.STEP_TRACE)
     if trace:  # a benchmark's record of every step, readable while the engine runs
         attrs["_vh_trace"] = trace
+    attrs["_vh_taper"] = os.environ.get(envs.TAPER, "1") != "0"
     cls = type(f"Tapering{base.__name__}", (_Taper, base), attrs)
     # vLLM warns about every scheduler class it did not name; say that this one is its own
-    log.info("vllm-hidden: %s, with the last steps of each extract run tapered (vLLM's own scheduler, "
-             "async or not as vLLM chose: its warning about a custom scheduler class does not apply)", base.__name__)
+    log.info("vllm-hidden: %s, with the last steps of each extract run %s (vLLM's own scheduler, async or not as "
+             "vLLM chose: its warning about a custom scheduler class does not apply)", base.__name__,
+             "tapered" if attrs["_vh_taper"] else f"not tapered ({envs.TAPER}=0)")
     scheduler = cls(*args, **kwargs)
     hooks.check_scheduler(scheduler)  # the budget it lowers while a run drains
     return scheduler
