@@ -100,6 +100,7 @@ def ring_sums(hs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def bench_writer(data, d: Path, shard_bytes: int, threads: int, k: int, h: int, upload: str | None = None,
                  endpoint: str | None = None, stats: str = "device") -> dict:
+    from vllm_hidden.capture.records import Rows
     from vllm_hidden.config import ShardConfig
     from vllm_hidden.storage.shards import ShardWriter
 
@@ -112,7 +113,7 @@ def bench_writer(data, d: Path, shard_bytes: int, threads: int, k: int, h: int, 
         t0 = time.perf_counter()
         for (sid, tok, hs), (row_scale, mom) in zip(data, ring):
             slot = w.reserve(sid, tok)
-            slot.place(0, hs, row_scale, mom if stats == "device" else None)
+            slot.place(0, Rows(hs, row_scale, mom if stats == "device" else None))
             w.commit(slot)
         t1 = time.perf_counter()
         shards = w.close()
@@ -121,7 +122,7 @@ def bench_writer(data, d: Path, shard_bytes: int, threads: int, k: int, h: int, 
     nbytes = sum(s.bytes for s in shards)
     shutil.rmtree(d, ignore_errors=True)
     return {"statistics": stats, "seconds": dt, "bytes": nbytes, "gb_per_s": nbytes / dt / 1e9,
-            "shards": len(shards), "tail_seconds": t2 - t1, "peak_rss_bytes": rss.peak, "stats": w.stats()}
+            "shards": len(shards), "tail_seconds": t2 - t1, "peak_rss_bytes": rss.peak, "stats": w.counters()}
 
 
 def ring(k: int, h: int, budget: int, stats: str, slots: int = 2):
@@ -200,7 +201,7 @@ def bench_generate_wave(d: Path, workload: str, requests: int, max_tokens: int, 
             "statistics": stats, "stage_pool": pool, "threads": threads, "rows": rows,
             "bytes": sum(s.bytes for s in shards), "last_wave_prefill_assembler_busy_s": round(prefill_busy, 3),
             "decode_steps": max_tokens, "decode_assembler_s_per_step": round((t2 - t1) / max_tokens, 5),
-            "burst_seconds": round(t4 - t2, 3), "seconds": round(t4 - t0, 3), "writer": w.stats()}
+            "burst_seconds": round(t4 - t2, 3), "seconds": round(t4 - t0, 3), "writer": w.counters()}
 
 
 def bench_pipeline(d: Path, workload: str, threads: int, k: int, h: int, budget: int, stats: str,
@@ -246,7 +247,7 @@ def bench_pipeline(d: Path, workload: str, threads: int, k: int, h: int, budget:
             "seconds": t2 - t0, "steps_seconds": t1 - t0, "gb_per_s": rows * row_bytes / (t2 - t0) / 1e9,
             "rows_per_s": rows / (t2 - t0), "assembler_busy_s": round(thread.busy_s, 3),
             "assembler_wait_copy_s": round(thread.assembler.wait_copy_s, 3), "bytes": sum(s.bytes for s in shards),
-            "writer": w.stats()}
+            "writer": w.counters()}
 
 
 def steps_of(lengths: list[int], budget: int, taper: bool) -> list[list[tuple[int, int, int]]]:
@@ -278,6 +279,7 @@ def bench_tail(d: Path, workload: str, threads: int, k: int, h: int, tok_per_s: 
     pace (a step of n rows every n / tok_per_s seconds) and go through the real shard writer
     as the assembler places them; flush = from the last step's rows placed to every shard
     durable (what `flush_seconds` measures in an extract, less the engine's last step)."""
+    from vllm_hidden.capture.records import Rows
     from vllm_hidden.config import ShardConfig
     from vllm_hidden.storage.shards import ShardWriter
 
@@ -299,7 +301,7 @@ def bench_tail(d: Path, workload: str, threads: int, k: int, h: int, tok_per_s: 
         for i, pos, c in step:
             if pos == 0:
                 slots[i] = w.reserve(i, torch.zeros(lengths[i], dtype=torch.int64))
-            slots[i].place(pos, src[row : row + c], row_scale[row : row + c])
+            slots[i].place(pos, Rows(src[row : row + c], row_scale[row : row + c]))
             row += c
             if pos + c == lengths[i]:
                 w.commit(slots.pop(i))
@@ -310,7 +312,7 @@ def bench_tail(d: Path, workload: str, threads: int, k: int, h: int, tok_per_s: 
     return {"workload": workload, "taper": taper, "steps": len(steps),
             "last_steps_rows": [sum(c for _, _, c in st) for st in steps[-6:]],
             "rows": sum(lengths), "bytes": sum(s.bytes for s in shards), "seconds": t2 - t0, "flush_seconds": t2 - t1,
-            "stats": w.stats()}
+            "stats": w.counters()}
 
 
 def main_generate_wave(a, k: int, h: int, modes: list[str]) -> None:

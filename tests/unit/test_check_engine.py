@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vllm_hidden.capture.records import Rows
 from vllm_hidden.check.against_engine import _noise, _source, decode_noise, engine_cli_args, fp8_regrid
 from vllm_hidden.check.head import Head, engine_pairs
 from vllm_hidden.check.reference import FINAL, Reference
@@ -308,7 +309,7 @@ def _generated_output(root, model, samples) -> None:
     w = shard_writer(root, [3], hidden, generate=True)
     for sid, (ids, p, hs) in samples.items():
         rows = hs.to(torch.bfloat16)[:, None]
-        w.add_rows(sid, ids, rows, rows.float().abs().amax(-1), loss_spans=None, num_prompt=p,
+        w.add_rows(sid, ids, Rows(rows, rows.float().abs().amax(-1)), loss_spans=None, num_prompt=p,
                    record=json.dumps({"id": sid}) + "\n")
     write_manifest(root, w.close(), [3], hidden, model=str(model), num_model_layers=4)
 

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from tests.outputs import shard_writer, write_output
+from vllm_hidden.capture.records import Rows
 from vllm_hidden.capture.ring import StepTransfer
 from vllm_hidden.data import HiddenStatesDataset
 from vllm_hidden.format.quant import FP8, dequantize, quantize
@@ -127,7 +128,7 @@ def test_a_non_finite_row_refuses_its_sample_from_the_statistic(tmp_path, fp8):
         slot = tr.acquire()
         tr.submit([x[:, 0], x[:, 1]], 6, slot)
         s = w.reserve(sid, torch.arange(6), line=3 if poison else 1)
-        s.place(0, tr.wait(slot)[:6], tr.host_row_scale[slot][:6])
+        s.place(0, Rows(tr.wait(slot)[:6], tr.host_row_scale[slot][:6]))
         w.commit(s)
         tr.release(slot)
     (info,) = w.close()

@@ -14,7 +14,7 @@ from tests.unit.test_assembler_open_ended import H, Harness, K, truth
 from vllm_hidden.capture import records
 from vllm_hidden.capture.assembler import Assembler
 from vllm_hidden.capture.memory import MemorySink
-from vllm_hidden.capture.records import CaptureError, NewRequest, ResponseEnd, Segment, StepRecord
+from vllm_hidden.capture.records import CaptureError, NewRequest, ResponseEnd, Rows, Segment, StepRecord
 from vllm_hidden.capture.ring import StepTransfer
 from vllm_hidden.capture.staging import StagePool
 from vllm_hidden.config import GenerateConfig
@@ -137,9 +137,9 @@ class Sink(records.Sink):
     def __init__(self):
         self.added = []
 
-    def add_rows(self, sample_id, token_ids, rows, row_scale, **kw):
-        assert torch.equal(row_scale, rows.float().abs().amax(-1))  # each row's statistic rides with it
-        self.added.append((sample_id, list(token_ids), rows.clone(), kw))
+    def add_rows(self, sample_id, token_ids, rows, **kw):
+        assert torch.equal(rows.row_scale, rows.values.float().abs().amax(-1))  # each row's row_scale rides with it
+        self.added.append((sample_id, list(token_ids), rows.values.clone(), kw))
 
     def reserve(self, sample_id, token_ids, **kw):
         raise AssertionError(f"reserve({sample_id!r}) for a generated sample")
@@ -209,9 +209,10 @@ def test_generated_sample_in_the_shard_writer_keeps_its_prompt_length_and_record
     w = shard_writer(tmp_path, [0, 1], 4, dtype=torch.float32, loss_mask=True, final_state=True, generate=True)
     rows = torch.arange(6 * 3 * 4, dtype=torch.float32).reshape(6, 3, 4)  # 2 layers + the final state's column
     row_scale = rows.abs().amax(-1)
-    w.add_rows("s", [5, 6, 7, 8, 9, 10], rows, row_scale, loss_spans=[[2, 6]], num_prompt=2, record='{"id": "s"}\n')
+    w.add_rows("s", [5, 6, 7, 8, 9, 10], Rows(rows, row_scale), loss_spans=[[2, 6]], num_prompt=2,
+               record='{"id": "s"}\n')
     with pytest.raises(ValueError, match="prompt length"):
-        w.add_rows("t", [1], rows[:1], row_scale[:1], loss_spans=[], num_prompt=None, record="x\n")
+        w.add_rows("t", [1], Rows(rows, row_scale)[:1], loss_spans=[], num_prompt=None, record="x\n")
     (info,) = w.close()
     with safe_open(str(tmp_path / info.file), framework="pt") as f:
         assert json.loads(f.metadata()["samples"]) == [["s", 0, 6, 2]]
@@ -302,9 +303,9 @@ def test_a_staging_buffer_is_reused_only_once_the_sink_is_done_with_it():
     only after the sink said it reads it no more (`done`), and then holds that request's rows."""
 
     class Keeping(Sink):
-        def add_rows(self, sample_id, token_ids, rows, row_scale, **kw):
-            super().add_rows(sample_id, token_ids, rows, row_scale, **kw)
-            self.added[-1] = (*self.added[-1], rows)  # the staged rows themselves, not a copy
+        def add_rows(self, sample_id, token_ids, rows, **kw):
+            super().add_rows(sample_id, token_ids, rows, **kw)
+            self.added[-1] = (*self.added[-1], rows.values)  # the staged rows themselves, not a copy
 
     h = _gen_harness()
     h.sink = Keeping()
@@ -327,7 +328,7 @@ def test_the_shard_writer_says_done_once_it_copied_a_generated_samples_rows(tmp_
     w = shard_writer(tmp_path, [0, 1], 4, dtype=torch.float32, generate=True)
     rows = torch.arange(6 * 2 * 4, dtype=torch.float32).reshape(6, 2, 4)
     calls = []
-    w.add_rows("s", [5, 6, 7, 8, 9, 10], rows, rows.abs().amax(-1), loss_spans=None, num_prompt=2, record="r\n",
+    w.add_rows("s", [5, 6, 7, 8, 9, 10], Rows(rows, rows.abs().amax(-1)), loss_spans=None, num_prompt=2, record="r\n",
                done=lambda: calls.append(rows.clone()))
     (info,) = w.close()
     assert len(calls) == 1 and torch.equal(calls[0], rows)
@@ -389,10 +390,11 @@ class _Ring:
 class _Keep(Sink):
     """Keeps copies of each sample's rows, statistics and row sums, and its `done`."""
 
-    def add_rows(self, sample_id, token_ids, rows, row_scale, **kw):
-        super().add_rows(sample_id, token_ids, rows, row_scale, **kw)
-        m = kw["row_sums"]
-        self.added[-1] = (sample_id, rows.clone(), row_scale.clone(), None if m is None else m.clone(), kw["done"])
+    def add_rows(self, sample_id, token_ids, rows, **kw):
+        super().add_rows(sample_id, token_ids, rows, **kw)
+        m = rows.row_sums
+        self.added[-1] = (sample_id, rows.values.clone(), rows.row_scale.clone(), None if m is None else m.clone(),
+                          kw["done"])
 
 
 def _gen(rid, prompt, rows, line):

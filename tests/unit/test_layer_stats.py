@@ -10,6 +10,7 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from tests.outputs import random_sample, shard_writer, write_manifest, write_output, write_samples
+from vllm_hidden.capture.records import Rows
 from vllm_hidden.cli import app
 from vllm_hidden.format import quant
 from vllm_hidden.format.shard import ShardInfo
@@ -146,7 +147,8 @@ def test_a_refused_non_finite_sample_is_counted_not_written(tmp_path, deferred):
         rows = torch.cat([hs, fin[:, None]], 1)
         row_scale = torch.empty(rows.shape[:2])
         quant.row_amax(rows, row_scale)
-        w.add_rows(sid, tok, rows, row_scale, loss_spans=None, num_prompt=1, record=json.dumps({"id": sid}) + "\n")
+        w.add_rows(sid, tok, Rows(rows, row_scale), loss_spans=None, num_prompt=1,
+                   record=json.dumps({"id": sid}) + "\n")
 
     for sid, s in list(good.items())[:2]:
         add(sid, *s)

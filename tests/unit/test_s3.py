@@ -11,6 +11,7 @@ import torch
 
 from tests.outputs import random_sample, shard_writer, write_manifest, write_samples
 from tests.s3_server import FaultyProxy
+from vllm_hidden.capture.records import Rows
 from vllm_hidden.config import ExtractConfig, ShardConfig
 from vllm_hidden.data import HiddenStatesDataset
 from vllm_hidden.storage.s3 import S3Location, read_done_ids, transient
@@ -233,7 +234,7 @@ def test_generated_samples_over_s3_keep_their_records_and_prompt_lengths(s3, tmp
     lines = {}
     for sid, (tok, hs) in data.items():
         lines[sid] = json.dumps({"id": sid, "n": len(tok)}) + "\n"
-        w.add_rows(sid, tok, hs, hs.float().abs().amax(-1), loss_spans=None, num_prompt=2, record=lines[sid])
+        w.add_rows(sid, tok, Rows(hs, hs.float().abs().amax(-1)), loss_spans=None, num_prompt=2, record=lines[sid])
     shards = w.close()
     assert len(shards) > 2
     loc = S3Location(uri, url)

@@ -12,7 +12,7 @@ from tests.outputs import random_sample, shard_writer, write_manifest
 from tests.unit.test_assembler_open_ended import H, Harness, K, truth
 from vllm_hidden.capture.assembler import Assembler
 from vllm_hidden.capture.memory import MemorySink
-from vllm_hidden.capture.records import CaptureError, NewRequest, Sink, StepRecord
+from vllm_hidden.capture.records import CaptureError, NewRequest, Rows, Sink, StepRecord
 from vllm_hidden.data import HiddenStatesDataset
 from vllm_hidden.storage import shards as shards_mod
 from vllm_hidden.storage.shards import ShardWriter
@@ -78,7 +78,8 @@ def test_memory_sink_add_rows_delivers_the_rows_given_as_one_sample():
     big = truth(0, 10)  # the sample is a view of a larger buffer, as the assembler's staging is
     rows = big[:6]
     row_scale = rows.abs().amax(-1)
-    sink.add_rows("s", [5, 6, 7, 8, 9, 10], rows, row_scale, loss_spans=[[2, 6]], num_prompt=2, record="r\n", line=4)
+    sink.add_rows("s", [5, 6, 7, 8, 9, 10], Rows(rows, row_scale), loss_spans=[[2, 6]], num_prompt=2, record="r\n",
+                  line=4)
     (s,) = out
     assert s.sample_id == "s" and s.finite and s.token_ids.tolist() == [5, 6, 7, 8, 9, 10]
     assert s.token_ids.dtype == torch.int64
@@ -86,7 +87,7 @@ def test_memory_sink_add_rows_delivers_the_rows_given_as_one_sample():
     assert s.hidden_states.untyped_storage().data_ptr() != big.untyped_storage().data_ptr()  # its own tensor
     bad = row_scale.clone()
     bad[1, 0] = float("nan")
-    sink.add_rows("n", [1] * 6, rows, bad, loss_spans=None, num_prompt=2, record="r\n")
+    sink.add_rows("n", [1] * 6, Rows(rows, bad), loss_spans=None, num_prompt=2, record="r\n")
     assert out[1].sample_id == "n" and not out[1].finite
 
 
@@ -94,9 +95,10 @@ def test_memory_sink_add_rows_refuses_rows_that_do_not_fit():
     sink = MemorySink((K, H), torch.float32, lambda s: None)
     rows = truth(0, 4)
     with pytest.raises(ValueError, match=r"rows of shape \(4, 3, 4\) for 5 tokens"):
-        sink.add_rows("s", [1] * 5, rows, rows.abs().amax(-1), loss_spans=None, num_prompt=1, record="r\n")
-    with pytest.raises(ValueError, match=r"statistics of shape \(4, 2\)"):
-        sink.add_rows("s", [1] * 4, rows, rows.abs().amax(-1)[:, :2], loss_spans=None, num_prompt=1, record="r\n")
+        sink.add_rows("s", [1] * 5, Rows(rows, rows.abs().amax(-1)), loss_spans=None, num_prompt=1, record="r\n")
+    with pytest.raises(ValueError, match=r"row_scale of shape \(4, 2\)"):
+        sink.add_rows("s", [1] * 4, Rows(rows, rows.abs().amax(-1)[:, :2]), loss_spans=None, num_prompt=1,
+                      record="r\n")
 
 
 def test_memory_sink_reserve_takes_rows_by_keyword():

@@ -6,6 +6,7 @@ import torch
 from safetensors import safe_open
 
 from tests.outputs import random_sample, shard_writer, write_output
+from vllm_hidden.capture.records import Rows
 from vllm_hidden.data import HiddenStatesDataset
 from vllm_hidden.format import quant
 from vllm_hidden.storage.manifest import Manifest
@@ -214,7 +215,7 @@ def test_samples_with_nan_or_inf_are_refused_named_and_not_written(tmp_path, poi
         else:
             row_scale = torch.empty(hs.shape[:2])
             quant.row_amax(hs, row_scale)
-            slot.place(0, hs, row_scale)
+            slot.place(0, Rows(hs, row_scale))
         w.commit(slot)
     alone = w.reserve("alone", torch.arange(3))  # never completed: left out at close
     w.close()

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from vllm_hidden.capture.records import CaptureError, NewRequest, ResponseEnd, Segment, Sink, Slot, StepRecord
+from vllm_hidden.capture.records import CaptureError, NewRequest, ResponseEnd, Rows, Segment, Sink, Slot, StepRecord
 from vllm_hidden.capture.ring import StepTransfer
 from vllm_hidden.capture.staging import Slab, StagePool, words
 
@@ -93,14 +93,13 @@ class Assembler:
             if rec.slot is None:
                 return
             t0 = time.perf_counter()
-            host = self.transfer.wait(rec.slot)
-            row_scale = self.transfer.host_row_scale[rec.slot]
-            row_sums = self.transfer.host_row_sums[rec.slot]
+            step = Rows(self.transfer.wait(rec.slot), self.transfer.host_row_scale[rec.slot],
+                        self.transfer.host_row_sums[rec.slot])
             self.wait_copy_s += time.perf_counter() - t0
             gen = _StepRows()
             for seg in rec.segments:
                 try:
-                    self._take(seg, host, row_scale, row_sums, gen)
+                    self._take(seg, step, gen)
                 except CaptureError as e:
                     part = self._partial.pop(seg.req_id, None)
                     if part is None or not self.sink.on_failure(part.req.sample_id, str(e)):
@@ -109,7 +108,7 @@ class Assembler:
                         gen.gone.append(part)
                     else:
                         self._discard(part)
-            self._place_generated(gen, host, row_scale, row_sums)
+            self._place_generated(gen, step)
         finally:
             if rec.slot is not None:
                 self.transfer.release(rec.slot)
@@ -177,31 +176,29 @@ class Assembler:
             del self._partial[rid]
             end = part.end
             staged, n = part.slot, part.total
-            self.sink.add_rows(part.req.sample_id, end.token_ids, staged.buf[:n], staged.row_scale[:n],
-                               loss_spans=end.loss_spans, num_prompt=end.num_prompt, record=end.record,
-                               line=part.req.line, row_sums=None if staged.row_sums is None else staged.row_sums[:n],
+            self.sink.add_rows(part.req.sample_id, end.token_ids, staged.first(n), loss_spans=end.loss_spans,
+                               num_prompt=end.num_prompt, record=end.record, line=part.req.line,
                                done=lambda: self._stages.give(staged))
         elif part.finished:  # no more rows will come
             del self._partial[rid]
             self._stages.give(part.slot)
             self._dropped(rid, part.req, f"the request ended with {part.filled} of its {part.total} rows captured")
 
-    def _take(self, seg: Segment, host: torch.Tensor, row_scale: torch.Tensor, row_sums: torch.Tensor | None,
-              gen: _StepRows) -> None:
+    def _take(self, seg: Segment, step: Rows, gen: _StepRows) -> None:
         part = self._partial.get(seg.req_id)
         if part is None:
             req = self._pending.pop(seg.req_id, None)
             if req is None:
                 return  # a request we were not asked to capture, or one already complete
             if req.generate:
-                slot = self._stages.take(req.rows, host, row_scale, row_sums)
+                slot = self._stages.take(req.rows, step.values, step.row_scale, step.row_sums)
             elif req.rows is None:
                 slot = self.sink.reserve(req.sample_id, req.token_ids, line=req.line, loss_spans=req.loss_spans)
             else:
                 slot = self.sink.reserve(req.sample_id, req.token_ids, rows=req.rows)
             part = self._partial[seg.req_id] = _Partial(req, slot)
         if part.req.generate:
-            self._take_generated(seg, host, row_scale, row_sums, part, gen)
+            self._take_generated(seg, step, part, gen)
             return
         total = part.total
         if seg.pos == 0:
@@ -215,15 +212,13 @@ class Assembler:
             )
         keep = min(seg.count, total - seg.pos)  # rows past `total`: tokens nobody asked for
         if keep > 0:
-            sel = slice(seg.row, seg.row + keep)
-            part.slot.place(seg.pos, host[sel], row_scale[sel], None if row_sums is None else row_sums[sel])
+            part.slot.place(seg.pos, step[seg.row : seg.row + keep])
             part.filled = seg.pos + keep
         if part.filled >= total and not part.req.until_finished:
             del self._partial[seg.req_id]
             self.sink.commit(part.slot)
 
-    def _take_generated(self, seg: Segment, host: torch.Tensor, row_scale: torch.Tensor, row_sums: torch.Tensor | None,
-                        part: _Partial, gen: _StepRows) -> None:
+    def _take_generated(self, seg: Segment, step: Rows, part: _Partial, gen: _StepRows) -> None:
         """Rows of a generating request: where they go, noted in `gen` (a long segment is copied
         now); its bookkeeping waits for `_place_generated`. After a preemption its rows are
         computed again from position 0: they overwrite the same places (equal states of the
@@ -235,8 +230,7 @@ class Assembler:
                                f"{filled} rows were captured")
         keep = min(seg.count, part.total - seg.pos)  # rows past `total`: past the response's end
         if keep >= _SCATTER_ROWS:
-            sel = slice(seg.row, seg.row + keep)
-            part.slot.place(seg.pos, host[sel], row_scale[sel], None if row_sums is None else row_sums[sel])
+            part.slot.place(seg.pos, step[seg.row : seg.row + keep])
         elif keep > 0:
             staged = part.slot
             slab = staged.slab
@@ -248,12 +242,11 @@ class Assembler:
             to.src.extend(range(seg.row, seg.row + keep))
         gen.filled[seg.req_id] = (part, max(filled, seg.pos + keep))
 
-    def _place_generated(self, gen: _StepRows, host: torch.Tensor, row_scale: torch.Tensor,
-                         row_sums: torch.Tensor | None) -> None:
+    def _place_generated(self, gen: _StepRows, step: Rows) -> None:
         """The step's rows of generating requests, a scatter per slab and tensor; then each
         request's bookkeeping (which may hand its rows to the sink)."""
         if gen.slabs:
-            host_words = words(host)
+            host_words, row_scale, row_sums = words(step.values), step.row_scale, step.row_sums
             for to in gen.slabs.values():
                 slab, src = to.slab, to.src
                 at = torch.tensor(to.dst, dtype=torch.int64)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from vllm_hidden.capture.records import Sample, Sink
+from vllm_hidden.capture.records import Rows, Sample, Sink
 
 
 class _MemSlot:
@@ -18,12 +18,12 @@ class _MemSlot:
         self.sample_id, self.token_ids, self.buf, self.scale = sample_id, token_ids, buf, scale
         self.finite = True
 
-    def place(self, pos: int, rows: torch.Tensor, row_scale: torch.Tensor,
-              row_sums: torch.Tensor | None = None) -> None:
-        self.buf[pos : pos + rows.shape[0]].copy_(rows)
-        if self.scale is not None:  # float8 rows: their statistic is the scale they need
-            self.scale[pos : pos + rows.shape[0]].copy_(row_scale)
-        if self.finite and not bool(torch.isfinite(row_scale).all()):  # [n, C] floats: cheap
+    def place(self, pos: int, rows: Rows) -> None:
+        n = len(rows)
+        self.buf[pos : pos + n].copy_(rows.values)
+        if self.scale is not None:  # float8 rows: their row_scale is the scale they need
+            self.scale[pos : pos + n].copy_(rows.row_scale)
+        if self.finite and not bool(torch.isfinite(rows.row_scale).all()):  # [n, C] floats: cheap
             self.finite = False
 
 
@@ -50,29 +50,25 @@ class MemorySink(Sink):
     def _scales(self, n: int) -> torch.Tensor | None:
         return torch.empty((n, self.row_shape[0]), dtype=torch.float32) if self.dtype.itemsize == 1 else None
 
-    def add_rows(self, sample_id: Any, token_ids: Sequence[int] | torch.Tensor, rows: torch.Tensor,
-                 row_scale: torch.Tensor, *, loss_spans: list[list[int]] | None, num_prompt: int, record: str,
-                 line: int | None = None, row_sums: torch.Tensor | None = None,
+    def add_rows(self, sample_id: Any, token_ids: Sequence[int] | torch.Tensor, rows: Rows, *,
+                 loss_spans: list[list[int]] | None, num_prompt: int, record: str, line: int | None = None,
                  done: Callable[[], None] | None = None) -> None:
-        """A whole sample: rows [T, C, H] and statistics [T, C], handed on as one Sample (no
-        per-layer statistics here: `row_sums` is not kept); copied before this returns."""
+        """A whole sample, handed on as one Sample (no per-layer statistics here: `row_sums` is
+        not kept); copied before this returns."""
         tok = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
         n = tok.shape[0]
-        if tuple(rows.shape) != (n, *self.row_shape):
-            raise ValueError(f"sample {sample_id!r}: rows of shape {tuple(rows.shape)} for {n} tokens of "
+        if tuple(rows.values.shape) != (n, *self.row_shape):
+            raise ValueError(f"sample {sample_id!r}: rows of shape {tuple(rows.values.shape)} for {n} tokens of "
                              f"{list(self.row_shape)} rows")
-        if tuple(row_scale.shape) != (n, self.row_shape[0]):
-            raise ValueError(f"sample {sample_id!r}: statistics of shape {tuple(row_scale.shape)} for rows of shape "
-                             f"{tuple(rows.shape)}")
+        if tuple(rows.row_scale.shape) != (n, self.row_shape[0]):
+            raise ValueError(f"sample {sample_id!r}: row_scale of shape {tuple(rows.row_scale.shape)} for rows of "
+                             f"shape {tuple(rows.values.shape)}")
         # its own tensor, as a reserved sample has: the rows given may be a view of a larger buffer
-        buf = torch.empty((n, *self.row_shape), dtype=self.dtype)
-        buf.copy_(rows)
-        scale = self._scales(n)
-        if scale is not None:
-            scale.copy_(row_scale)
+        slot = _MemSlot(sample_id, tok, torch.empty((n, *self.row_shape), dtype=self.dtype), self._scales(n))
+        slot.place(0, rows)
         if done is not None:
             done()
-        self.on_sample(Sample(sample_id, tok, buf, bool(torch.isfinite(row_scale).all()), scale))
+        self.on_sample(Sample(sample_id, tok, slot.buf, slot.finite, slot.scale))
 
     def commit(self, slot: _MemSlot) -> None:
         self.on_sample(Sample(slot.sample_id, torch.tensor(slot.token_ids, dtype=torch.int64), slot.buf, slot.finite,

@@ -34,6 +34,39 @@ class Segment:
 
 
 @dataclass(frozen=True, slots=True)
+class Rows:
+    """Captured rows, the one value every intake of a sink takes (`Slot.place`, `Sink.add_rows`):
+    `values` [n, C, H] as the ring's columns hold them (the layers, then the final state's
+    column if the ring has one), `row_scale` [n, C] float32 beside them (format.quant), and
+    `row_sums` [n, 2, C], each row's sum and centred sum of squares, where the device made them
+    (format.stats.RowSums)."""
+
+    values: torch.Tensor
+    row_scale: torch.Tensor
+    row_sums: torch.Tensor | None = None
+
+    def __getitem__(self, sel: slice | torch.Tensor) -> "Rows":
+        return Rows(self.values[sel], self.row_scale[sel], None if self.row_sums is None else self.row_sums[sel])
+
+    def __len__(self) -> int:
+        return self.values.shape[0]
+
+    @classmethod
+    def measured(cls, values: torch.Tensor, fp8: bool) -> "Rows":
+        """Rows of the model's dtype [n, C, H] with their row_scale made here (the values
+        quantized first for a float8 output)."""
+        from vllm_hidden.format import quant
+
+        row_scale = torch.empty(values.shape[:2], dtype=torch.float32)
+        if fp8:
+            q = torch.empty(values.shape, dtype=quant.FP8)
+            quant.quantize(values, q, row_scale, torch.empty_like(row_scale))
+            return cls(q, row_scale)
+        quant.row_amax(values, row_scale)
+        return cls(values, row_scale)
+
+
+@dataclass(frozen=True, slots=True)
 class NewRequest:
     sample_id: Any
     token_ids: list[int]
@@ -103,11 +136,8 @@ class CaptureError(RuntimeError):
 class Slot(Protocol):
     buf: torch.Tensor  # [T, K, H], filled by the assembler
 
-    # rows [pos, pos + n) from the ring: values [n, C, H], their per-column statistic [n, C]
-    # (C: the layers, then the final state's column if the ring has one) and, when the ring
-    # has them, their sums and centred sums of squares [n, 2, C] (`capture.ring`)
-    def place(self, pos: int, rows: torch.Tensor, row_scale: torch.Tensor,
-              row_sums: torch.Tensor | None = None) -> None: ...
+    # rows [pos, pos + len(rows)) of the sample, from the ring (`Rows`)
+    def place(self, pos: int, rows: Rows) -> None: ...
 
 
 class Sink(ABC):
@@ -123,15 +153,12 @@ class Sink(ABC):
         spans with loss 1. A sink that cannot honour an argument raises ValueError naming it."""
 
     @abstractmethod
-    def add_rows(self, sample_id: Any, token_ids: Sequence[int] | torch.Tensor, rows: torch.Tensor,
-                 row_scale: torch.Tensor, *, loss_spans: list[list[int]] | None, num_prompt: int, record: str,
-                 line: int | None = None, row_sums: torch.Tensor | None = None,
+    def add_rows(self, sample_id: Any, token_ids: Sequence[int] | torch.Tensor, rows: Rows, *,
+                 loss_spans: list[list[int]] | None, num_prompt: int, record: str, line: int | None = None,
                  done: Callable[[], None] | None = None) -> None:
-        """--generate: a whole sample at once, rows [T, C, H] and their statistics [T, C] as the
-        ring's columns hold them (the layers, then the final state's column if the ring has one),
-        with its prompt length and its generation record (a JSON line); `row_sums` [T, 2, C]: the
-        ring's row sums, when it has them. `done`, if given, is called (from any thread) once
-        the sink reads `rows`, `row_scale` and `row_sums` no more: the caller reuses them then."""
+        """--generate: a whole sample at once, its `rows` one per token id, with its prompt length
+        and its generation record (a JSON line). `done`, if given, is called (from any thread)
+        once the sink reads `rows` no more: the caller reuses their memory then."""
 
     @abstractmethod
     def commit(self, slot: Any) -> None:

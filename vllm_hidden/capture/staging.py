@@ -9,6 +9,8 @@ import threading
 
 import torch
 
+from vllm_hidden.capture.records import Rows
+
 
 class Slab:
     """One allocation that staging buffers are ranges of: values [S, C, H], statistics [S, C]
@@ -51,13 +53,16 @@ class Staged:
         self.row_scale = slab.row_scale[sel]
         self.row_sums = None if slab.row_sums is None else slab.row_sums[sel]
 
-    def place(self, pos: int, rows: torch.Tensor, row_scale: torch.Tensor,
-              row_sums: torch.Tensor | None = None) -> None:
-        n = rows.shape[0]
-        self.buf[pos : pos + n].copy_(rows)
-        self.row_scale[pos : pos + n].copy_(row_scale)
+    def place(self, pos: int, rows: Rows) -> None:
+        n = len(rows)
+        self.buf[pos : pos + n].copy_(rows.values)
+        self.row_scale[pos : pos + n].copy_(rows.row_scale)
         if self.row_sums is not None:
-            self.row_sums[pos : pos + n].copy_(row_sums)
+            self.row_sums[pos : pos + n].copy_(rows.row_sums)
+
+    def first(self, n: int) -> Rows:
+        """Its first `n` rows (views of the slab)."""
+        return Rows(self.buf, self.row_scale, self.row_sums)[:n]
 
 
 class StagePool:

@@ -70,7 +70,7 @@ class Capture:
         self.sink_kind: str | None = None  # "shards" (extract, opened by RPC) or "publish" (server, on demand)
         self._tracked: dict[str, int] = {}
         self.order = cfg.emit_order
-        self._stats = _StepStats()
+        self._counters = _StepCounters()
         self.start_probe: StartProbe | None = StartProbe()
         self.start_report: dict[str, Any] | None = None
         self.fresh = FreshStateSlots(runner)  # on every rank: each holds its own part of the states
@@ -135,7 +135,7 @@ class Capture:
         self.thread = AssemblerThread(Assembler(transfer, self.writer),
                                       cpus=compat.cpus_off_the_forward(self.runner.device))
         self.sink_kind = "shards"
-        self._stats = _StepStats()
+        self._counters = _StepCounters()
         self._tracked.clear()
         return True
 
@@ -166,15 +166,15 @@ class Capture:
         if error is not None:
             return {"error": failure(error)}
         asm = thread.assembler
-        stats = {**self._stats.to_dict(), "assembler_busy_s": round(thread.busy_s, 3),
+        counters = {**self._counters.to_dict(), "assembler_busy_s": round(thread.busy_s, 3),
                  "assembler_wait_copy_s": round(asm.wait_copy_s, 3), "close_drain_s": round(drain_s, 4),
-                 **writer.stats()}
+                 **writer.counters()}
         return {
             "shards": [s.to_dict() for s in shards],
             "not_finite": writer.not_finite,
             "incomplete": list(asm.dropped),
             "in_flight": in_flight,
-            "stats": stats,
+            "counters": counters,
         }
 
     def generated(self, ends: list[dict[str, Any]]) -> None:
@@ -248,7 +248,7 @@ class Capture:
             return
         preempted = compat.preempted_req_ids(scheduler_output)
         if preempted:  # their rows are computed again later (and placed over the same positions)
-            self._stats.preempted += len(preempted)
+            self._counters.preempted += len(preempted)
         tracked = self._tracked  # req id -> rows wanted (positions below it are captured)
         start: dict[str, int] = {}
         new = self._track_new(scheduler_output.scheduled_new_reqs, start)
@@ -278,7 +278,7 @@ class Capture:
         layers, staged = self._step_layers()
         if lo:  # copy only the span holding captured rows (a server's batch mixes requests)
             segments = [Segment(s.req_id, s.row - lo, s.count, s.pos) for s in segments]
-        st = self._stats
+        st = self._counters
         t0 = time.perf_counter()
         transfer = self._buffers()
         slot = transfer.acquire()  # blocks while the host side is behind (backpressure)
@@ -341,7 +341,7 @@ def failure(e: BaseException) -> dict[str, Any]:
             "storage": isinstance(e, OSError)}
 
 
-class _StepStats:
+class _StepCounters:
     """Engine-thread cost of capture, per run: time blocked on a free ring slot
     (backpressure from the host side) and time launching the gather + copy; and the rows of
     the last few steps (what the end of a run has to write: see engine.scheduler)."""

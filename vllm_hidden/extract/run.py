@@ -200,7 +200,7 @@ class _Run:
         res = self.res
         out = next(r for r in result if r is not None)
         res.shards = [ShardInfo(**s) for s in out["shards"]]
-        res.capture_stats = out.get("stats", {})
+        res.capture_stats = out.get("counters", {})
         # NaN/Inf samples are not written: each becomes an error record and does not count as done
         bad = [BadLine(line, sid, why) for sid, line, why in out["not_finite"]]
         res.rejected.extend(bad)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from vllm_hidden.capture.records import Rows
 from vllm_hidden.format import header as st
 from vllm_hidden.format import quant
 from vllm_hidden.format.shard import (
@@ -69,8 +70,8 @@ class SampleSlot:
     when the ring brings them the rows' sums `row_sums` [T, 2, C] (`has_row_sums`)."""
 
     __slots__ = ("arena", "sample_id", "token_ids", "row", "buf", "final", "row_scale", "final_scale", "state", "line",
-                 "loss_spans", "num_prompt", "record", "src", "src_row_scale", "src_row_sums", "src_done", "placed",
-                 "digest", "row_sums", "has_row_sums")
+                 "loss_spans", "num_prompt", "record", "pending", "pending_done", "placed", "digest", "row_sums",
+                 "has_row_sums")
     # NOT_FINITE: committed, then refused by its writer thread (NaN/Inf); left out like DROPPED
     RESERVED, COMMITTED, DROPPED, NOT_FINITE = 0, 1, 2, 3
 
@@ -80,10 +81,8 @@ class SampleSlot:
         self.arena = arena
         self.num_prompt = num_prompt
         self.record = record
-        self.src: torch.Tensor | None = None  # rows [T, C, H] its writer thread places (add_rows)
-        self.src_row_scale: torch.Tensor | None = None
-        self.src_row_sums: torch.Tensor | None = None
-        self.src_done: Any = None  # called once `src` is copied in (add_rows' `done`)
+        self.pending: Rows | None = None  # rows its writer thread places (add_rows)
+        self.pending_done: Any = None  # called once `pending` is copied in (add_rows' `done`)
         self.sample_id = sample_id
         self.token_ids = token_ids
         self.row = row
@@ -112,26 +111,42 @@ class SampleSlot:
             m[lo:hi] = 1
         return m
 
-    def place(self, pos: int, rows: torch.Tensor, row_scale: torch.Tensor,
-              row_sums: torch.Tensor | None = None) -> None:
-        """Rows [pos, pos + n) as the ring holds them: [n, C, H] and [n, C], the last column
-        the final state's when this output stores it (kept apart); `row_sums` [n, 2, C]: their
-        sums, when the ring has them (kept only where this arena has room for them)."""
-        n = rows.shape[0]
+    def place(self, pos: int, rows: Rows) -> None:
+        """Rows [pos, pos + n) as the ring holds them, the last column the final state's when
+        this output stores it (kept apart); their sums kept only where this arena has room."""
+        n, values, row_scale = len(rows), rows.values, rows.row_scale
         # the first placement decides; a later one without sums means the host reduces them all
-        self.has_row_sums = (row_sums is not None and self.row_sums is not None
-                            and (self.has_row_sums or not self.placed))
+        self.has_row_sums = (rows.row_sums is not None and self.row_sums is not None
+                             and (self.has_row_sums or not self.placed))
         if self.has_row_sums:
-            self.row_sums[pos : pos + n].copy_(row_sums)
+            self.row_sums[pos : pos + n].copy_(rows.row_sums)
         self.placed = True
         if self.final is None:
-            self.buf[pos : pos + n].copy_(rows)
+            self.buf[pos : pos + n].copy_(values)
             self.row_scale[pos : pos + n].copy_(row_scale)
         else:
-            self.buf[pos : pos + n].copy_(rows[:, :-1])
-            self.final[pos : pos + n].copy_(rows[:, -1])
+            self.buf[pos : pos + n].copy_(values[:, :-1])
+            self.final[pos : pos + n].copy_(values[:, -1])
             self.row_scale[pos : pos + n].copy_(row_scale[:, :-1])
             self.final_scale[pos : pos + n].copy_(row_scale[:, -1])
+
+    @property
+    def settled(self) -> bool:
+        """Its rows are in the arena with their row_scale (placed, nothing pending)."""
+        return self.placed and self.pending is None
+
+    def settle(self) -> None:
+        """A writer thread's copy-in: the rows `add_rows` left pending placed (then the caller's
+        buffer given back), or, for values the caller wrote into `buf`, their row_scale made."""
+        if self.pending is not None:
+            rows, done, self.pending, self.pending_done = self.pending, self.pending_done, None, None
+            self.place(0, rows)
+            if done is not None:
+                done()  # the caller's buffer is free: it is not read again
+        elif not self.placed:
+            quant.row_amax(self.buf, self.row_scale)
+            if self.final is not None:
+                quant.row_amax(self.final[:, None], self.final_scale[:, None])
 
     def zero(self) -> None:
         for t in (self.buf, self.final, self.row_scale, self.final_scale):

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from vllm_hidden.capture.records import Sink
+from vllm_hidden.capture.records import Rows, Sink
 from vllm_hidden.config import ShardConfig
 from vllm_hidden.format import quant
 from vllm_hidden.format import stats as layer_stats
@@ -52,7 +52,7 @@ _SYNC_EVERY = 256 << 20  # fdatasync as data accumulates, so the final fsync has
 
 
 class ShardWriter(Sink):
-    """reserve() -> slot.place(rows, stats) (or fill slot.buf) -> commit() (or drop()), or a whole
+    """reserve() -> slot.place(pos, rows) (or fill slot.buf) -> commit() (or drop()), or a whole
     sample at once: add() (the model's dtype) or add_rows() (the ring's rows, --generate).
     close() finishes what is left and returns every shard written; so does leaving a with-block,
     where on an exception the block's exception is raised, not close's (see `Sink.__exit__`).
@@ -197,7 +197,7 @@ class ShardWriter(Sink):
         return a.add(sample_id, tok, entry, line, loss_spans, num_prompt, record)
 
     def commit(self, slot: SampleSlot) -> None:
-        if self.fp8 and not slot.placed and slot.src is None:
+        if self.fp8 and not slot.placed and slot.pending is None:
             raise ValueError(f"sample {slot.sample_id!r}: an fp8 output takes rows with their scales (place), "
                              "not values written into buf")
         self._resolve(slot, SampleSlot.COMMITTED)
@@ -217,32 +217,24 @@ class ShardWriter(Sink):
             raise ValueError(f"sample {sample_id!r}: final_hidden_states must be given exactly when the output "
                              f"stores them (final_state={self.cfg.final_state})")
         slot = self.reserve(sample_id, token_ids, loss_spans=loss_spans)
-        rows = (hidden_states if final_hidden_states is None
-                else torch.cat([hidden_states, final_hidden_states[:, None]], 1))
-        row_scale = torch.empty(rows.shape[:2], dtype=torch.float32)
-        if self.fp8:
-            values = torch.empty(rows.shape, dtype=quant.FP8)
-            quant.quantize(rows, values, row_scale, torch.empty_like(row_scale))
-            rows = values
-        else:
-            quant.row_amax(rows, row_scale)
-        slot.place(0, rows, row_scale)
+        values = (hidden_states if final_hidden_states is None
+                  else torch.cat([hidden_states, final_hidden_states[:, None]], 1))
+        slot.place(0, Rows.measured(values, self.fp8))
         self.commit(slot)
 
-    def add_rows(self, sample_id: Any, token_ids: Any, rows: torch.Tensor, row_scale: torch.Tensor, *,
-                 loss_spans: list[list[int]] | None, num_prompt: int, record: str, line: int | None = None,
-                 row_sums: torch.Tensor | None = None, done: Callable[[], None] | None = None) -> None:
-        """A generated sample, rows [T, C, H] and statistics [T, C] (and the row sums [T, 2, C]
-        when the ring has them) as the capture ring holds them (the layers, then the final
-        state's column if this output stores it), with its generation record."""
-        k = self.row_shape[0]
-        if rows.shape[1] != k + bool(self.final_row_bytes) or rows.shape[0] != len(token_ids):
-            raise ValueError(f"sample {sample_id!r}: rows of shape {tuple(rows.shape)} for {len(token_ids)} tokens")
+    def add_rows(self, sample_id: Any, token_ids: Any, rows: Rows, *, loss_spans: list[list[int]] | None,
+                 num_prompt: int, record: str, line: int | None = None,
+                 done: Callable[[], None] | None = None) -> None:
+        """A generated sample, its rows as the capture ring holds them (the layers, then the
+        final state's column if this output stores it), with its generation record."""
+        k, shape = self.row_shape[0], tuple(rows.values.shape)
+        if shape[1] != k + bool(self.final_row_bytes) or shape[0] != len(token_ids):
+            raise ValueError(f"sample {sample_id!r}: rows of shape {shape} for {len(token_ids)} tokens")
         slot = self.reserve(sample_id, token_ids, line=line, loss_spans=loss_spans, num_prompt=num_prompt,
                             record=record.encode())
         # the copy into the arena is the writer threads' (several at once), not the caller's: a
         # wave of responses ending together is GBs, and the caller is what the engine waits on
-        slot.src, slot.src_row_scale, slot.src_row_sums, slot.src_done = rows, row_scale, row_sums, done
+        slot.pending, slot.pending_done = rows, done
         self.commit(slot)
 
     def _resolve(self, slot: SampleSlot, state: int) -> None:
@@ -251,7 +243,7 @@ class ShardWriter(Sink):
         slot.state = state
         a = slot.arena
         a.pending -= 1
-        if state == SampleSlot.COMMITTED and slot.placed and slot.src is None:
+        if state == SampleSlot.COMMITTED and slot.settled:
             # the stats came with the rows: decided now
             why = slot.not_finite(self.layer_ids)
             if why is not None:
@@ -294,18 +286,9 @@ class ShardWriter(Sink):
             nbytes = 0
             acc = layer_stats.ColumnStats(len(self.columns)) if a.stats is not None else None
             summed: list[SampleSlot] = []  # written, with the device's row sums
-            for s in batch:
-                if s.src is not None or not s.placed:  # deferred: its statistics are made here
-                    if s.src is not None:
-                        s.place(0, s.src, s.src_row_scale, s.src_row_sums)
-                        done, s.src = s.src_done, None
-                        s.src_row_scale = s.src_row_sums = s.src_done = None
-                        if done is not None:
-                            done()  # the caller's buffer is free: it is not read again
-                    else:  # values written into buf by the caller: no statistics came with them
-                        quant.row_amax(s.buf, s.row_scale)
-                        if s.final is not None:
-                            quant.row_amax(s.final[:, None], s.final_scale[:, None])
+            for s in batch:  # copy in, check, checksum, write, accumulate
+                if not s.settled:  # its copy-in is this thread's (add_rows, or values written into buf)
+                    s.settle()
                     why = s.not_finite(self.layer_ids)
                     if why is not None:
                         self._refuse(s, why)
@@ -418,7 +401,7 @@ class ShardWriter(Sink):
         if self._error is not None:
             raise OSError(f"writing a shard to {str(self.dir)!r} failed: {self._error!r}") from self._error
 
-    def stats(self) -> dict[str, Any]:
+    def counters(self) -> dict[str, Any]:
         with self._cv:
             d = {"writer_threads": self.cfg.writer_threads, "arenas": self._allocated,
                  "writer_busy_s": round(self._write_s, 3), "writer_stats_s": round(self._stats_s, 3),
