@@ -40,17 +40,24 @@ def main() -> None:
     benchlib.write_prompts(work / "in.jsonl", prompts, ids=[f"t{i}" for i in range(a.prompts)])
     engine = a.engine_arg or ["--dtype", "bfloat16", "--max-model-len", "256", "--max-num-batched-tokens", "128",
                               "--max-num-seqs", "8"]
+    if torch.cuda.is_available() and not a.engine_arg:
+        engine += ["--gdn-prefill-backend", "triton"]  # vLLM's Hopper default is FlashInfer's, which may be absent
     for name, extra in (("cut", []), ("full", ["--full-model"])):
-        r = subprocess.run([sys.executable, "-m", "vllm_hidden.cli", "extract", "-m", model,
-                            "-i", str(work / "in.jsonl"), "-o", str(work / name), "--layers", a.layers, "--no-progress",
-                            "--cache-dir", str(work / f"cache-{name}"), *extra, *engine],
-                           capture_output=True, text=True, check=False,
-                           # (CPU: a small KV cache; the project first on the path, the rest of it kept)
-                           env={"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ,
-                                "PYTHONPATH": os.pathsep.join(filter(None, [str(benchlib.ROOT),
-                                                                            os.environ.get("PYTHONPATH")]))})
+        log = work / f"{name}.log"
+        with open(log, "w") as f:
+            r = subprocess.run([sys.executable, "-m", "vllm_hidden.cli", "extract", "-m", model,
+                                "-i", str(work / "in.jsonl"), "-o", str(work / name), "--layers", a.layers,
+                                "--no-progress", "--cache-dir", str(work / f"cache-{name}"), *extra, *engine],
+                               stdout=f, stderr=subprocess.STDOUT, check=False,
+                               # (CPU: a small KV cache; the project first on the path, the rest of it kept)
+                               env={"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ,
+                                    "PYTHONPATH": os.pathsep.join(filter(None, [str(benchlib.ROOT),
+                                                                                os.environ.get("PYTHONPATH")]))})
         if r.returncode:
-            sys.exit(f"{name}: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+            # the root cause is where the engine process logged it, often far above the launcher's traceback
+            lines = log.read_text(errors="replace").splitlines()
+            errors = [ln for ln in lines if "Error" in ln or "error" in ln][:40]
+            sys.exit(f"{name}: exit {r.returncode} (whole log: {log})\n" + "\n".join(errors + ["..."] + lines[-40:]))
     cut, full = HiddenStatesDataset(work / "cut"), HiddenStatesDataset(work / "full")
     by_id = {full[i]["id"]: full[i] for i in range(len(full))}
     same, worst, maxabs = 0, 0.0, 0.0

@@ -22,7 +22,8 @@
 #                 tapered), into bench-notaper.json: what the taper costs or saves, against trace-extract
 #   STEP=truncate scripts/check_truncate.py under torch.compile and CUDA graphs, tiny hybrid: layers 1,4 (built
 #                 whole, the forward stopped at layer 5 of 8) and 1,3 (built with 4 layers), each against
-#                 --full-model
+#                 --full-model (each pair compiles cold, Triton autotune included: up to 7 min a pair, so run
+#                 it in scripts/gpu_background.sh)
 #   STEP=online   scripts/gpu_online.sh, CASES default plain-fp8w,vllm-connector-fp8w,ours-fp8w (three cold
 #                 servers: run it in scripts/gpu_background.sh, it outlasts one call)
 # Environment: OUT (required: results and logs go there), RESULT (see STEP=extract), CASES.
@@ -120,7 +121,7 @@ case "$STEP" in
     ;;
   truncate)
     for layers in 1,4 1,3; do
-      timeout 280 python3 scripts/check_truncate.py --layers $layers --result "$OUT/check-truncate-${layers/,/-}.json" \
+      timeout 420 python3 scripts/check_truncate.py --layers $layers --result "$OUT/check-truncate-${layers/,/-}.json" \
         > "$OUT/check-truncate-${layers/,/-}.log" 2>&1 || rc=1
       quiet "$OUT/check-truncate-${layers/,/-}.log" 6
     done
