@@ -41,7 +41,7 @@ class Null(Sink):
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 256
     print(vllm_hidden.__file__)
-    tr = StepTransfer(4096, K, H, torch.bfloat16, torch.device("cpu"), 2, row_stats=True)
+    tr = StepTransfer(4096, K, H, torch.bfloat16, torch.device("cpu"), 2, row_sums=True)
     a = Assembler(tr, Null())
     g = torch.Generator().manual_seed(0)
     for start in range(0, n, 16):  # prefill, 16 requests a step

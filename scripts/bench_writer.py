@@ -130,7 +130,7 @@ def ring(k: int, h: int, budget: int, stats: str, slots: int = 2):
     there): the device's gather and copy are not the host's work, so they happen once, here."""
     from vllm_hidden.capture.ring import StepTransfer
 
-    tr = StepTransfer(budget, k, h, torch.bfloat16, torch.device("cpu"), slots, row_stats=stats == "device")
+    tr = StepTransfer(budget, k, h, torch.bfloat16, torch.device("cpu"), slots, row_sums=stats == "device")
     if torch.cuda.is_available():
         tr._host_rows = [r.pin_memory() for r in tr._host_rows]
         views = [tr._views(r) for r in tr._host_rows]

@@ -72,7 +72,7 @@ class CaptureLayout:
     step buffer and host ring (`capture.ring.StepTransfer`): the model's final normed output
     as one more column (`final_state`), float8 values with float32 scales (`fp8`; `per_token`:
     one scale per token, hs_connectors' layout, else one per token and layer), per-column row
-    sums for an output's per-layer statistics (`row_stats`).
+    sums for an output's per-layer statistics (`row_sums`).
 
     The worker allocates the buffers at model load, inside vLLM's memory profile; the commands
     that start vLLM put the layout their sink will open with in the environment (`ENV`), so
@@ -82,12 +82,12 @@ class CaptureLayout:
     final_state: bool = False
     fp8: bool = False
     per_token: bool = False
-    row_stats: bool = False
+    row_sums: bool = False
 
     ENV = envs.CAPTURE_LAYOUT
 
     def __post_init__(self) -> None:
-        for name in ("final_state", "fp8", "per_token", "row_stats"):
+        for name in ("final_state", "fp8", "per_token", "row_sums"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CaptureLayout.{name} must be a bool, got {getattr(self, name)!r}")
         if self.per_token and not self.fp8:
@@ -96,7 +96,7 @@ class CaptureLayout:
     @classmethod
     def for_shards(cls, shard: "ShardConfig") -> "CaptureLayout":
         """An extract's (and its warmup's): as its shards store the rows."""
-        return cls(final_state=shard.final_state, fp8=shard.fp8, row_stats=shard.layer_stats)
+        return cls(final_state=shard.final_state, fp8=shard.fp8, row_sums=shard.layer_stats)
 
     @classmethod
     def for_server(cls, connector: "ConnectorConfig | None") -> "CaptureLayout":
@@ -118,7 +118,7 @@ class CaptureLayout:
             return None
         try:
             d = json.loads(raw)
-            return cls(**{k: d[k] for k in ("final_state", "fp8", "per_token", "row_stats")})
+            return cls(**{k: d[k] for k in ("final_state", "fp8", "per_token", "row_sums")})
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{cls.ENV} is not a capture layout ({e}): {raw[:300]!r}") from None
 

@@ -352,11 +352,11 @@ class _Ring:
     """A real ring (CPU), with row sums, feeding an assembler; keeps the statistic and row sums
     it computed for each (sample, position), to check what reaches the sink."""
 
-    def __init__(self, sink, max_tokens=64, row_stats=True, slab_rows=None):
-        self.tr = StepTransfer(max_tokens, K, H, torch.float32, torch.device("cpu"), 2, row_stats=row_stats)
+    def __init__(self, sink, max_tokens=64, row_sums=True, slab_rows=None):
+        self.tr = StepTransfer(max_tokens, K, H, torch.float32, torch.device("cpu"), 2, row_sums=row_sums)
         self.asm = Assembler(self.tr, sink)
         if slab_rows is not None:  # small slabs: requests spread over several
-            row_bytes = 4 * (K * H + K * (3 if row_stats else 1))
+            row_bytes = 4 * (K * H + K * (3 if row_sums else 1))
             self.asm._stages = StagePool(slab_bytes=slab_rows * row_bytes)
         self.seen = {}
 
@@ -401,10 +401,10 @@ def _gen(rid, prompt, rows, line):
     return NewRequest(rid, list(range(prompt)), rows=rows, line=line, generate=True)
 
 
-@pytest.mark.parametrize("row_stats", [True, False])
-def test_many_generating_requests_decoding_together_each_get_their_own_rows(row_stats):
+@pytest.mark.parametrize("with_sums", [True, False])
+def test_many_generating_requests_decoding_together_each_get_their_own_rows(with_sums):
     sink = _Keep()
-    ring = _Ring(sink, row_stats=row_stats, slab_rows=3 * 128)  # 3 requests a slab
+    ring = _Ring(sink, row_sums=with_sums, slab_rows=3 * 128)  # 3 requests a slab
     n, decode = 20, 4
     g = torch.Generator().manual_seed(0)
     for wave in range(2):  # the second wave's buffers: the first's, given back in random order
@@ -419,7 +419,7 @@ def test_many_generating_requests_decoding_together_each_get_their_own_rows(row_
         ring.asm.process(StepRecord(None, 0, [], ends=[_end(p + decode, line=s) for s, p in prompts.items()]))
         assert sorted(a[0] for a in sink.added) == sorted(str(s) for s in prompts)
         for sid, rows, row_scale, row_sums, _ in sink.added:
-            assert (row_sums is not None) == row_stats
+            assert (row_sums is not None) == with_sums
             ring.check(int(sid), rows, row_scale, row_sums)
         for i in torch.randperm(n, generator=g).tolist():
             sink.added[i][4]()
@@ -430,7 +430,7 @@ def test_many_generating_requests_decoding_together_each_get_their_own_rows(row_
 def test_prefill_chunks_and_decode_rows_in_one_step_with_a_request_not_generating():
     out = []
     sink = MemorySink((K, H), torch.float32, out.append)
-    ring = _Ring(sink, max_tokens=160, row_stats=False)
+    ring = _Ring(sink, max_tokens=160, row_sums=False)
     # a generating request's long chunk (a copy of its own), a short one (scattered), decode rows, and a
     # request not generating (the sink's slot) in the same steps
     ring.step([("a", 1, 0, 2), ("b", 2, 0, 70), ("a", 1, 2, 1), ("n", 3, 0, 4)],  # a's in two segments

@@ -236,7 +236,7 @@ def test_a_memory_failure_at_start_gets_a_note_on_what_capture_holds():
 
     from vllm_hidden.capture.ring import StepTransfer
 
-    t = StepTransfer(64, 3, 32, torch.bfloat16, torch.device("cpu"), row_stats=True)
+    t = StepTransfer(64, 3, 32, torch.bfloat16, torch.device("cpu"), row_sums=True)
     cap = SimpleNamespace(transfer=t, sizes=SimpleNamespace(max_num_batched_tokens=64))
     worker = SimpleNamespace(model_runner=SimpleNamespace(vllm_hidden_capture=cap))
 

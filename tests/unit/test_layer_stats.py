@@ -392,7 +392,7 @@ def _through_the_ring(tmp_path, samples, *, final, fp8, generate, monkeypatch):
 
     monkeypatch.setattr(ColumnStats, "add_rows", host_reduction)
     cols = K + final
-    tr = StepTransfer(8, cols, H, torch.bfloat16, torch.device("cpu"), 2, fp8=fp8, row_stats=True)
+    tr = StepTransfer(8, cols, H, torch.bfloat16, torch.device("cpu"), 2, fp8=fp8, row_sums=True)
     w = shard_writer(tmp_path, IDS, H, rows=20, writer_threads=2, final_state=final, fp8=fp8, generate=generate)
     asm = Assembler(tr, w)
     rows = {sid: torch.cat([s[1], s[2][:, None]], 1) if final else s[1] for sid, s in samples.items()}

@@ -137,11 +137,11 @@ def test_staged_columns_reach_the_host_as_a_gather_does(fp8):
     n_rows, start, n = 12, 2, 5
     layers = [torch.randn(n_rows, H, dtype=torch.bfloat16) * 3 for _ in range(3)]
 
-    gathered = StepTransfer(16, 3, H, torch.bfloat16, torch.device("cpu"), 2, fp8=fp8, row_stats=True)
+    gathered = StepTransfer(16, 3, H, torch.bfloat16, torch.device("cpu"), 2, fp8=fp8, row_sums=True)
     slot = gathered.acquire()
     gathered.submit(layers, n, slot, start)
 
-    staged = StepTransfer(16, 3, H, torch.bfloat16, torch.device("cpu"), 2, fp8=fp8, row_stats=True)
+    staged = StepTransfer(16, 3, H, torch.bfloat16, torch.device("cpu"), 2, fp8=fp8, row_sums=True)
     stage = staged.stage()
     assert stage.shape == (16, 3, H) and stage.dtype == torch.bfloat16
     stage.fill_(7)  # rows outside the step must not reach the host

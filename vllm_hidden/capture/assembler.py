@@ -20,21 +20,36 @@ import torch
 
 from vllm_hidden.capture.records import CaptureError, NewRequest, ResponseEnd, Rows, Segment, Sink, Slot, StepRecord
 from vllm_hidden.capture.ring import StepTransfer
-from vllm_hidden.capture.staging import Slab, StagePool, words
+from vllm_hidden.capture.staging import Slab, Staged, StagePool, words
 
 log = logging.getLogger(__name__)
 
 
 class _Partial:
-    __slots__ = ("req", "slot", "total", "filled", "end", "finished")
+    """A request's rows so far, placed straight into the sample's place in the sink."""
+
+    __slots__ = ("req", "slot", "total", "filled")
 
     def __init__(self, req: NewRequest, slot: Slot) -> None:
         self.req = req
         self.slot = slot
         self.total = len(req.token_ids) if req.rows is None else req.rows
         self.filled = 0  # rows [0, filled) are valid
-        self.end: ResponseEnd | None = None  # --generate: where the response ended (the driver's word)
-        self.finished = False  # --generate: the engine is done with the request
+
+
+class _Generating:
+    """extract --generate: a request's rows so far, staged until the driver says where its
+    response ended."""
+
+    __slots__ = ("req", "staged", "total", "filled", "end", "finished")
+
+    def __init__(self, req: NewRequest, rows: int, staged: Staged) -> None:
+        self.req = req
+        self.staged = staged
+        self.total = rows  # prompt + max tokens until the end is known, then prompt + response
+        self.filled = 0  # rows [0, filled) are valid
+        self.end: ResponseEnd | None = None  # where the response ended (the driver's word)
+        self.finished = False  # the engine is done with the request
 
 
 # A generating request's segment of fewer rows than this goes into its step's scatter (a decode
@@ -48,7 +63,9 @@ class _SlabRows:
     __slots__ = ("slab", "dst", "src")
 
     def __init__(self, slab: Slab) -> None:
-        self.slab, self.dst, self.src = slab, [], []
+        self.slab = slab
+        self.dst: list[int] = []
+        self.src: list[int] = []
 
 
 class _StepRows:
@@ -59,8 +76,8 @@ class _StepRows:
 
     def __init__(self) -> None:
         self.slabs: dict[int, _SlabRows] = {}  # by id(slab)
-        self.filled: dict[str, tuple[_Partial, int]] = {}  # request id -> (its part, rows valid once placed)
-        self.gone: list[_Partial] = []  # failed this step: their buffers go back once the copies are done
+        self.filled: dict[str, tuple[_Generating, int]] = {}  # request id -> (its part, rows valid once placed)
+        self.gone: list[_Generating] = []  # failed this step: their buffers go back once the copies are done
 
 
 class Assembler:
@@ -72,7 +89,7 @@ class Assembler:
         self.transfer = transfer
         self.sink = sink
         self._pending: dict[str, NewRequest] = {}
-        self._partial: dict[str, _Partial] = {}
+        self._partial: dict[str, _Partial | _Generating] = {}
         self._by_line: dict[tuple[int, int], str] = {}  # --generate: (input line, turn) -> the engine's request id
         self.dropped: list[str] = []
         self.wait_copy_s = 0.0  # waiting for D2H copies to land
@@ -82,12 +99,12 @@ class Assembler:
         try:  # the ring slot goes back whatever happens, or the engine would wait for it forever
             self._pending.update(rec.new)
             for rid, req in rec.new.items():
-                if req.generate:
+                if req.generate and req.line is not None:  # (always: NewRequest checks it)
                     self._by_line[req.line, req.turn] = rid
             for end in rec.ends:
-                rid = self._by_line.pop((end.line, end.turn), None)
-                if rid is not None:
-                    self._end(rid, end)
+                ended = self._by_line.pop((end.line, end.turn), None)
+                if ended is not None:
+                    self._end(ended, end)
             for rid in rec.finished:
                 self._finished(rid)
             if rec.slot is None:
@@ -104,7 +121,7 @@ class Assembler:
                     part = self._partial.pop(seg.req_id, None)
                     if part is None or not self.sink.on_failure(part.req.sample_id, str(e)):
                         raise
-                    if part.req.generate:  # its buffer may still be a destination of this step's rows
+                    if isinstance(part, _Generating):  # its buffer may still be a destination of this step's rows
                         gen.gone.append(part)
                     else:
                         self._discard(part)
@@ -115,14 +132,14 @@ class Assembler:
 
     def _finished(self, rid: str) -> None:
         """The engine is done with request `rid`: all of its rows came in earlier records."""
-        gen = self._partial.get(rid)
-        if gen is not None and gen.req.generate:  # complete once the driver says where it ended
-            gen.finished = True
-            self._try_generated(rid, gen)
+        part = self._partial.get(rid)
+        if isinstance(part, _Generating):  # complete once the driver says where it ended
+            part.finished = True
+            self._try_generated(rid, part)
             return
         # An open-ended capture is complete now; anything else still here was aborted before its
         # prompt was complete (normal completions left already).
-        part = self._partial.pop(rid, None)
+        self._partial.pop(rid, None)
         if part is not None and part.req.until_finished:
             part.slot.buf = part.slot.buf[: part.filled]
             self.sink.commit(part.slot)
@@ -133,11 +150,11 @@ class Assembler:
         if req is not None:
             self._dropped(rid, req, "the request ended before its prompt rows were all computed")
 
-    def _discard(self, part: _Partial) -> None:
+    def _discard(self, part: _Partial | _Generating) -> None:
         """A request's rows go nowhere: the sink drops its slot, or (generating) its staging
         buffer is kept for another request."""
-        if part.req.generate:  # a generating request's rows were never the sink's
-            self._stages.give(part.slot)
+        if isinstance(part, _Generating):  # a generating request's rows were never the sink's
+            self._stages.give(part.staged)
         else:
             self.sink.drop(part.slot)
 
@@ -152,12 +169,12 @@ class Assembler:
         """--generate: the driver knows where request `rid`'s response ended."""
         if end.drop is not None:  # an error record, or a turn whose rows a later turn computes again: its rows go
             self._pending.pop(rid, None)
-            part = self._partial.pop(rid, None)
-            if part is not None:
-                self._stages.give(part.slot)
+            gone = self._partial.pop(rid, None)
+            if gone is not None:
+                self._discard(gone)
             return
         part = self._partial.get(rid)
-        if part is None:
+        if not isinstance(part, _Generating):
             req = self._pending.pop(rid, None)
             if req is not None:
                 self._dropped(rid, req, "the response ended before any of its rows were captured")
@@ -168,20 +185,20 @@ class Assembler:
         part.total, part.end = end.rows, end
         self._try_generated(rid, part)
 
-    def _try_generated(self, rid: str, part: _Partial) -> None:
+    def _try_generated(self, rid: str, part: _Generating) -> None:
         """A generated sample goes to the sink once its end is known and its rows up to it are in."""
         if part.end is None:
             return
         if part.filled >= part.total:
             del self._partial[rid]
             end = part.end
-            staged, n = part.slot, part.total
+            staged, n = part.staged, part.total
             self.sink.add_rows(part.req.sample_id, end.token_ids, staged.first(n), loss_spans=end.loss_spans,
                                num_prompt=end.num_prompt, record=end.record, line=part.req.line,
                                done=lambda: self._stages.give(staged))
         elif part.finished:  # no more rows will come
             del self._partial[rid]
-            self._stages.give(part.slot)
+            self._stages.give(part.staged)
             self._dropped(rid, part.req, f"the request ended with {part.filled} of its {part.total} rows captured")
 
     def _take(self, seg: Segment, step: Rows, gen: _StepRows) -> None:
@@ -190,14 +207,16 @@ class Assembler:
             req = self._pending.pop(seg.req_id, None)
             if req is None:
                 return  # a request we were not asked to capture, or one already complete
-            if req.generate:
-                slot = self._stages.take(req.rows, step.values, step.row_scale, step.row_sums)
+            if req.generate and req.rows is not None:  # (always both: NewRequest checks it)
+                part = _Generating(req, req.rows, self._stages.take(req.rows, step.values, step.row_scale,
+                                                                    step.row_sums))
             elif req.rows is None:
-                slot = self.sink.reserve(req.sample_id, req.token_ids, line=req.line, loss_spans=req.loss_spans)
+                part = _Partial(req, self.sink.reserve(req.sample_id, req.token_ids, line=req.line,
+                                                       loss_spans=req.loss_spans))
             else:
-                slot = self.sink.reserve(req.sample_id, req.token_ids, rows=req.rows)
-            part = self._partial[seg.req_id] = _Partial(req, slot)
-        if part.req.generate:
+                part = _Partial(req, self.sink.reserve(req.sample_id, req.token_ids, rows=req.rows))
+            self._partial[seg.req_id] = part
+        if isinstance(part, _Generating):
             self._take_generated(seg, step, part, gen)
             return
         total = part.total
@@ -218,7 +237,7 @@ class Assembler:
             del self._partial[seg.req_id]
             self.sink.commit(part.slot)
 
-    def _take_generated(self, seg: Segment, step: Rows, part: _Partial, gen: _StepRows) -> None:
+    def _take_generated(self, seg: Segment, step: Rows, part: _Generating, gen: _StepRows) -> None:
         """Rows of a generating request: where they go, noted in `gen` (a long segment is copied
         now); its bookkeeping waits for `_place_generated`. After a preemption its rows are
         computed again from position 0: they overwrite the same places (equal states of the
@@ -230,9 +249,9 @@ class Assembler:
                                f"{filled} rows were captured")
         keep = min(seg.count, part.total - seg.pos)  # rows past `total`: past the response's end
         if keep >= _SCATTER_ROWS:
-            part.slot.place(seg.pos, step[seg.row : seg.row + keep])
+            part.staged.place(seg.pos, step[seg.row : seg.row + keep])
         elif keep > 0:
-            staged = part.slot
+            staged = part.staged
             slab = staged.slab
             to = gen.slabs.get(id(slab))
             if to is None:
@@ -266,7 +285,7 @@ class Assembler:
                 part.filled = filled
                 self._try_generated(rid, part)
         for part in gen.gone:
-            self._stages.give(part.slot)
+            self._stages.give(part.staged)
 
     def abandon(self) -> list[str]:
         """Drop every request still incomplete (end of a run); returns their request ids."""

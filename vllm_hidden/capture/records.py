@@ -80,6 +80,11 @@ class NewRequest:
     generate: bool = False
     turn: int = 0  # --regenerate all: which of the conversation's responses this request writes
 
+    def __post_init__(self) -> None:
+        if self.generate and (self.rows is None or self.line is None):
+            raise ValueError(f"a generating request needs its rows and input line, got rows={self.rows!r} "
+                             f"line={self.line!r} (sample {self.sample_id!r})")
+
     @property
     def until_finished(self) -> bool:
         return self.rows is not None and not self.generate

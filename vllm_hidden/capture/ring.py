@@ -1,7 +1,7 @@
 """The step transfer: gather -> ONE preallocated device buffer -> ONE async D2H copy into a
 preallocated (pinned on CUDA) host ring slot, completion tracked with events. Beside the
 values, each row carries its per-column statistic (`quant`), computed on the device in the
-same pass: the writer's finiteness check, and with fp8 storage the scale. With `row_stats`
+same pass: the writer's finiteness check, and with fp8 storage the scale. With `row_sums`
 (an output that keeps per-layer statistics) each row also carries, per column, its sum and
 centred sum of squares (`format.stats.RowSums`), reduced on the device where the rows already
 are: the host then sums a few floats per row instead of reading every value again.
@@ -36,12 +36,12 @@ class _NullEvent:
 class StepTransfer:
     """Owns the device step buffer and `slots` host buffers of the same layout: per token one
     packed row holding its C columns' values [C, H] and their per-column float32 statistic
-    [C] (`quant`: the amax, or with fp8 values the scale), with `row_stats` then their sums and
+    [C] (`quant`: the amax, or with fp8 values the scale), with `row_sums` then their sums and
     centred sums of squares [2, C], so one copy carries them all."""
 
     def __init__(self, max_tokens: int, num_layers: int, hidden_size: int, dtype: torch.dtype,
                  device: torch.device, slots: int = 2, fp8: bool = False, per_token: bool = False,
-                 row_stats: bool = False) -> None:
+                 row_sums: bool = False) -> None:
         if max_tokens < 1 or num_layers < 1 or hidden_size < 1:
             raise ValueError(f"bad buffer shape ({max_tokens}, {num_layers}, {hidden_size})")
         if slots < 2:
@@ -56,11 +56,11 @@ class StepTransfer:
         self._values_bytes = num_layers * hidden_size * self.values_dtype.itemsize
         if self._values_bytes % 4:
             raise ValueError(f"hidden size {hidden_size} leaves the row statistics unaligned")
-        self.row_stats = row_stats
-        self.bytes_per_row = self._values_bytes + 4 * num_layers * (3 if row_stats else 1)
+        self.has_row_sums = row_sums
+        self.bytes_per_row = self._values_bytes + 4 * num_layers * (3 if row_sums else 1)
         self._device_rows = torch.empty((max_tokens, self.bytes_per_row), dtype=torch.uint8, device=self.device)
         self._device_values, self._device_row_scale, self._device_row_sums = self._views(self._device_rows)
-        if row_stats:  # contiguous scratch for the reductions' outputs, then one copy into the rows
+        if row_sums:  # contiguous scratch for the reductions' outputs, then one copy into the rows
             self._row_sums = RowSums(num_layers * hidden_size, fp8, self.device,
                                      _DEVICE_SUM_CHUNK if self.cuda else 1 << 19)
             self._sums = torch.empty((2, max_tokens, num_layers), dtype=torch.float32, device=self.device)
@@ -74,7 +74,7 @@ class StepTransfer:
         views = [self._views(r) for r in self._host_rows]
         self.host = [v[0] for v in views]  # [max_tokens, C, H] values per slot (rows strided)
         self.host_row_scale = [v[1] for v in views]  # [max_tokens, C] float32 per slot
-        # row_stats: [max_tokens, 2, C] float32 per slot (sum, centred sum of squares); else None
+        # row_sums: [max_tokens, 2, C] float32 per slot (sum, centred sum of squares); else None
         self.host_row_sums = [v[2] for v in views]
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device=self.device)
@@ -98,7 +98,7 @@ class StepTransfer:
         n, c, h = self.shape
         values = rows[:, : self._values_bytes].view(self.values_dtype).view(n, c, h)
         floats = rows[:, self._values_bytes :].view(torch.float32)
-        return values, floats[:, :c], floats[:, c:].view(n, 2, c) if self.row_stats else None
+        return values, floats[:, :c], floats[:, c:].view(n, 2, c) if self.has_row_sums else None
 
     def stage(self) -> torch.Tensor:
         """[max_tokens, C, H] in the model's dtype: where a step's columns are put before their
@@ -119,7 +119,7 @@ class StepTransfer:
             return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
         out = {"rows": size(self._device_rows)}
-        if self.row_stats:
+        if self.has_row_sums:
             out["row_sums"] = size(self._row_sums.f32, self._row_sums.i16, self._sums)
         if self.fp8:
             out["fp8"] = size(self._gather, self._work, self._token_work)
@@ -180,7 +180,7 @@ class StepTransfer:
         allocation."""
         at = slice(base, base + n)
         values, row_scale = self._device_values[at], self._device_row_scale[at]
-        gather, work, row_sums = self._gather, self._work, self._device_row_sums  # fp8: gather, work; row_stats: sums
+        gather, work, row_sums = self._gather, self._work, self._device_row_sums  # fp8: gather, work; row_sums: sums
         stage = gather[at] if gather is not None else values
         for k, t in enumerate(layers):  # the rows are packed: one copy per column, not one stack
             stage[:, first + k].copy_(t[:n])

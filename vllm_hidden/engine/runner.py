@@ -59,7 +59,7 @@ class Capture:
         if self.writer_rank:
             # the layout the sink will open with, as the command that started vLLM says (else an
             # extract's default): allocated now, inside vLLM's memory profile, and kept at open
-            self.layout = CaptureLayout.from_env(os.environ) or CaptureLayout(row_stats=layer_stats_default())
+            self.layout = CaptureLayout.from_env(os.environ) or CaptureLayout(row_sums=layer_stats_default())
             self.transfer = self._new_transfer(self.layout)
             logging.getLogger("vllm.vllm_hidden").info("vllm-hidden: %s", memory_line(self.transfer))
         self.stashing = False  # the forward writes the captured layers itself (engine.stash; install_capture)
@@ -79,7 +79,7 @@ class Capture:
         sz = self.sizes
         return StepTransfer(sz.max_num_batched_tokens, len(self.cfg.layer_ids) + layout.final_state, sz.hidden_size,
                             sz.dtype, sz.device, self.cfg.ring_slots, fp8=layout.fp8, per_token=layout.per_token,
-                            row_stats=layout.row_stats)
+                            row_sums=layout.row_sums)
 
     def _buffers(self) -> StepTransfer:
         """The device buffer and host ring (the writer rank's: other ranks capture nothing)."""

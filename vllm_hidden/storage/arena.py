@@ -104,31 +104,38 @@ class SampleSlot:
         return index_entry(self.sample_id, self.row, int(self.token_ids.shape[0]),
                            self.num_prompt if generate else None)
 
+    def checksum(self) -> str:
+        """Its per-sample checksum, which its writer thread made before the shard's header is."""
+        if self.digest is None:
+            raise RuntimeError(f"sample {self.sample_id!r} reached its shard's header without its checksum")
+        return self.digest
+
     def mask(self) -> torch.Tensor:
         """Its loss mask rows, uint8 [T], from its spans."""
         m = torch.zeros(self.token_ids.shape[0], dtype=torch.uint8)
-        for lo, hi in self.loss_spans:
+        for lo, hi in self.loss_spans or ():
             m[lo:hi] = 1
         return m
 
     def place(self, pos: int, rows: Rows) -> None:
         """Rows [pos, pos + n) as the ring holds them, the last column the final state's when
         this output stores it (kept apart); their sums kept only where this arena has room."""
-        n, values, row_scale = len(rows), rows.values, rows.row_scale
+        n, values, row_scale, sums = len(rows), rows.values, rows.row_scale, rows.row_sums
         # the first placement decides; a later one without sums means the host reduces them all
-        self.has_row_sums = (rows.row_sums is not None and self.row_sums is not None
+        self.has_row_sums = (sums is not None and self.row_sums is not None
                              and (self.has_row_sums or not self.placed))
-        if self.has_row_sums:
-            self.row_sums[pos : pos + n].copy_(rows.row_sums)
+        if sums is not None and self.row_sums is not None and self.has_row_sums:
+            self.row_sums[pos : pos + n].copy_(sums)
         self.placed = True
-        if self.final is None:
+        final, final_scale = self.final, self.final_scale  # (both or neither)
+        if final is None or final_scale is None:
             self.buf[pos : pos + n].copy_(values)
             self.row_scale[pos : pos + n].copy_(row_scale)
         else:
             self.buf[pos : pos + n].copy_(values[:, :-1])
-            self.final[pos : pos + n].copy_(values[:, -1])
+            final[pos : pos + n].copy_(values[:, -1])
             self.row_scale[pos : pos + n].copy_(row_scale[:, :-1])
-            self.final_scale[pos : pos + n].copy_(row_scale[:, -1])
+            final_scale[pos : pos + n].copy_(row_scale[:, -1])
 
     @property
     def settled(self) -> bool:
@@ -145,7 +152,7 @@ class SampleSlot:
                 done()  # the caller's buffer is free: it is not read again
         elif not self.placed:
             quant.row_amax(self.buf, self.row_scale)
-            if self.final is not None:
+            if self.final is not None and self.final_scale is not None:
                 quant.row_amax(self.final[:, None], self.final_scale[:, None])
 
     def zero(self) -> None:
@@ -232,7 +239,7 @@ def layout(a: Arena, done: list[SampleSlot], layer_ids: list[int], *, room: int,
         tokens[s.row : s.row + s.token_ids.shape[0]] = s.token_ids
         if mask is not None:
             mask[s.row : s.row + s.token_ids.shape[0]] = s.mask()
-    gens = torch.frombuffer(bytearray(b"".join(s.record for s in done)), dtype=torch.uint8) if generate else None
+    gens = torch.frombuffer(bytearray(b"".join(s.record or b"" for s in done)), dtype=torch.uint8) if generate else None
     scales = [(HIDDEN_SCALE, a.row_scale[:rows]),
               (FINAL_SCALE, a.final_scale[:rows] if a.final_scale is not None else None)]
     tail = [(FINAL, a.final[:rows] if a.final is not None else None), *(scales if fp8 else []), (TOKENS, tokens),
@@ -240,5 +247,5 @@ def layout(a: Arena, done: list[SampleSlot], layer_ids: list[int], *, room: int,
     tail = [(name, t) for name, t in tail if t is not None]
     entries, end = st.entries([(HIDDEN, a.buf.dtype, [rows, *a.buf.shape[1:]]),
                                *((name, t.dtype, t.shape) for name, t in tail)])
-    meta = shard_metadata(layer_ids, [s.entry(generate) for s in done], [s.digest for s in done], stats)
+    meta = shard_metadata(layer_ids, [s.entry(generate) for s in done], [s.checksum() for s in done], stats)
     return st.build_header(entries, meta, room=room), tail, entries, end

@@ -284,7 +284,8 @@ class ShardWriter(Sink):
         stats_s = 0.0
         try:
             nbytes = 0
-            acc = layer_stats.ColumnStats(len(self.columns)) if a.stats is not None else None
+            cols = self.columns
+            acc = layer_stats.ColumnStats(len(cols)) if a.stats is not None and cols is not None else None
             summed: list[SampleSlot] = []  # written, with the device's row sums
             for s in batch:  # copy in, check, checksum, write, accumulate
                 if not s.settled:  # its copy-in is this thread's (add_rows, or values written into buf)
@@ -305,14 +306,15 @@ class ShardWriter(Sink):
                     t1 = time.perf_counter()
                     acc.add_sample(self._sums(), s.buf, s.row_scale, s.final, s.final_scale)
                     stats_s += time.perf_counter() - t1
-            if summed:  # the device's row sums of the whole batch at once: a few ops, not a few per sample
+            # the device's row sums of the whole batch at once: a few ops, not a few per sample
+            if summed and acc is not None:
                 t1 = time.perf_counter()
                 acc.add_summed(torch.cat([s.row_sums for s in summed]), torch.cat([s.row_scale for s in summed]),
                                torch.cat([s.final_scale for s in summed]) if self.final_row_bytes else None,
                                self.row_shape[1], self.fp8)
                 stats_s += time.perf_counter() - t1
             with self._cv:
-                if acc is not None:
+                if acc is not None and a.stats is not None:
                     a.stats.merge(acc)
                 a.unsynced += nbytes
                 sync = a.unsynced >= _SYNC_EVERY
@@ -363,7 +365,8 @@ class ShardWriter(Sink):
                 w.result()
             done = a.committed()
             if index >= 0 and done:  # else nothing to keep (every sample dropped or not finite)
-                stats = a.stats.record(self.columns) if a.stats is not None else None
+                cols = self.columns
+                stats = a.stats.record(cols) if a.stats is not None and cols is not None else None
                 head, tail, entries, end = layout(a, done, self.layer_ids, room=self.header_room, fp8=self.fp8,
                                                   loss_mask=self.cfg.loss_mask, generate=self.cfg.generate,
                                                   stats=stats)
