@@ -297,12 +297,13 @@ def verify_checksums(out: Path) -> None:
 
 class Server:
     """An OpenAI server in a subprocess on 127.0.0.1: `vllm-hidden serve` (layers given) or
-    plain `vllm serve` (layers None). Output goes to `log`."""
+    plain `vllm serve` (layers None). Output goes to `log`. Returns once it answers /health,
+    or at once with `wait=False` (then `ready()`): servers started together start faster
+    than one after another, their processes' imports overlapping."""
 
     def __init__(self, model: Path, log: Path, layers: str | None, *args: str, api_key: str | None = None,
-                 timeout: float = 600, port: int | None = None) -> None:
+                 timeout: float = 600, port: int | None = None, wait: bool = True) -> None:
         import time
-        import urllib.request
 
         from vllm_hidden.warmup import free_port
 
@@ -324,7 +325,17 @@ class Server:
         self.log = log
         self._log_f = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log_f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.time() + timeout
+        self._deadline = time.time() + timeout
+        if wait:
+            self.ready()
+
+    def ready(self) -> "Server":
+        """Waits until it answers /health (stopping it and raising, with its log's tail, if it
+        exits or its start timeout passes first)."""
+        import time
+        import urllib.request
+
+        log = self.log
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{log.read_text()[-4000:]}")
@@ -334,10 +345,11 @@ class Server:
                         break
             except OSError:
                 pass
-            if time.time() > deadline:
+            if time.time() > self._deadline:
                 self.stop()
-                raise RuntimeError(f"server did not come up in {timeout} s:\n{log.read_text()[-4000:]}")
+                raise RuntimeError(f"server did not come up in time:\n{log.read_text()[-4000:]}")
             time.sleep(1)
+        return self
 
     def client(self, **kw):
         from openai import OpenAI

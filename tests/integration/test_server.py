@@ -39,14 +39,36 @@ def fetch_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(dense, tmp_path_factory, fetch_dir):
-    s = Server(dense, tmp_path_factory.mktemp("srv") / "server.log", ",".join(map(str, LAYERS)),
-               "--max-model-len", "1024", "--enforce-eager", "--enable-prompt-tokens-details",
-               "--max-hidden-tokens", str(MAX_HIDDEN), "--max-request-bytes", str(MAX_BODY),
-               "--api-server-count", "2", "--fetch-ttl", str(FETCH_TTL),
-               "--max-unfetched-bytes", str(UNFETCHED), "--fetch-dir", str(fetch_dir), api_key=KEY)
-    yield s
-    s.stop()
+def servers(dense, tiny_models, tmp_path_factory, fetch_dir):
+    """The module's three servers, started together (each fixture below waits for its own):
+    ours, a plain vLLM one, and the hybrid started the `vllm serve` way."""
+    hybrid = tiny_models("qwen3_next", 4)
+    started: dict = {"hybrid_model": hybrid}
+    try:
+        started["server"] = Server(
+            dense, tmp_path_factory.mktemp("srv") / "server.log", ",".join(map(str, LAYERS)), "--max-model-len",
+            "1024", "--enforce-eager", "--enable-prompt-tokens-details", "--max-hidden-tokens", str(MAX_HIDDEN),
+            "--max-request-bytes", str(MAX_BODY), "--api-server-count", "2", "--fetch-ttl", str(FETCH_TTL),
+            "--max-unfetched-bytes", str(UNFETCHED), "--fetch-dir", str(fetch_dir), api_key=KEY, wait=False)
+        started["plain"] = Server(dense, tmp_path_factory.mktemp("plain") / "server.log", None,  # as `server`
+                                  "--max-model-len", "1024", "--enforce-eager", "--enable-prompt-tokens-details",
+                                  api_key=KEY, wait=False)
+        # vLLM's flags alone, no `vllm-hidden serve`: the capture config in --additional-config and
+        # the middleware by --middleware
+        started["hybrid"] = Server(hybrid, tmp_path_factory.mktemp("hybrid") / "server.log", None,
+                                   "--max-model-len", "1024", "--enforce-eager", "--additional-config",
+                                   json.dumps({"vllm_hidden": {"layer_ids": [0, 1, 3]}}),
+                                   "--middleware", "vllm_hidden.server.HiddenStatesMiddleware", wait=False)
+        yield started
+    finally:
+        for name in ("server", "plain", "hybrid"):
+            if name in started:
+                started[name].stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers["server"].ready()
 
 
 def _unfetched_bytes(fetch_dir) -> int:
@@ -231,11 +253,8 @@ def test_prefix_cache_stays_on_and_a_states_request_gets_every_row(server, ref):
 
 
 @pytest.fixture(scope="module")
-def plain(dense, tmp_path_factory):
-    s = Server(dense, tmp_path_factory.mktemp("plain") / "server.log", None, "--max-model-len", "1024",
-               "--enforce-eager", "--enable-prompt-tokens-details", api_key=KEY)  # as `server`
-    yield s
-    s.stop()
+def plain(servers):
+    return servers["plain"].ready()
 
 
 def _without_ids(obj):
@@ -390,15 +409,8 @@ def test_concurrent_mixed_load(server, ref):
 
 
 @pytest.fixture(scope="module")
-def hybrid(tiny_models, tmp_path_factory):
-    """Started the `vllm serve` way (vLLM's flags alone, no `vllm-hidden serve`): the capture
-    config in --additional-config and the middleware by --middleware."""
-    model = tiny_models("qwen3_next", 4)
-    s = Server(model, tmp_path_factory.mktemp("hybrid") / "server.log", None, "--max-model-len", "1024",
-               "--enforce-eager", "--additional-config", json.dumps({"vllm_hidden": {"layer_ids": [0, 1, 3]}}),
-               "--middleware", "vllm_hidden.server.HiddenStatesMiddleware")
-    yield s, model
-    s.stop()
+def hybrid(servers):
+    return servers["hybrid"].ready(), servers["hybrid_model"]
 
 
 def test_gated_deltanet_hybrid_prompt_and_generated_states(hybrid):
