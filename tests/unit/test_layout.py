@@ -127,6 +127,8 @@ ALLOWED: dict[str, set[str]] = {
     "extract": {"errors", "envs", "vllm_hidden", "capture", "config", "devices", "engine", "format", "inputs", "layers",
                 "storage"},
     "warmup": {"config", "engine", "extract", "layers"},
+    # colocated training: an extract's engine in the trainer's process, its rows to device tensors
+    "colocate": {"capture", "config", "engine", "extract", "inputs"},
     # warm caches as one archive: the cache root's layout (engine.caches) and S3 reads (storage.s3)
     "cache_archive": {"errors", "engine", "storage"},
     "server": {"envs", "capture", "config", "engine", "format", "layers"},

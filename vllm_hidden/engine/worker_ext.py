@@ -20,6 +20,11 @@ class HiddenStatesWorkerExtension:
 
         return self._vllm_hidden().open(ShardConfig(**shard_cfg))
 
+    def vllm_hidden_open_device(self, final_state: bool):
+        """Colocated (`vllm_hidden.colocate`): the engine runs in the caller's process, so the
+        reply is the device sink itself, not a copy of it."""
+        return self._vllm_hidden().open_device(final_state)
+
     def vllm_hidden_close(self) -> dict[str, Any] | None:
         return self._vllm_hidden().close()
 

@@ -176,11 +176,11 @@ class PromptReader:
 
     def __iter__(self) -> Iterator[Prompt | BadLine]:
         for i, obj in records(self.path, self.columns):
-            yield self._record(i, obj)
+            yield self.prompt(i, obj)
 
     def parse(self, i: int, raw: bytes | str) -> Prompt | BadLine:
         """One JSONL line (as read from the file)."""
-        return self._record(i, parse_json(raw))
+        return self.prompt(i, parse_json(raw))
 
     def check(self, i: int, obj: dict[str, Any] | str) -> Record | BadLine:
         """Record `i` (a dict, or the text of why its line is not one) checked for everything
@@ -199,7 +199,8 @@ class PromptReader:
         except ValueError as e:
             return BadLine(i, sid, str(e))
 
-    def _record(self, i: int, obj: dict[str, Any] | str) -> Prompt | BadLine:
+    def prompt(self, i: int, obj: dict[str, Any] | str) -> Prompt | BadLine:
+        """Record `i` (as `inputs.sources.records` yields it) checked and tokenized."""
         rec = self.check(i, obj)
         if isinstance(rec, BadLine):
             return rec

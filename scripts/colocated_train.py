@@ -1,0 +1,133 @@
+#!/usr/bin/env python
+"""Train a small drafter colocated with its target: the target runs in this process
+(`vllm_hidden.colocate.HiddenStatesStream`), and each batch's hidden states arrive as tensors
+on this process's device. The drafter here is a few torch layers (a projection of the captured
+layers, two MLP blocks, a head predicting the next token), enough to show the loop; a real one
+(speculators' or SpecForge's EAGLE-3 / DFlash) takes the same batch.
+
+    python scripts/colocated_train.py --model M --input prompts.jsonl --layers 1,16,31 \\
+        --checkpoint ckpt.pt            # again with the same flags after a crash: goes on exactly
+
+The checkpoint holds the drafter, its optimizer and the stream's position (`state_dict`), saved
+after every batch. Under torchrun each process takes its rank's share of the input.
+`--dump DIR` writes each batch's tensors (for checks); `--die-after N` kills this process with
+SIGKILL after N batches (for the resume test)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+class TinyDrafter(nn.Module):
+    """K captured layers [N, K, H] -> next-token logits [N, V]."""
+
+    def __init__(self, k: int, hidden: int, vocab: int, width: int = 64) -> None:
+        super().__init__()
+        self.proj = nn.Linear(k * hidden, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
+                                                  nn.Linear(4 * width, width)) for _ in range(2))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, states: torch.Tensor) -> torch.Tensor:
+        x = self.proj(states.flatten(1).float())
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x)
+
+
+def next_token_loss(logits: torch.Tensor, batch: dict) -> torch.Tensor:
+    """Row t predicts token t + 1 of the same sample, where token t + 1 has loss."""
+    ids, mask, cu = batch["token_ids"], batch["loss_mask"], batch["cu_seqlens"]
+    last = torch.zeros_like(mask)
+    last[(cu[1:] - 1).long()] = True  # a sample's last row has no next token in it
+    target = torch.roll(ids, -1)
+    keep = torch.roll(mask, -1) & ~last
+    if not bool(keep.any()):
+        return logits.sum() * 0.0
+    return nn.functional.cross_entropy(logits[keep], target[keep])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--input", required=True)
+    ap.add_argument("--layers", default=None, help="layer ids as extract takes them (default: DFlash's 5)")
+    ap.add_argument("--final-state", action="store_true", help="also the model's final normed state")
+    ap.add_argument("--token-budget", type=int, default=4096)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None, help="the target's share of the GPU")
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--engine-arg", action="append", default=[], help="a vLLM engine option (repeat)")
+    ap.add_argument("--steps-per-batch", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--checkpoint", default=None)
+    ap.add_argument("--dump", default=None)
+    ap.add_argument("--die-after", type=int, default=None)
+    ap.add_argument("--result", default=None, help="a JSON file for the run's figures")
+    a = ap.parse_args()
+
+    from vllm_hidden.colocate import HiddenStatesStream
+
+    engine_args = [x for arg in a.engine_arg for x in arg.split()]
+    stream = HiddenStatesStream(a.model, a.input, layers=a.layers, final_state=a.final_state,
+                                token_budget=a.token_budget, gpu_memory_utilization=a.gpu_memory_utilization,
+                                max_model_len=a.max_model_len, engine_args=engine_args)
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(a.model).get_text_config().vocab_size
+    dev = stream.device
+    torch.manual_seed(0)
+    drafter = TinyDrafter(len(stream.layer_ids), stream.hidden_size, vocab).to(dev)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=a.lr)
+    ckpt = Path(a.checkpoint) if a.checkpoint else None
+    if ckpt is not None and ckpt.exists():
+        saved = torch.load(ckpt, weights_only=False)
+        drafter.load_state_dict(saved["drafter"])
+        opt.load_state_dict(saved["optimizer"])
+        stream.load_state_dict(saved["stream"])
+        print(f"resumed after batch {saved['stream']['batches']}", file=sys.stderr)
+    dump = Path(a.dump) if a.dump else None
+    if dump is not None:
+        dump.mkdir(parents=True, exist_ok=True)
+    losses, t0, tokens = [], time.perf_counter(), 0
+    for batch in stream:
+        for _ in range(a.steps_per_batch):
+            loss = next_token_loss(drafter(batch["hidden_states"]), batch)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        n = stream.state_dict()["batches"]
+        tokens += batch["token_ids"].numel()
+        if dump is not None:
+            host = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in batch.items()}
+            torch.save(host, dump / f"batch-{n:05d}.pt")
+        if ckpt is not None:  # written whole, then renamed: a crash leaves the last good one
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "stream": stream.state_dict()},
+                       tmp)
+            os.replace(tmp, ckpt)
+        print(f"batch {n}: {len(batch['ids'])} samples, {batch['token_ids'].numel()} tokens, loss "
+              f"{losses[-a.steps_per_batch]:.4f} -> {losses[-1]:.4f}", file=sys.stderr, flush=True)
+        if a.die_after is not None and n >= a.die_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+    seconds = time.perf_counter() - t0
+    counters = stream.close()
+    res = {"batches": stream.state_dict()["batches"], "tokens": tokens, "seconds": round(seconds, 3),
+           "losses": losses, "errors": [e.to_dict() for e in stream.errors], "capture": counters,
+           "device": str(dev)}
+    print(json.dumps(res))
+    if a.result:
+        Path(a.result).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Colocated training on the real engine: scripts/colocated_train.py trains a tiny drafter on
+`HiddenStatesStream` batches, the target (a tiny Qwen3-Next hybrid with a chat template) in the
+script's own process. Killed with SIGKILL after two batches and run again from its checkpoint,
+it gets every sample once, in input order, in the batches an uninterrupted run cuts; every
+captured layer and the final state match HF, the loss masks are the input's, and no step's
+states were copied to the host (the capture counts its host copies)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from tests.chat_model import chat_model, expected
+from tests.integration.helpers import HFReference, cli_env, rel_l2
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYERS = [0, 2, 3]  # of 4: 3 is the last (before the final norm)
+BUDGET = 400
+CHATS = [
+    [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi, how can I help"}],
+    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "two plus two"},
+     {"role": "assistant", "content": "four"}, {"role": "user", "content": "and three"},
+     {"role": "assistant", "content": "seven, no: five"}],
+]
+
+
+def _inputs(path: Path, tok) -> tuple[dict, int]:
+    """Token-id records (some with their own loss mask), chat records and one bad line near the
+    end; returns each good record's id -> (token ids, loss mask), worked out here, not by the
+    code under test, and the bad line's number."""
+    rng = random.Random(3)
+    want, lines, bad = {}, [], -1
+    for i in range(14):
+        ids = [rng.randrange(10, 1000) for _ in range(rng.randint(20, 180))]
+        rec = {"id": f"t{i}", "token_ids": ids}
+        mask = [1] * len(ids)
+        if i % 3 == 0:
+            mask = [int(rng.random() < 0.5) for _ in ids]
+            rec["loss_mask"] = mask
+        lines.append(json.dumps(rec))
+        want[f"t{i}"] = (ids, mask)
+        if i % 5 == 1:
+            c = CHATS[(i // 5) % len(CHATS)]
+            lines.append(json.dumps({"id": f"c{i}", "messages": c}))
+            want[f"c{i}"] = expected(tok, c)
+        if i == 12:
+            bad = len(lines)
+            lines.append("not json")
+    path.write_text("\n".join(lines) + "\n")
+    return want, bad
+
+
+def _train(model, inp, tmp, engine: str, *extra) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "scripts" / "colocated_train.py"), "--model", str(model), "--input", str(inp),
+           "--layers", ",".join(map(str, LAYERS)), "--final-state", "--token-budget", str(BUDGET),
+           "--max-model-len", "512", "--engine-arg", engine, "--steps-per-batch", "3",
+           "--checkpoint", str(tmp / "ckpt.pt"), *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=cli_env(), cwd=ROOT)
+
+
+def test_killed_then_resumed_trains_on_every_sample_once_with_hf_states(tiny_models, tmp_path):
+    res = killed_then_resumed(tiny_models, tmp_path, "--enforce-eager --dtype bfloat16 --max-num-seqs 8")
+    assert res["device"] == "cpu"
+
+
+def killed_then_resumed(tiny_models, tmp_path, engine: str) -> dict:
+    """The whole check, for this CPU test and its GPU twin (tests/gpu): returns the run's result."""
+    from transformers import AutoTokenizer
+
+    model = chat_model(tiny_models("qwen3_next", 4), tmp_path / "model")
+    want, bad = _inputs(tmp_path / "in.jsonl", AutoTokenizer.from_pretrained(model))
+
+    first = _train(model, tmp_path / "in.jsonl", tmp_path, engine, "--dump", str(tmp_path / "a"), "--die-after", "2")
+    assert first.returncode == -9, first.stderr[-3000:]  # killed by its own SIGKILL, after batch 2's checkpoint
+    again = _train(model, tmp_path / "in.jsonl", tmp_path, engine, "--dump", str(tmp_path / "b"),
+                   "--result", str(tmp_path / "res.json"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed after batch 2" in again.stderr
+    res = json.loads((tmp_path / "res.json").read_text())
+
+    files = sorted((tmp_path / "a").glob("batch-*.pt")) + sorted((tmp_path / "b").glob("batch-*.pt"))
+    assert [f.name for f in files] == [f"batch-{n:05d}.pt" for n in range(1, len(files) + 1)], files
+    batches = [torch.load(f) for f in files]
+    # every good record once, in input order; batches cut greedily under the budget
+    order = [b for batch in batches for b in batch["ids"]]
+    assert order == list(want), order
+    sizes = [[len(want[i][0]) for i in batch["ids"]] for batch in batches]
+    for k, s in enumerate(sizes):
+        assert sum(s) <= BUDGET and (k == len(sizes) - 1 or sum(s) + sizes[k + 1][0] > BUDGET), sizes
+    assert [e["line"] for e in res["errors"]] == [bad], res["errors"]  # read by the resumed run, skipped
+    assert res["capture"]["host_copies"] == 0, res["capture"]  # no step's rows went through the host ring
+    assert res["capture"]["device_rows"] >= sum(len(v[0]) for k, v in want.items()
+                                                if k in batches[-1]["ids"]), res["capture"]
+
+    ref = HFReference(model)
+    worst = {lid: 0.0 for lid in LAYERS} | {"final": 0.0}
+    for batch in batches:
+        cu = batch["cu_seqlens"].tolist()
+        assert cu[0] == 0 and cu[-1] == batch["token_ids"].numel() == batch["hidden_states"].shape[0]
+        assert batch["hidden_states"].shape[1:] == (len(LAYERS), ref.model.config.hidden_size)
+        for b, sid in enumerate(batch["ids"]):
+            lo, hi = cu[b], cu[b + 1]
+            ids, mask = want[sid]
+            assert batch["token_ids"][lo:hi].tolist() == ids, sid
+            assert batch["loss_mask"][lo:hi].int().tolist() == mask, sid
+            assert batch["position_ids"][lo:hi].tolist() == list(range(hi - lo)), sid
+            states = ref.states(ids)
+            for k, lid in enumerate(LAYERS):
+                worst[lid] = max(worst[lid], rel_l2(batch["hidden_states"][lo:hi, k], states[lid]))
+            worst["final"] = max(worst["final"], rel_l2(batch["final_hidden_states"][lo:hi], ref.post_norm))
+    assert max(worst.values()) <= 1e-2, worst
+
+    # the drafter trained: three steps on each batch, each batch's loss lower after them
+    losses = res["losses"]
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    per_batch = [losses[i : i + 3] for i in range(0, len(losses), 3)]
+    assert all(b[-1] < b[0] for b in per_batch), per_batch
+    return res

@@ -1,0 +1,91 @@
+"""The colocated stream's batches without an engine (`colocate.batcher.PromptBatcher`): each
+rank takes the input lines i with i % world_size == rank, in order; batches are cut greedily
+under the token budget; a cursor brings a new batcher to the next batch; a prompt over the
+budget is refused naming both sizes; bad records are skipped and kept."""
+
+import json
+import random
+
+import pytest
+
+from vllm_hidden.colocate.batcher import PromptBatcher
+from vllm_hidden.inputs.reader import PromptReader
+
+
+def _input(path, n=40, seed=0):
+    rng = random.Random(seed)
+    lens, lines = {}, []
+    for i in range(n):
+        if i % 13 == 5:
+            lines.append("{broken")
+            continue
+        ids = [rng.randrange(1, 100) for _ in range(rng.randint(1, 60))]
+        lines.append(json.dumps({"id": f"s{i}", "token_ids": ids}))
+        lens[i] = len(ids)
+    path.write_text("\n".join(lines) + "\n")
+    return lens
+
+
+def _batcher(path, rank=0, world=1, budget=100):
+    return PromptBatcher(PromptReader(path, vocab_size=100, max_prompt_len=1000), rank, world, budget)
+
+
+def _all(b):
+    out = []
+    while batch := b.next_batch():
+        out.append([p.line for p in batch])
+        b.done(batch)
+    return out
+
+
+def test_ranks_split_the_lines_in_order_and_batches_fit_the_budget(tmp_path):
+    lens = _input(tmp_path / "in.jsonl")
+    seen = []
+    for rank in range(3):
+        b = _batcher(tmp_path / "in.jsonl", rank, 3, budget=100)
+        batches = _all(b)
+        lines = [x for batch in batches for x in batch]
+        assert lines == [i for i in sorted(lens) if i % 3 == rank]
+        for k, batch in enumerate(batches):
+            used = sum(lens[i] for i in batch)
+            assert used <= 100
+            if k + 1 < len(batches):  # greedy: the next prompt did not fit
+                assert used + lens[batches[k + 1][0]] > 100
+        assert sorted(e.line for e in b.errors) == [i for i in range(40) if i % 13 == 5 and i % 3 == rank]
+        seen += lines
+    assert sorted(seen) == sorted(lens)  # every good line once, over the ranks
+
+
+def test_a_cursor_brings_a_new_batcher_to_the_next_batch(tmp_path):
+    _input(tmp_path / "in.jsonl")
+    whole = _all(_batcher(tmp_path / "in.jsonl", 1, 2, budget=90))
+    b = _batcher(tmp_path / "in.jsonl", 1, 2, budget=90)
+    for _ in range(3):
+        b.done(b.next_batch())
+    b.next_batch()  # read, not handed over: the cursor stays before it
+    resumed = _batcher(tmp_path / "in.jsonl", 1, 2, budget=90)
+    resumed.seek(b.cursor)
+    assert whole[:3] + _all(resumed) == whole
+
+
+def test_a_prompt_over_the_budget_is_refused_naming_both(tmp_path):
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "long", "token_ids": list(range(1, 51))}) + "\n")
+    with pytest.raises(ValueError, match="input line 0 .id 'long'. has 50 tokens, more than token_budget 40"):
+        _batcher(tmp_path / "in.jsonl", budget=40).next_batch()
+    with pytest.raises(ValueError, match="cursor must be a non-negative int, got -1"):
+        _batcher(tmp_path / "in.jsonl").seek(-1)
+
+
+def test_stream_options_are_checked_before_anything_starts(tmp_path, monkeypatch):
+    from vllm_hidden.colocate.stream import HiddenStatesStream, _rank_and_world
+
+    with pytest.raises(ValueError, match="token_budget must be a positive int, got 0"):
+        HiddenStatesStream("m", tmp_path / "in.jsonl", token_budget=0)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\), got 1.5"):
+        HiddenStatesStream("m", tmp_path / "in.jsonl", gpu_memory_utilization=1.5)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert _rank_and_world(None, None) == (3, 4)  # torchrun's
+    assert _rank_and_world(0, 2) == (0, 2)
+    with pytest.raises(ValueError, match=r"rank must be an int in 0..1, got 2"):
+        _rank_and_world(2, 2)

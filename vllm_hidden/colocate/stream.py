@@ -1,0 +1,244 @@
+"""Colocated training: the trainer's own process runs the target (vLLM's engine, in process)
+on the trainer's GPU, and `HiddenStatesStream` yields batches whose tensors are already on that
+GPU. The states go from the capture's step buffer straight into each batch's tensors
+(`capture.device`): no copy to the host, no disk, no second process.
+
+Pull-through: a batch is computed when the trainer asks for it, so target and drafter take
+turns on the GPU. The order is the input's, split by rank (line i goes to rank i % world_size),
+and batches are cut by a token budget, so the sequence of batches is fixed by the input, the
+rank and the budget; `state_dict()` is the position after the last batch handed over, and a
+stream given it back (`load_state_dict`) goes on with exactly the batches not yet handed over."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm_hidden.capture.device import Destination, DeviceBatches
+from vllm_hidden.capture.records import CaptureError
+from vllm_hidden.colocate.batcher import PromptBatcher
+from vllm_hidden.inputs.reader import BadLine, Prompt
+
+log = logging.getLogger("vllm_hidden")
+
+STATE_VERSION = 1
+
+
+def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """As given, else torch.distributed's (initialized), else torchrun's RANK / WORLD_SIZE, else 0 of 1."""
+    if rank is None or world_size is None:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank() if rank is None else rank
+            world_size = dist.get_world_size() if world_size is None else world_size
+        else:
+            rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+            world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in 0..{world_size - 1}, got {rank!r}")
+    return rank, world_size
+
+
+class HiddenStatesStream:
+    """Batches of a prompt file's hidden states for a training loop, made by the target in this
+    process. Each batch is a dict of tensors on the target's device, the samples packed one
+    after another (a sample's rows are its tokens, unshifted):
+
+    - `hidden_states` [N, K, H]: the K captured layers (layer ids as `extract` takes them);
+    - `token_ids` int64 [N], `position_ids` int64 [N] (each sample from 0), `loss_mask` bool [N];
+    - `cu_seqlens` int32 [B + 1]: sample b is rows cu_seqlens[b]:cu_seqlens[b + 1];
+    - `final_hidden_states` [N, H] with `final_state=True` (the model's output after its final norm);
+    - `ids`: the B samples' ids (the input's `id`, else its line).
+
+    `token_budget` bounds N; a prompt longer than it is refused, naming both. Input records as
+    `extract` reads them (token_ids, text, messages or conversations; JSONL, a JSON array or
+    Parquet); bad records are skipped and kept in `errors`. `gpu_memory_utilization` is the
+    target's share of the GPU (vLLM's, weights, KV cache and the capture buffer within it); the
+    batches come out of what is left. Other vLLM engine options as `engine_args` (e.g.
+    ["--quantization", "fp8"]). One process per GPU under torchrun: each rank takes its own lines."""
+
+    def __init__(self, model: str, input: str | Path, *, layers: str | Sequence[int] | None = None,
+                 layers_from: str | None = None, final_state: bool = False, token_budget: int = 16384,
+                 gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
+                 loss_mask: str | None = None, engine_args: Sequence[str] = (), dtype: str = "auto",
+                 cache_dir: str | None = None, rank: int | None = None, world_size: int | None = None) -> None:
+        from vllm_hidden.config import CaptureLayout, ExtractConfig
+        from vllm_hidden.extract.extractor import Extractor
+        from vllm_hidden.extract.plan import check_prompts, plan_extract, prompt_reader
+
+        if not isinstance(token_budget, int) or isinstance(token_budget, bool) or token_budget < 1:
+            raise ValueError(f"token_budget must be a positive int, got {token_budget!r}")
+        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization < 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {gpu_memory_utilization!r}")
+        self.rank, self.world_size = _rank_and_world(rank, world_size)
+        self.token_budget = token_budget
+        self.final_state = bool(final_state)
+        self.input = str(input)
+        engine = list(engine_args)
+        if gpu_memory_utilization is not None:
+            engine += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+        if isinstance(layers, (list, tuple)):
+            layers = ",".join(str(int(x)) for x in layers)
+        cfg = ExtractConfig(model=model, input_path=self.input, output_dir="", layers=layers,  # type: ignore[arg-type]
+                            layers_from=layers_from, max_model_len=max_model_len, dtype=dtype,
+                            engine_args=engine, cache_dir=cache_dir, loss_mask=loss_mask,
+                            final_state="post-norm" if self.final_state else "none", progress=False)
+        plan = plan_extract(cfg)
+        check_prompts(cfg, plan)  # a systematic input mistake fails here, before the engine starts
+        self.layer_ids = list(plan.layer_ids)
+        self._batcher = PromptBatcher(prompt_reader(cfg, plan), self.rank, self.world_size, token_budget)
+        self._batches = 0
+        self._samples = 0
+
+        from vllm_hidden.engine import compat
+
+        compat.engine_in_this_process()
+        self._ex = Extractor(cfg, plan, start=False)
+        # the capture buffers the worker allocates at load, inside vLLM's memory profile
+        os.environ.update(CaptureLayout(final_state=self.final_state).to_env())
+        self._ex.start()
+        sink = self._ex.engine.collective_rpc("vllm_hidden_open_device", args=(self.final_state,))[0]
+        if not isinstance(sink, DeviceBatches):
+            self.close()
+            raise RuntimeError(f"the engine's worker is not in this process (its capture sink came back as "
+                               f"{type(sink).__name__}); colocated capture needs vLLM's one-process executor")
+        self._sink = sink
+        self.device: torch.device = sink.device  # where the batches' tensors are
+        self.hidden_size: int = sink.hidden_size
+        log.info("vllm-hidden: colocated on %s: %s", sink.device, self.memory())
+
+    # -- the stream ----------------------------------------------------------------------
+    def __iter__(self) -> HiddenStatesStream:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        prompts = self._batcher.next_batch()
+        if not prompts:
+            raise StopIteration
+        batch = self._compute(prompts)
+        self._batcher.done(prompts)
+        self._batches += 1
+        self._samples += len(prompts)
+        return batch
+
+    def _compute(self, prompts: list[Prompt]) -> dict[str, Any]:
+        """The prompts through the engine; their rows placed in this batch's tensors as each
+        step makes them (`capture.device`)."""
+        from vllm_hidden.engine import compat
+        from vllm_hidden.engine.runner import REQUEST_KEY
+
+        sink, engine = self._sink, self._ex.engine
+        lengths = [len(p.token_ids) for p in prompts]
+        total, k, h = sum(lengths), len(self.layer_ids), sink.hidden_size
+        dev = sink.device
+        hidden = torch.empty((total, k, h), dtype=sink.dtype, device=dev)
+        final = torch.empty((total, h), dtype=sink.dtype, device=dev) if self.final_state else None
+        token_ids, positions = torch.empty(total, dtype=torch.int64), torch.empty(total, dtype=torch.int64)
+        mask = torch.zeros(total, dtype=torch.bool)
+        cu = [0]
+        waiting: dict[str, Any] = {}  # the engine's request id -> sample key
+        try:
+            for p, n in zip(prompts, lengths):
+                at = cu[-1]
+                token_ids[at : at + n] = torch.tensor(p.token_ids, dtype=torch.int64)
+                positions[at : at + n] = torch.arange(n)
+                for lo, hi in (p.loss_spans if p.loss_spans is not None else [(0, n)]):
+                    mask[at + lo : at + hi] = True
+                key = f"{self.input}:{p.line}"
+                sink.expect(key, Destination(hidden, at, n, final))
+                rid = f"colocated-{p.line}"
+                params = compat.prefill_sampling_params({REQUEST_KEY: key})
+                engine.add_request(rid, {"prompt_token_ids": p.token_ids}, params)
+                waiting[rid] = (key, p, n)
+                cu.append(at + n)
+            while waiting:
+                for out in engine.step():
+                    if out.finished and out.request_id in waiting:
+                        key, p, n = waiting.pop(out.request_id)
+                        got = sink.finish(key)
+                        if got != n:
+                            raise CaptureError(f"input line {p.line} (id {p.id!r}): {got} of its {n} rows were "
+                                               "captured")
+        except BaseException:
+            if waiting:
+                engine.abort_request(list(waiting))
+            sink.forget()
+            raise
+        if sink.placed_event is not None:  # the copies ran on the engine's stream: ours waits for them on the device
+            torch.cuda.current_stream(dev).wait_event(sink.placed_event)
+        batch = {"ids": [p.id for p in prompts], "hidden_states": hidden,
+                 "token_ids": token_ids.to(dev, non_blocking=True),
+                 "position_ids": positions.to(dev, non_blocking=True), "loss_mask": mask.to(dev, non_blocking=True),
+                 "cu_seqlens": torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True)}
+        if final is not None:
+            batch["final_hidden_states"] = final
+        return batch
+
+    # -- checkpointing -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Where the stream is: after the last batch handed over. Saved with the trainer's
+        checkpoint, it brings a new stream (same input, rank, world size and budget) to the
+        batch after that one."""
+        return {"version": STATE_VERSION, "input": self.input, "cursor": self._batcher.cursor, "batches": self._batches,
+                "samples": self._samples, "rank": self.rank, "world_size": self.world_size,
+                "token_budget": self.token_budget}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ValueError(f"not a HiddenStatesStream state (version {STATE_VERSION}): {str(state)[:200]!r}")
+        mine = self.state_dict()
+        for name in ("input", "rank", "world_size", "token_budget"):
+            if state.get(name) != mine[name]:
+                raise ValueError(f"the saved stream had {name}={state.get(name)!r}, this one has {mine[name]!r}: "
+                                 "the batches would not be the same sequence")
+        self._batcher.seek(int(state["cursor"]))
+        self._batches, self._samples = int(state["batches"]), int(state["samples"])
+
+    # -- resources -----------------------------------------------------------------------
+    def memory(self) -> dict[str, Any]:
+        """What this stream holds or will hold on the device, in bytes."""
+        sink = self._sink
+        per_token = (len(self.layer_ids) + self.final_state) * sink.hidden_size * sink.dtype.itemsize + 8 * 2 + 1
+        return {"capture_buffer_bytes": sink.capture_bytes, "batch_bytes_at_budget": per_token * self.token_budget,
+                "target_share": self._target_share()}
+
+    def _target_share(self) -> float | None:
+        from vllm_hidden.engine import compat
+
+        return compat.gpu_memory_share(self._ex.engine)
+
+    @property
+    def errors(self) -> list[BadLine]:
+        """This rank's input records skipped so far (each with its reason)."""
+        return self._batcher.errors
+
+    def counters(self) -> dict[str, int]:
+        """The device sink's work so far: steps that placed rows, rows placed, device copies made."""
+        s = self._sink
+        return {"steps": s.steps, "rows": s.rows, "copies": s.copies, "batches": self._batches,
+                "samples": self._samples}
+
+    def close(self) -> dict[str, Any]:
+        """The engine stopped; returns the capture's counters (steps, rows placed on the device,
+        `host_copies`: steps copied to the host, none on this path)."""
+        ex = getattr(self, "_ex", None)
+        reply: dict[str, Any] = {}
+        if ex is not None and ex.engine is not None:
+            try:
+                reply = next((r for r in ex.engine.collective_rpc("vllm_hidden_close") if r), {})
+            finally:
+                ex.close()
+        return reply.get("counters", {})
+
+    def __enter__(self) -> HiddenStatesStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
