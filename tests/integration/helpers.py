@@ -66,6 +66,12 @@ def _cli_child(argv: list[str], env: dict[str, str], out: str, err: str) -> None
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
         os.close(f)
+    if argv and argv[0].endswith(".py"):  # a script of ours (`run_script`), as `python script.py args`
+        import runpy
+
+        sys.argv = list(argv)
+        runpy.run_path(argv[0], run_name="__main__")
+        return
     sys.argv = ["vllm-hidden", *argv]
     from vllm_hidden.cli import app
 
@@ -75,8 +81,15 @@ def _cli_child(argv: list[str], env: dict[str, str], out: str, err: str) -> None
 def _forked(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     run = ForkedRun.start(argv, env)
     if run is None:  # the fork server's interpreter would not be this run's
-        return subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=timeout, env=env)
+        cmd = [sys.executable, *argv] if argv and argv[0].endswith(".py") else [*CLI, *argv]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     return run.wait(timeout)
+
+
+def run_script(script: Path, *args: str, timeout: int = 900, inprocess: bool = False) -> subprocess.CompletedProcess:
+    """`python script args` to its end, forked from the fork server as `run_cli`'s runs are
+    (vLLM and torch imported already); the exit code is negative for a signal, as subprocess's."""
+    return _forked([str(script), *args], cli_env(inprocess), timeout)
 
 
 class ForkedRun:

@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 from tests.chat_model import chat_model, expected
-from tests.integration.helpers import HFReference, cli_env, rel_l2
+from tests.integration.helpers import HFReference, rel_l2, run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = [0, 2, 3]  # of 4: 3 is the last (before the final norm)
@@ -56,11 +55,10 @@ def _inputs(path: Path, tok) -> tuple[dict, int]:
 
 
 def _train(model, inp, tmp, engine: str, *extra) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(ROOT / "scripts" / "colocated_train.py"), "--model", str(model), "--input", str(inp),
-           "--layers", ",".join(map(str, LAYERS)), "--final-state", "--token-budget", str(BUDGET),
-           "--max-model-len", "512", "--engine-arg", engine, "--steps-per-batch", "3",
-           "--checkpoint", str(tmp / "ckpt.pt"), *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=cli_env(), cwd=ROOT)
+    return run_script(ROOT / "scripts" / "colocated_train.py", "--model", str(model), "--input", str(inp),
+                      "--layers", ",".join(map(str, LAYERS)), "--final-state", "--token-budget", str(BUDGET),
+                      "--max-model-len", "512", "--engine-arg", engine, "--steps-per-batch", "3",
+                      "--checkpoint", str(tmp / "ckpt.pt"), *extra)
 
 
 def test_killed_then_resumed_trains_on_every_sample_once_with_hf_states(tiny_models, tmp_path):
