@@ -30,11 +30,11 @@ from torch import nn
 class TinyDrafter(nn.Module):
     """K captured layers [N, K, H] -> next-token logits [N, V]."""
 
-    def __init__(self, k: int, hidden: int, vocab: int, width: int = 64) -> None:
+    def __init__(self, k: int, hidden: int, vocab: int, width: int = 64, blocks: int = 2) -> None:
         super().__init__()
         self.proj = nn.Linear(k * hidden, width)
         self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
-                                                  nn.Linear(4 * width, width)) for _ in range(2))
+                                                  nn.Linear(4 * width, width)) for _ in range(blocks))
         self.head = nn.Linear(width, vocab)
 
     def forward(self, states: torch.Tensor) -> torch.Tensor:

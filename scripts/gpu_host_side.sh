@@ -24,6 +24,9 @@
 #                 whole, the forward stopped at layer 5 of 8) and 1,3 (built with 4 layers), each against
 #                 --full-model (each pair compiles cold, Triton autotune included: up to 7 min a pair, so run
 #                 it in scripts/gpu_background.sh)
+#   STEP=colocated tests/gpu/test_gpu_colocated.py, then scripts/bench_colocated.py --qwen36-27b: drafter
+#                 steps/s colocated, from offline shards and from `serve` files, one card (three cold 27B
+#                 engines and an extract: run it in scripts/gpu_background.sh)
 #   STEP=online   scripts/gpu_online.sh, CASES default plain-fp8w,vllm-connector-fp8w,ours-fp8w (three cold
 #                 servers: run it in scripts/gpu_background.sh, it outlasts one call)
 # Environment: OUT (required: results and logs go there), RESULT (see STEP=extract), CASES.
@@ -33,7 +36,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the output folder of the call}"
-STEP=${STEP:?set STEP to fp8, fp8gen, tests, plain, extract, server, bf16, plain-bf16, extract-bf16, fp8b, generate, trace-plain, trace-extract, trace-extract-notaper, truncate or online}
+STEP=${STEP:?set STEP to fp8, fp8gen, tests, plain, extract, server, bf16, plain-bf16, extract-bf16, fp8b, generate, trace-plain, trace-extract, trace-extract-notaper, truncate, colocated or online}
 mkdir -p "$OUT"
 
 env_sh=$(ls .kit/*/device-env.sh /tmp/kitstage/device-env.sh 2>/dev/null | head -1)
@@ -131,6 +134,18 @@ case "$STEP" in
       bash scripts/gpu_online.sh > "$OUT/online.log" 2>&1
     rc=$?
     quiet "$OUT/online.log" 30
+    ;;
+  colocated)
+    # speculators' client and hs_connectors (the online case), as gpu_online.sh installs them
+    python3 -c "import hs_connectors, importlib.metadata as m; m.version('speculators')" 2>/dev/null ||
+      python3 -m pip install -q --no-index --no-deps .kit/extra/speculators-0.9.0-*.whl .kit/extra/hs_connectors-0.9.0-*.whl
+    timeout -k 10 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_colocated.py -rxXf \
+      > "$OUT/gpu-colocated-test.log" 2>&1 || rc=1
+    quiet "$OUT/gpu-colocated-test.log" 12
+    VHIDDEN_CACHE_DIR=/tmp/vhc timeout -k 10 "${BENCH_TIMEOUT:-1500}" python3 scripts/bench_colocated.py --qwen36-27b \
+      --cases "${CASES:-colocated,offline,online}" --work /tmp/vh-colocated --result "$OUT/bench-colocated.json" \
+      > "$OUT/bench-colocated.log" 2>&1 || rc=1
+    quiet "$OUT/bench-colocated.log" 20
     ;;
   *) echo "gpu_host_side: unknown STEP=$STEP"; exit 2 ;;
 esac

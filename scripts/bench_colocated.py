@@ -1,0 +1,318 @@
+"""Drafter training steps per second on one GPU, fed three ways, same drafter, same batches:
+
+  colocated  the target in the trainer's process (`HiddenStatesStream`), each batch made when the
+             trainer asks for it, its states handed over on the GPU
+  offline    the states extracted first (`vllm-hidden extract` to local disk, untimed, reported
+             apart), then read back (`HiddenStatesDataset`), packed and copied to the GPU
+  online     `vllm-hidden serve` with speculators' launch arguments on the same GPU (its own
+             process, the same share of the GPU), the trainer asking for each batch's prompts
+             through speculators' own client and reading the files it writes
+
+    # GPU host: Qwen3.6-27B text dims, random weights, FP8 weights, DFlash's 5 layers
+    python scripts/bench_colocated.py --qwen36-27b --cases colocated,offline,online --result R.json
+    # CPU smoke test: tiny random Qwen3-Next
+    VLLM_CPU_KVCACHE_SPACE=1 python scripts/bench_colocated.py --samples 48 --token-budget 1024
+
+Each case runs in a process of its own (the GPU's memory freed between). The batches are the
+same in all three: the prompts in order, cut greedily under --token-budget. The drafter is
+`colocated_train.TinyDrafter` at the target's width (--drafter-width 0) with --drafter-blocks MLP
+blocks and a head over the first --drafter-vocab token ids, AdamW, bf16 autocast on CUDA. Per
+case: batches, tokens, seconds, steps/s, tokens/s, the time spent waiting for data against
+training (the target's share of each step, colocated), and the GPU's peak memory (torch's,
+this process; nvidia-smi's, the whole card)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import benchlib
+
+DFLASH_LAYERS = "1,16,31,46,61"  # of the 27B's 64 (vllm_hidden's default for it)
+SCRIPTS = Path(__file__).resolve().parent
+
+
+def batches_of(prompts: list[list[int]], budget: int) -> list[list[int]]:
+    """Prompt indices, in order, cut greedily under the budget (as HiddenStatesStream cuts them)."""
+    out: list[list[int]] = [[]]
+    used = 0
+    for i, p in enumerate(prompts):
+        if used + len(p) > budget and out[-1]:
+            out.append([])
+            used = 0
+        out[-1].append(i)
+        used += len(p)
+    return [b for b in out if b]
+
+
+class Trainer:
+    """The drafter, its optimizer and the timing of data against training."""
+
+    def __init__(self, k: int, hidden: int, a: argparse.Namespace, device: Any) -> None:
+        import torch
+
+        sys.path.insert(0, str(SCRIPTS))
+        from colocated_train import TinyDrafter
+
+        torch.manual_seed(0)
+        self.torch, self.device = torch, device
+        width = a.drafter_width or hidden
+        self.vocab = a.drafter_vocab
+        self.model = TinyDrafter(k, hidden, self.vocab, width=width, blocks=a.drafter_blocks).to(device)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.params = sum(p.numel() for p in self.model.parameters())
+        self.data_s = self.train_s = 0.0
+        self.steps = self.tokens = 0
+        self.cuda = device.type == "cuda"
+
+    def step(self, batch: dict) -> None:
+        torch = self.torch
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.cuda):
+            logits = self.model(batch["hidden_states"])
+        ids = batch["token_ids"] % self.vocab
+        loss = torch.nn.functional.cross_entropy(logits[:-1].float(), ids[1:])
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)  # the step's time is its own, not the next wait's
+        self.train_s += time.perf_counter() - t0
+        self.steps += 1
+        self.tokens += batch["token_ids"].numel()
+
+    def result(self, seconds: float) -> dict:
+        torch = self.torch
+        r = {"batches": self.steps, "tokens": self.tokens, "seconds": round(seconds, 3),
+             "steps_per_s": round(self.steps / seconds, 3), "tokens_per_s": round(self.tokens / seconds, 1),
+             "data_wait_s": round(self.data_s, 3), "train_s": round(self.train_s, 3),
+             "data_share": round(self.data_s / max(seconds, 1e-9), 3), "drafter_params": self.params}
+        if self.cuda:
+            r["torch_peak_gib"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)
+            used = gpu_used_mib()
+            r["card_used_gib_at_end"] = round(used / 1024, 2) if used is not None else None
+        return r
+
+
+def gpu_used_mib() -> int | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        return int(out.split()[0])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+# -- the cases, each in its own process -------------------------------------------------------
+def case_colocated(a: argparse.Namespace, spec: dict) -> dict:
+    from vllm_hidden.colocate import HiddenStatesStream
+
+    t0 = time.perf_counter()
+    stream = HiddenStatesStream(spec["model"], spec["input"], layers=spec["layers"], token_budget=a.token_budget,
+                                gpu_memory_utilization=a.target_share, max_model_len=spec["max_len"],
+                                engine_args=spec["engine"])
+    start_s = time.perf_counter() - t0
+    tr = Trainer(len(stream.layer_ids), stream.hidden_size, a, stream.device)
+    t1 = time.perf_counter()
+    it = iter(stream)
+    while True:
+        t = time.perf_counter()
+        batch = next(it, None)
+        tr.data_s += time.perf_counter() - t
+        if batch is None:
+            break
+        tr.step(batch)
+    res = tr.result(time.perf_counter() - t1)
+    res["memory"] = stream.memory()
+    res["capture"] = stream.close()
+    res["target_start_s"] = round(start_s, 1)
+    return res
+
+
+def _packed(samples: list[dict], device: Any) -> dict:
+    import torch
+
+    hs = torch.cat([s["hidden_states"] for s in samples]).pin_memory() if device.type == "cuda" else \
+        torch.cat([s["hidden_states"] for s in samples])
+    ids = torch.cat([s["token_ids"] for s in samples])
+    return {"hidden_states": hs.to(device, non_blocking=True), "token_ids": ids.to(device, non_blocking=True)}
+
+
+def case_offline(a: argparse.Namespace, spec: dict) -> dict:
+    import torch
+
+    from vllm_hidden.data import HiddenStatesDataset
+
+    ds = HiddenStatesDataset(spec["out"])
+    by_id = {sid: i for i, sid in enumerate(ds.sample_ids())}  # the input's ids: 0, 1, ... (its lines)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    first = ds[0]["hidden_states"]
+    tr = Trainer(first.shape[1], first.shape[2], a, device)
+    t1 = time.perf_counter()
+    for b in spec["batches"]:
+        t = time.perf_counter()
+        batch = _packed([ds[by_id[i]] for i in b], device)
+        tr.data_s += time.perf_counter() - t
+        tr.step(batch)
+    return tr.result(time.perf_counter() - t1)
+
+
+def case_online(a: argparse.Namespace, spec: dict) -> dict:
+    import asyncio
+
+    import openai
+    import torch
+    from bench_online import Server, capture_args, speculators_client
+    from safetensors.torch import load_file
+
+    from vllm_hidden.layers import to_aux_ids
+
+    layers = [int(x) for x in spec["layers"].split(",")]
+    hs_dir = Path(spec["work"]) / "hs"
+    hs_dir.mkdir(parents=True, exist_ok=True)
+    cap, _ = capture_args(to_aux_ids(layers), hs_dir, "file")
+    engine = [x for x in spec["engine"]] + ["--max-model-len", str(spec["max_len"])]
+    if a.target_share is not None:
+        engine += ["--gpu-memory-utilization", str(a.target_share)]
+    server = Server([sys.executable, "-m", "vllm_hidden.cli", "serve", spec["model"], *cap, *engine], {},
+                    Path(spec["work"]) / "online-server.log")
+    start_s = server.start(1200)
+    prompts = [json.loads(line)["token_ids"] for line in open(spec["input"])]
+    client_mod, _ = speculators_client()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        model_id = server.model_id()
+
+        async def fetch(client, ids: list[int]) -> dict:
+            path, _ = await client_mod.generate_hidden_states_async(client, model_id, {"input_ids": ids},
+                                                                    timeout=600, max_retries=3)
+            if os.path.exists(path + ".lock"):
+                await client_mod.wait_for_lock_async(path + ".lock")
+            d = await asyncio.to_thread(load_file, path)
+            os.remove(path)
+            return d
+
+        async def run() -> dict:
+            tr = None
+            async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0,
+                                          timeout=600) as client:
+                t1 = time.perf_counter()
+                for b in spec["batches"]:
+                    t = time.perf_counter()
+                    got = await asyncio.gather(*(fetch(client, prompts[i]) for i in b))
+                    batch = _packed(got, device)
+                    if tr is None:  # (the files' layers: the aux ids' outputs, the model's last layer last)
+                        tr = Trainer(batch["hidden_states"].shape[1], batch["hidden_states"].shape[2], a, device)
+                        t1 = time.perf_counter()
+                    else:
+                        tr.data_s += time.perf_counter() - t
+                    tr.step(batch)
+                return tr.result(time.perf_counter() - t1)
+
+        res = asyncio.run(run())
+    finally:
+        server.stop()
+    res["target_start_s"] = round(start_s, 1)
+    res["note"] = "the first batch is untimed (it sizes the drafter from the files' layers)"
+    return res
+
+
+CASES = {"colocated": case_colocated, "offline": case_offline, "online": case_online}
+
+
+def extract_first(spec: dict, a: argparse.Namespace, work: Path) -> float:
+    """offline's states, extracted before its timed run (reported apart)."""
+    out = work / "offline-out"
+    engine = [*spec["engine"], *(["--gpu-memory-utilization", str(a.extract_share)] if a.extract_share else [])]
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "vllm_hidden.cli", "extract", "-m", spec["model"], "-i", spec["input"],
+                        "-o", str(out), "--layers", spec["layers"], "--max-model-len", str(spec["max_len"]),
+                        "--no-progress", *engine], capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"offline: extract failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    spec["out"] = str(out)
+    return round(time.perf_counter() - t0, 1)
+
+
+def main() -> None:
+    ap = benchlib.parser(__doc__)
+    ap.add_argument("--qwen36-27b", action="store_true", help="Qwen3.6-27B text dims, random weights")
+    ap.add_argument("--cases", default="colocated,offline,online")
+    ap.add_argument("--samples", type=int, default=512, help="W-chat prompts")
+    ap.add_argument("--token-budget", type=int, default=16384)
+    ap.add_argument("--target-share", type=float, default=None, help="the target's gpu_memory_utilization")
+    ap.add_argument("--extract-share", type=float, default=None, help="offline's extract: gpu_memory_utilization")
+    ap.add_argument("--bf16", action="store_true", help="bf16 target weights (default with --qwen36-27b: FP8)")
+    ap.add_argument("--drafter-width", type=int, default=0, help="0: the target's hidden size")
+    ap.add_argument("--drafter-blocks", type=int, default=2)
+    ap.add_argument("--drafter-vocab", type=int, default=32768)
+    ap.add_argument("--engine-arg", action="append", default=[])
+    ap.add_argument("--work", default=None)
+    ap.add_argument("--result", default=None)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:  # one case, in this process: its spec from the parent
+        spec = json.loads(Path(a.child).read_text())
+        print(json.dumps(CASES[spec["case"]](a, spec)))
+        return
+
+    import tempfile
+
+    work = Path(a.work or tempfile.mkdtemp(prefix="bench-colocated-"))
+    work.mkdir(parents=True, exist_ok=True)
+    if a.qwen36_27b:
+        model, engine = benchlib.qwen36_27b(work)
+        layers, max_len, vocab = DFLASH_LAYERS, 4096, 248320
+        if not a.bf16:
+            engine += ["--quantization", "fp8"]
+        engine = [x for i, x in enumerate(engine) if not (x == "--gpu-memory-utilization" or
+                                                         (i and engine[i - 1] == "--gpu-memory-utilization"))]
+        a.target_share = a.target_share or 0.55
+    else:
+        model, engine = benchlib.tiny_model(work), ["--dtype", "bfloat16", "--enforce-eager"]
+        layers, max_len, vocab = "1,3,5", 2048, 1000
+        import torch
+
+        if torch.cuda.is_available():
+            engine += ["--gdn-prefill-backend", "triton"]
+    engine += [x for e in a.engine_arg for x in e.split()]
+    prompts = benchlib.w_chat_input(work / "in.jsonl", a.samples, min(max_len - 1, a.token_budget), vocab)
+    spec = {"model": model, "input": str(work / "in.jsonl"), "layers": layers, "max_len": max_len,
+            "engine": engine, "batches": batches_of(prompts, a.token_budget), "work": str(work)}
+    result = {"command": benchlib.command_line(__file__), "git_revision": benchlib.git_revision(),
+              "versions": benchlib.versions("vllm", "torch"), "gpus": benchlib.gpu_names(),
+              "model": "Qwen3.6-27B text dims, random weights" if a.qwen36_27b else "tiny random Qwen3-Next",
+              "engine_args": engine, "layers": layers, "samples": a.samples, "token_budget": a.token_budget,
+              "batches": len(spec["batches"]), "target_share": a.target_share, "cases": {}}
+    for case in a.cases.split(","):
+        if case not in CASES:
+            sys.exit(f"unknown case {case!r}: one of {', '.join(CASES)}")
+        if case == "offline":
+            result["offline_extract_s"] = extract_first(spec, a, work)
+        path = work / f"spec-{case}.json"
+        path.write_text(json.dumps({**spec, "case": case}))
+        r = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child", str(path)], capture_output=True,
+                           text=True)
+        (work / f"{case}.log").write_text(r.stdout + r.stderr)
+        if r.returncode:
+            result["cases"][case] = {"error": f"exit {r.returncode}", "tail": r.stderr[-2000:]}
+        else:
+            result["cases"][case] = benchlib.last_json(r.stdout)
+        print(f"{case}: {json.dumps(result['cases'][case])[:400]}", file=sys.stderr, flush=True)
+    base = result["cases"].get("colocated", {}).get("steps_per_s")
+    for c in result["cases"].values():
+        if base and c.get("steps_per_s"):
+            c["colocated_over_this"] = round(base / c["steps_per_s"], 3)
+    print(json.dumps(result))
+    if a.result:
+        benchlib.write_json_atomic(a.result, result)
+
+
+if __name__ == "__main__":
+    main()
