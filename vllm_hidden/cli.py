@@ -407,11 +407,29 @@ def _about_vllm(e: ImportError) -> bool:
         or str(e).startswith("vLLM is not installed")
 
 
+def _quiet_teardown() -> None:
+    """Triton's bindings (nanobind) list every object they still hold as the interpreter is torn
+    down ("nanobind: leaked N instances!", a hundred lines) on every run that imported vLLM with
+    Triton installed: noise, not a fault of the run. Registered first, this exit handler runs
+    after every other (vLLM's engine shutdown included, whose messages stay): what is left of
+    the teardown writes its stderr to /dev/null."""
+    import os
+    import sys
+
+    if "triton._C.libtriton" not in sys.modules:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+
+
 def main() -> None:
     """The console script: the typer app, with a missing or unsupported vLLM reported in one line
     wherever it is first imported (exit 2), not as a traceback."""
+    import atexit
     import sys
 
+    atexit.register(_quiet_teardown)
     try:
         app()
     except ImportError as e:
