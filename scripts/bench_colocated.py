@@ -2,6 +2,8 @@
 
   colocated  the target in the trainer's process (`HiddenStatesStream`), each batch made when the
              trainer asks for it, its states handed over on the GPU
+  colocated-ahead  the same with lookahead=1: the next batch made (a thread of its own stepping the
+             engine) while the trainer trains on this one
   offline    the states extracted first (`vllm-hidden extract` to local disk, untimed, reported
              apart), then read back (`HiddenStatesDataset`), packed and copied to the GPU
   online     `vllm-hidden serve` with speculators' launch arguments on the same GPU (its own
@@ -116,7 +118,7 @@ def case_colocated(a: argparse.Namespace, spec: dict) -> dict:
     t0 = time.perf_counter()
     stream = HiddenStatesStream(spec["model"], spec["input"], layers=spec["layers"], token_budget=a.token_budget,
                                 gpu_memory_utilization=a.target_share, max_model_len=spec["max_len"],
-                                engine_args=spec["engine"])
+                                engine_args=spec["engine"], lookahead=int(spec["case"] == "colocated-ahead"))
     start_s = time.perf_counter() - t0
     tr = Trainer(len(stream.layer_ids), stream.hidden_size, a, stream.device)
     t1 = time.perf_counter()
@@ -223,7 +225,8 @@ def case_online(a: argparse.Namespace, spec: dict) -> dict:
     return res
 
 
-CASES = {"colocated": case_colocated, "offline": case_offline, "online": case_online}
+CASES = {"colocated": case_colocated, "colocated-ahead": case_colocated, "offline": case_offline,
+         "online": case_online}
 
 
 def extract_first(spec: dict, a: argparse.Namespace, work: Path) -> float:
@@ -243,7 +246,7 @@ def extract_first(spec: dict, a: argparse.Namespace, work: Path) -> float:
 def main() -> None:
     ap = benchlib.parser(__doc__)
     ap.add_argument("--qwen36-27b", action="store_true", help="Qwen3.6-27B text dims, random weights")
-    ap.add_argument("--cases", default="colocated,offline,online")
+    ap.add_argument("--cases", default="colocated,colocated-ahead,offline,online")
     ap.add_argument("--samples", type=int, default=512, help="W-chat prompts")
     ap.add_argument("--token-budget", type=int, default=16384)
     ap.add_argument("--target-share", type=float, default=None, help="the target's gpu_memory_utilization")

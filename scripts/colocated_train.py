@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=None, help="the target's share of the GPU")
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--engine-arg", action="append", default=[], help="a vLLM engine option (repeat)")
+    ap.add_argument("--lookahead", type=int, default=0, help="1: the next batch made while this one trains")
     ap.add_argument("--steps-per-batch", type=int, default=1)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--checkpoint", default=None)
@@ -79,7 +80,7 @@ def main() -> None:
     engine_args = [x for arg in a.engine_arg for x in arg.split()]
     stream = HiddenStatesStream(a.model, a.input, layers=a.layers, final_state=a.final_state,
                                 token_budget=a.token_budget, gpu_memory_utilization=a.gpu_memory_utilization,
-                                max_model_len=a.max_model_len, engine_args=engine_args)
+                                max_model_len=a.max_model_len, engine_args=engine_args, lookahead=a.lookahead)
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(a.model).get_text_config().vocab_size

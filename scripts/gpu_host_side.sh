@@ -25,7 +25,7 @@
 #                 --full-model (each pair compiles cold, Triton autotune included: up to 7 min a pair, so run
 #                 it in scripts/gpu_background.sh)
 #   STEP=colocated tests/gpu/test_gpu_colocated.py, then scripts/bench_colocated.py --qwen36-27b: drafter
-#                 steps/s colocated, from offline shards and from `serve` files, one card (three cold 27B
+#                 steps/s colocated (pull-through, look-ahead), from offline shards and from `serve` files, one card (four cold 27B
 #                 engines and an extract: run it in scripts/gpu_background.sh)
 #   STEP=online   scripts/gpu_online.sh, CASES default plain-fp8w,vllm-connector-fp8w,ours-fp8w (three cold
 #                 servers: run it in scripts/gpu_background.sh, it outlasts one call)
@@ -143,7 +143,7 @@ case "$STEP" in
       > "$OUT/gpu-colocated-test.log" 2>&1 || rc=1
     quiet "$OUT/gpu-colocated-test.log" 12
     VHIDDEN_CACHE_DIR=/tmp/vhc timeout -k 10 "${BENCH_TIMEOUT:-1500}" python3 scripts/bench_colocated.py --qwen36-27b \
-      --cases "${CASES:-colocated,offline,online}" --work /tmp/vh-colocated --result "$OUT/bench-colocated.json" \
+      --cases "${CASES:-colocated,colocated-ahead,offline,online}" --work /tmp/vh-colocated --result "$OUT/bench-colocated.json" \
       > "$OUT/bench-colocated.log" 2>&1 || rc=1
     quiet "$OUT/bench-colocated.log" 20
     ;;

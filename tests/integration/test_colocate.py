@@ -3,7 +3,8 @@
 script's own process. Killed with SIGKILL after two batches and run again from its checkpoint,
 it gets every sample once, in input order, in the batches an uninterrupted run cuts; every
 captured layer and the final state match HF, the loss masks are the input's, and no step's
-states were copied to the host (the capture counts its host copies)."""
+states were copied to the host (the capture counts its host copies). The resumed run makes
+each batch while the one before trains (lookahead=1)."""
 
 from __future__ import annotations
 
@@ -75,8 +76,9 @@ def killed_then_resumed(tiny_models, tmp_path, engine: str) -> dict:
 
     first = _train(model, tmp_path / "in.jsonl", tmp_path, engine, "--dump", str(tmp_path / "a"), "--die-after", "2")
     assert first.returncode == -9, first.stderr[-3000:]  # killed by its own SIGKILL, after batch 2's checkpoint
+    # resumed with the next batch made while one trains: the same sequence
     again = _train(model, tmp_path / "in.jsonl", tmp_path, engine, "--dump", str(tmp_path / "b"),
-                   "--result", str(tmp_path / "res.json"))
+                   "--result", str(tmp_path / "res.json"), "--lookahead", "1")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed after batch 2" in again.stderr
     res = json.loads((tmp_path / "res.json").read_text())

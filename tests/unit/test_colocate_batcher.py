@@ -81,6 +81,8 @@ def test_stream_options_are_checked_before_anything_starts(tmp_path, monkeypatch
 
     with pytest.raises(ValueError, match="token_budget must be a positive int, got 0"):
         HiddenStatesStream("m", tmp_path / "in.jsonl", token_budget=0)
+    with pytest.raises(ValueError, match=r"lookahead must be 0 \(pull-through\) or 1 .*, got 2"):
+        HiddenStatesStream("m", tmp_path / "in.jsonl", lookahead=2)
     with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\), got 1.5"):
         HiddenStatesStream("m", tmp_path / "in.jsonl", gpu_memory_utilization=1.5)
     monkeypatch.setenv("RANK", "3")

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -62,19 +64,24 @@ class HiddenStatesStream:
     Parquet); bad records are skipped and kept in `errors`. `gpu_memory_utilization` is the
     target's share of the GPU (vLLM's, weights, KV cache and the capture buffer within it); the
     batches come out of what is left. Other vLLM engine options as `engine_args` (e.g.
-    ["--quantization", "fp8"]). One process per GPU under torchrun: each rank takes its own lines."""
+    ["--quantization", "fp8"]). One process per GPU under torchrun: each rank takes its own lines.
+    `lookahead=1`: a thread of its own makes the next batch while the trainer trains on this
+    one (two batches alive at once); 0, the default: each batch is made when asked for."""
 
     def __init__(self, model: str, input: str | Path, *, layers: str | Sequence[int] | None = None,
                  layers_from: str | None = None, final_state: bool = False, token_budget: int = 16384,
                  gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
                  loss_mask: str | None = None, engine_args: Sequence[str] = (), dtype: str = "auto",
-                 cache_dir: str | None = None, rank: int | None = None, world_size: int | None = None) -> None:
+                 cache_dir: str | None = None, rank: int | None = None, world_size: int | None = None,
+                 lookahead: int = 0) -> None:
         from vllm_hidden.config import CaptureLayout, ExtractConfig
         from vllm_hidden.extract.extractor import Extractor
         from vllm_hidden.extract.plan import check_prompts, plan_extract, prompt_reader
 
         if not isinstance(token_budget, int) or isinstance(token_budget, bool) or token_budget < 1:
             raise ValueError(f"token_budget must be a positive int, got {token_budget!r}")
+        if lookahead not in (0, 1):
+            raise ValueError(f"lookahead must be 0 (pull-through) or 1 (one batch made ahead), got {lookahead!r}")
         if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization < 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {gpu_memory_utilization!r}")
         self.rank, self.world_size = _rank_and_world(rank, world_size)
@@ -96,6 +103,12 @@ class HiddenStatesStream:
         self._batcher = PromptBatcher(prompt_reader(cfg, plan), self.rank, self.world_size, token_budget)
         self._batches = 0
         self._samples = 0
+        self._cursor = 0  # the first input record not in a batch handed over
+        self.lookahead = lookahead
+        self._ahead: queue.Queue | None = None  # lookahead: made batches (or the maker's error), in order
+        self._slot = threading.Semaphore(1)  # the one batch the maker may make ahead of the trainer
+        self._stop = threading.Event()
+        self._maker: threading.Thread | None = None
 
         from vllm_hidden.engine import compat
 
@@ -119,14 +132,60 @@ class HiddenStatesStream:
         return self
 
     def __next__(self) -> dict[str, Any]:
+        batch, cursor, n = self._next_made() if self.lookahead else self._make()
+        if batch is None:
+            raise StopIteration
+        self._cursor = cursor
+        self._batches += 1
+        self._samples += n
+        return batch
+
+    def _make(self) -> tuple[dict[str, Any] | None, int, int]:
+        """The next batch (None at the end), the cursor after it, its samples."""
         prompts = self._batcher.next_batch()
         if not prompts:
-            raise StopIteration
+            return None, self._batcher.cursor, 0
         batch = self._compute(prompts)
         self._batcher.done(prompts)
-        self._batches += 1
-        self._samples += len(prompts)
-        return batch
+        return batch, self._batcher.cursor, len(prompts)
+
+    def _next_made(self) -> tuple[dict[str, Any] | None, int, int]:
+        """lookahead=1: a thread of its own steps the engine, one batch ahead of the trainer (it
+        makes batch i + 1 while the trainer trains on batch i); here the next one is taken."""
+        if self._maker is None:
+            self._ahead, self._slot = queue.Queue(), threading.Semaphore(1)
+            self._stop.clear()
+            self._maker = threading.Thread(target=self._maker_loop, name="vllm-hidden-lookahead", daemon=True)
+            self._maker.start()
+        assert self._ahead is not None  # (set just above)
+        item = self._ahead.get()
+        self._slot.release()
+        if isinstance(item, BaseException):
+            self._maker = None
+            raise item
+        return item
+
+    def _maker_loop(self) -> None:
+        assert self._ahead is not None  # (set before the thread starts)
+        try:
+            while True:
+                self._slot.acquire()
+                if self._stop.is_set():
+                    return
+                item = self._make()
+                self._ahead.put(item)
+                if item[0] is None:
+                    return
+        except BaseException as e:  # noqa: BLE001 - handed to the trainer's next()
+            self._ahead.put(e)
+
+    def _stop_maker(self) -> None:
+        """The look-ahead thread stopped (after the batch it is making); its made batches dropped."""
+        if self._maker is not None:
+            self._stop.set()
+            self._slot.release()
+            self._maker.join()
+            self._maker, self._ahead = None, None
 
     def _compute(self, prompts: list[Prompt]) -> dict[str, Any]:
         """The prompts through the engine; their rows placed in this batch's tensors as each
@@ -186,7 +245,7 @@ class HiddenStatesStream:
         """Where the stream is: after the last batch handed over. Saved with the trainer's
         checkpoint, it brings a new stream (same input, rank, world size and budget) to the
         batch after that one."""
-        return {"version": STATE_VERSION, "input": self.input, "cursor": self._batcher.cursor, "batches": self._batches,
+        return {"version": STATE_VERSION, "input": self.input, "cursor": self._cursor, "batches": self._batches,
                 "samples": self._samples, "rank": self.rank, "world_size": self.world_size,
                 "token_budget": self.token_budget}
 
@@ -198,7 +257,9 @@ class HiddenStatesStream:
             if state.get(name) != mine[name]:
                 raise ValueError(f"the saved stream had {name}={state.get(name)!r}, this one has {mine[name]!r}: "
                                  "the batches would not be the same sequence")
+        self._stop_maker()
         self._batcher.seek(int(state["cursor"]))
+        self._cursor = int(state["cursor"])
         self._batches, self._samples = int(state["batches"]), int(state["samples"])
 
     # -- resources -----------------------------------------------------------------------
@@ -228,6 +289,8 @@ class HiddenStatesStream:
     def close(self) -> dict[str, Any]:
         """The engine stopped; returns the capture's counters (steps, rows placed on the device,
         `host_copies`: steps copied to the host, none on this path)."""
+        if getattr(self, "_maker", None) is not None:
+            self._stop_maker()
         ex = getattr(self, "_ex", None)
         reply: dict[str, Any] = {}
         if ex is not None and ex.engine is not None:
