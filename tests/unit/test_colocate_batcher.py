@@ -91,3 +91,6 @@ def test_stream_options_are_checked_before_anything_starts(tmp_path, monkeypatch
     assert _rank_and_world(0, 2) == (0, 2)
     with pytest.raises(ValueError, match=r"rank must be an int in 0..1, got 2"):
         _rank_and_world(2, 2)
+    monkeypatch.setenv("RANK", "first")
+    with pytest.raises(ValueError, match="RANK must be an integer, got 'first'"):
+        _rank_and_world(None, None)

@@ -31,6 +31,14 @@ log = logging.getLogger("vllm_hidden")
 STATE_VERSION = 1
 
 
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    try:
+        return default if raw is None else int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+
+
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """As given, else torch.distributed's (initialized), else torchrun's RANK / WORLD_SIZE, else 0 of 1."""
     if rank is None or world_size is None:
@@ -39,8 +47,8 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
             rank = dist.get_rank() if rank is None else rank
             world_size = dist.get_world_size() if world_size is None else world_size
         else:
-            rank = int(os.environ.get("RANK", 0)) if rank is None else rank
-            world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+            rank = _env_int("RANK", 0) if rank is None else rank
+            world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -106,7 +114,7 @@ class HiddenStatesStream:
         self._cursor = 0  # the first input record not in a batch handed over
         self.lookahead = lookahead
         self._ahead: queue.Queue | None = None  # lookahead: made batches (or the maker's error), in order
-        self._slot = threading.Semaphore(1)  # the one batch the maker may make ahead of the trainer
+        self._slot: threading.Semaphore | None = None  # the one batch the maker may make ahead of the trainer
         self._stop = threading.Event()
         self._maker: threading.Thread | None = None
 
@@ -157,7 +165,7 @@ class HiddenStatesStream:
             self._stop.clear()
             self._maker = threading.Thread(target=self._maker_loop, name="vllm-hidden-lookahead", daemon=True)
             self._maker.start()
-        assert self._ahead is not None  # (set just above)
+        assert self._ahead is not None and self._slot is not None  # (set just above)
         item = self._ahead.get()
         self._slot.release()
         if isinstance(item, BaseException):
@@ -166,7 +174,7 @@ class HiddenStatesStream:
         return item
 
     def _maker_loop(self) -> None:
-        assert self._ahead is not None  # (set before the thread starts)
+        assert self._ahead is not None and self._slot is not None  # (set before the thread starts)
         try:
             while True:
                 self._slot.acquire()
@@ -183,7 +191,8 @@ class HiddenStatesStream:
         """The look-ahead thread stopped (after the batch it is making); its made batches dropped."""
         if self._maker is not None:
             self._stop.set()
-            self._slot.release()
+            if self._slot is not None:
+                self._slot.release()
             self._maker.join()
             self._maker, self._ahead = None, None
 
