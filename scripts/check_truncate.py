@@ -50,7 +50,9 @@ def main() -> None:
                                 "--no-progress", "--cache-dir", str(work / f"cache-{name}"), *extra, *engine],
                                stdout=f, stderr=subprocess.STDOUT, check=False,
                                # (CPU: a small KV cache; the project first on the path, the rest of it kept)
-                               env={"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ,
+                               # Triton's kernels and autotune results shared by both runs (the compile caches
+                               # stay apart): only one run autotunes, and both run the same kernel configs
+                               env={"VLLM_CPU_KVCACHE_SPACE": "1", "TRITON_CACHE_DIR": str(work / "triton"), **os.environ,
                                     "PYTHONPATH": os.pathsep.join(filter(None, [str(benchlib.ROOT),
                                                                                 os.environ.get("PYTHONPATH")]))})
         if r.returncode:

@@ -27,6 +27,7 @@
 #   STEP=colocated tests/gpu/test_gpu_colocated.py, then scripts/bench_colocated.py --qwen36-27b: drafter
 #                 steps/s colocated (pull-through, look-ahead), from offline shards and from `serve` files, one card (four cold 27B
 #                 engines and an extract: run it in scripts/gpu_background.sh)
+#   STEP=colocated-test tests/gpu/test_gpu_colocated.py alone (tiny model, two compiled starts)
 #   STEP=online   scripts/gpu_online.sh, CASES default plain-fp8w,vllm-connector-fp8w,ours-fp8w (three cold
 #                 servers: run it in scripts/gpu_background.sh, it outlasts one call)
 # Environment: OUT (required: results and logs go there), RESULT (see STEP=extract), CASES.
@@ -36,7 +37,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the output folder of the call}"
-STEP=${STEP:?set STEP to fp8, fp8gen, tests, plain, extract, server, bf16, plain-bf16, extract-bf16, fp8b, generate, trace-plain, trace-extract, trace-extract-notaper, truncate, colocated or online}
+STEP=${STEP:?set STEP to fp8, fp8gen, tests, plain, extract, server, bf16, plain-bf16, extract-bf16, fp8b, generate, trace-plain, trace-extract, trace-extract-notaper, truncate, colocated, colocated-test or online}
 mkdir -p "$OUT"
 
 env_sh=$(ls .kit/*/device-env.sh /tmp/kitstage/device-env.sh 2>/dev/null | head -1)
@@ -124,7 +125,7 @@ case "$STEP" in
     ;;
   truncate)
     for layers in 1,4 1,3; do
-      timeout 420 python3 scripts/check_truncate.py --layers $layers --result "$OUT/check-truncate-${layers/,/-}.json" \
+      TRITON_CACHE_DIR=/tmp/vh-truncate-triton timeout 420 python3 scripts/check_truncate.py --layers $layers --result "$OUT/check-truncate-${layers/,/-}.json" \
         > "$OUT/check-truncate-${layers/,/-}.log" 2>&1 || rc=1
       quiet "$OUT/check-truncate-${layers/,/-}.log" 6
     done
@@ -134,6 +135,11 @@ case "$STEP" in
       bash scripts/gpu_online.sh > "$OUT/online.log" 2>&1
     rc=$?
     quiet "$OUT/online.log" 30
+    ;;
+  colocated-test)
+    timeout -k 10 420 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_colocated.py -rxXf \
+      > "$OUT/gpu-colocated-test.log" 2>&1 || rc=1
+    quiet "$OUT/gpu-colocated-test.log" 12
     ;;
   colocated)
     # speculators' client and hs_connectors (the online case), as gpu_online.sh installs them
