@@ -52,7 +52,8 @@ def main() -> None:
                                # (CPU: a small KV cache; the project first on the path, the rest of it kept)
                                # Triton's kernels and autotune results shared by both runs (the compile caches
                                # stay apart): only one run autotunes, and both run the same kernel configs
-                               env={"VLLM_CPU_KVCACHE_SPACE": "1", "TRITON_CACHE_DIR": str(work / "triton"), **os.environ,
+                               env={"VLLM_CPU_KVCACHE_SPACE": "1", "TRITON_CACHE_DIR": str(work / "triton"),
+                                    **os.environ,
                                     "PYTHONPATH": os.pathsep.join(filter(None, [str(benchlib.ROOT),
                                                                                 os.environ.get("PYTHONPATH")]))})
         if r.returncode:

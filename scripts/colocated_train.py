@@ -11,7 +11,8 @@ layers, two MLP blocks, a head predicting the next token), enough to show the lo
 The checkpoint holds the drafter, its optimizer and the stream's position (`state_dict`), saved
 after every batch. Under torchrun each process takes its rank's share of the input.
 `--dump DIR` writes each batch's tensors (for checks); `--die-after N` kills this process with
-SIGKILL after N batches (for the resume test)."""
+SIGKILL after N batches (for the resume test); `--max-tokens N` has the target write each
+response first (its states captured in the same pass, the loss on the response)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,9 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--engine-arg", action="append", default=[], help="a vLLM engine option (repeat)")
     ap.add_argument("--lookahead", type=int, default=0, help="1: the next batch made while this one trains")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="the target writes each response (at most this many tokens), as extract --generate")
+    ap.add_argument("--temperature", type=float, default=1.0, help="with --max-tokens")
     ap.add_argument("--steps-per-batch", type=int, default=1)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--checkpoint", default=None)
@@ -80,7 +84,9 @@ def main() -> None:
     engine_args = [x for arg in a.engine_arg for x in arg.split()]
     stream = HiddenStatesStream(a.model, a.input, layers=a.layers, final_state=a.final_state,
                                 token_budget=a.token_budget, gpu_memory_utilization=a.gpu_memory_utilization,
-                                max_model_len=a.max_model_len, engine_args=engine_args, lookahead=a.lookahead)
+                                max_model_len=a.max_model_len, engine_args=engine_args, lookahead=a.lookahead,
+                                generate=None if a.max_tokens is None else {"max_tokens": a.max_tokens,
+                                                                            "temperature": a.temperature})
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(a.model).get_text_config().vocab_size

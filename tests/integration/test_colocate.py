@@ -121,3 +121,67 @@ def killed_then_resumed(tiny_models, tmp_path, engine: str) -> dict:
     per_batch = [losses[i : i + 3] for i in range(0, len(losses), 3)]
     assert all(b[-1] < b[0] for b in per_batch), per_batch
     return res
+
+
+def test_generated_responses_come_with_their_states(tiny_models, tmp_path):
+    res = generated_with_states(tiny_models, tmp_path, "--enforce-eager --dtype bfloat16 --max-num-seqs 8")
+    assert res["device"] == "cpu"
+
+
+def generated_with_states(tiny_models, tmp_path, engine: str) -> dict:
+    """`generate`: the target writes each response (greedy, at most 6 tokens) and the batch holds
+    prompt + response, its states those HF computes for the final token ids, the loss on the
+    response; a two-turn conversation has both assistant turns rewritten in order. Returns the
+    run's result (this CPU test and its GPU twin)."""
+    from transformers import AutoTokenizer
+
+    max_tokens = 6
+    model = chat_model(tiny_models("qwen3_next", 4), tmp_path / "model")
+    tok = AutoTokenizer.from_pretrained(model)
+    rng = random.Random(4)
+    prompts = {f"g{i}": [rng.randrange(10, 1000) for _ in range(rng.randint(10, 90))] for i in range(5)}
+    lines = [json.dumps({"id": k, "token_ids": v}) for k, v in prompts.items()]
+    lines.insert(2, json.dumps({"id": "chat", "messages": CHATS[1]}))
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    run = run_script(ROOT / "scripts" / "colocated_train.py", "--model", str(model), "--input",
+                     str(tmp_path / "in.jsonl"), "--layers", ",".join(map(str, LAYERS)), "--final-state",
+                     "--token-budget", "200", "--max-model-len", "512", "--max-tokens", str(max_tokens),
+                     "--temperature", "0", "--engine-arg", engine,
+                     "--dump", str(tmp_path / "d"), "--result", str(tmp_path / "res.json"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads((tmp_path / "res.json").read_text())
+    assert res["capture"]["host_copies"] == 0 and res["errors"] == [], res
+    batches = [torch.load(f) for f in sorted((tmp_path / "d").glob("batch-*.pt"))]
+    assert [i for b in batches for i in b["ids"]] == ["g0", "g1", "chat", "g2", "g3", "g4"]
+
+    ref = HFReference(model)
+    worst = {lid: 0.0 for lid in LAYERS} | {"final": 0.0}
+    for batch in batches:
+        cu = batch["cu_seqlens"].tolist()
+        assert cu[-1] == batch["token_ids"].numel() == batch["hidden_states"].shape[0] <= 200, cu
+        for b, sid in enumerate(batch["ids"]):
+            lo, hi = cu[b], cu[b + 1]
+            ids, mask = batch["token_ids"][lo:hi].tolist(), batch["loss_mask"][lo:hi].tolist()
+            gen = batch["generations"][b]
+            if sid in prompts:  # the prompt, then its response (1..max_tokens tokens), the loss on the response
+                p = len(prompts[sid])
+                assert ids[:p] == prompts[sid] and 1 <= hi - lo - p <= max_tokens, (sid, len(ids))
+                assert mask == [False] * p + [True] * (hi - lo - p), sid
+                assert gen["response_token_ids"] == ids[p:], sid
+            else:  # the template's conversation with the first response in it, then the second response
+                first, last = (t["token_ids"] for t in gen["turns"])
+                conv = [*CHATS[1][:2], {"role": "assistant", "content": gen["turns"][0]["text"]}, CHATS[1][3]]
+                before = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)["input_ids"]
+                head = len(tok.apply_chat_template(CHATS[1][:2], add_generation_prompt=True,
+                                                   tokenize=True)["input_ids"])
+                assert ids == before + last and ids[head : head + len(first)] == first, (ids, gen)
+                # the loss on both responses, the first with its end of turn
+                n1 = len(first) + 1
+                assert mask == [False] * head + [True] * n1 + [False] * (len(before) - head - n1) + \
+                    [True] * len(last), mask
+            states = ref.states(ids)
+            for k, lid in enumerate(LAYERS):
+                worst[lid] = max(worst[lid], rel_l2(batch["hidden_states"][lo:hi, k], states[lid]))
+            worst["final"] = max(worst["final"], rel_l2(batch["final_hidden_states"][lo:hi], ref.post_norm))
+    assert max(worst.values()) <= 1e-2, worst
+    return res

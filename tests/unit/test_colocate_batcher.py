@@ -94,3 +94,21 @@ def test_stream_options_are_checked_before_anything_starts(tmp_path, monkeypatch
     monkeypatch.setenv("RANK", "first")
     with pytest.raises(ValueError, match="RANK must be an integer, got 'first'"):
         _rank_and_world(None, None)
+
+
+def test_a_cost_cuts_the_batches_and_seeking_back_reads_the_same_ids_again(tmp_path):
+    """Under generation a prompt costs the rows its sample may reach (here its tokens + 20); a
+    batcher sent back to an earlier cursor reads those records again, not as duplicates."""
+    lens = _input(tmp_path / "in.jsonl")
+    b = PromptBatcher(PromptReader(tmp_path / "in.jsonl", vocab_size=100, max_prompt_len=1000), 0, 1, 100,
+                      cost=lambda p: len(p.token_ids) + 20)
+    first = b.next_batch()
+    assert sum(lens[p.line] + 20 for p in first) <= 100 < sum(lens[p.line] + 20 for p in first) + \
+        lens[b.next_batch()[0].line] + 20  # greedy under the cost (the next one did not fit)
+    b.seek(0)
+    batches = _all(b)
+    assert [x for batch in batches for x in batch] == sorted(lens) and b.errors[0].line == 5, b.errors[:2]
+    assert [e.line for e in b.errors] == [i for i in range(40) if i % 13 == 5], b.errors  # once each, none a duplicate
+    with pytest.raises(ValueError, match="up to 82 tokens with its responses, more than token_budget 81"):
+        PromptBatcher(PromptReader(tmp_path / "in.jsonl", vocab_size=100, max_prompt_len=1000), 0, 1, 81,
+                      cost=lambda p: 82).next_batch()

@@ -4,7 +4,7 @@ checkpoint can hold. Pure: no engine (`HiddenStatesStream` runs the batches thro
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from vllm_hidden.inputs.reader import BadLine, Prompt, PromptReader
@@ -18,9 +18,12 @@ class PromptBatcher:
     not depend on which records are good); a batch is the rank's next prompts while their
     tokens fit `token_budget`. `cursor` is the first record not in a batch handed over."""
 
-    def __init__(self, reader: PromptReader, rank: int, world_size: int, token_budget: int) -> None:
+    def __init__(self, reader: PromptReader, rank: int, world_size: int, token_budget: int,
+                 cost: Callable[[Prompt], int] | None = None) -> None:
         self.reader = reader
         self.rank, self.world_size, self.token_budget = rank, world_size, token_budget
+        # the rows a prompt's sample may have (its tokens; under generation, with its responses)
+        self.cost: Callable[[Prompt], int] = cost or (lambda p: len(p.token_ids))
         self.cursor = 0
         self.errors: list[BadLine] = []  # this rank's skipped records
         self._records: Iterator[tuple[int, Any]] | None = None
@@ -31,6 +34,8 @@ class PromptBatcher:
         if not isinstance(cursor, int) or cursor < 0:
             raise ValueError(f"cursor must be a non-negative int, got {cursor!r}")
         self.cursor, self._records, self._held = cursor, None, None
+        self.reader.forget_ids()  # the records from `cursor` on are read again: their ids are not duplicates
+        self.errors = [e for e in self.errors if e.line < cursor]  # (and their errors found again)
 
     def _lines(self) -> Iterator[tuple[int, Any]]:
         if self._records is None:
@@ -55,9 +60,10 @@ class PromptBatcher:
                     log.warning("vllm-hidden: input line %d (id %r) skipped: %s", rec.line, rec.id, rec.reason)
                     continue
                 p = rec
-            n = len(p.token_ids)
+            n = self.cost(p)
             if n > self.token_budget:
-                raise ValueError(f"input line {p.line} (id {p.id!r}) has {n} tokens, more than token_budget "
+                what = f"{n} tokens" if n == len(p.token_ids) else f"up to {n} tokens with its responses"
+                raise ValueError(f"input line {p.line} (id {p.id!r}) has {what}, more than token_budget "
                                  f"{self.token_budget}: raise token_budget to at least {n}, or drop the record")
             if used + n > self.token_budget:
                 self._held = p

@@ -11,11 +11,13 @@ stream given it back (`load_state_dict`) goes on with exactly the batches not ye
 
 from __future__ import annotations
 
+import itertools
+import json
 import logging
 import os
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ import torch
 from vllm_hidden.capture.device import Destination, DeviceBatches
 from vllm_hidden.capture.records import CaptureError
 from vllm_hidden.colocate.batcher import PromptBatcher
+from vllm_hidden.config import GenerateConfig
 from vllm_hidden.inputs.reader import BadLine, Prompt
 
 log = logging.getLogger("vllm_hidden")
@@ -37,6 +40,17 @@ def _env_int(name: str, default: int) -> int:
         return default if raw is None else int(raw)
     except ValueError:
         raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def _rows_at_most(max_tokens: int, max_model_len: int) -> Callable[[Prompt], int]:
+    """Under generation, the most rows a prompt's sample may reach: its prompt, each later user
+    turn (regenerate "all") and each response at max_tokens, within max_model_len."""
+
+    def rows(p: Prompt) -> int:
+        return min(max_model_len, len(p.token_ids) + sum(len(joint) for joint, _ in p.turns)
+                   + (len(p.turns) + 1) * max_tokens)
+
+    return rows
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -74,14 +88,22 @@ class HiddenStatesStream:
     batches come out of what is left. Other vLLM engine options as `engine_args` (e.g.
     ["--quantization", "fp8"]). One process per GPU under torchrun: each rank takes its own lines.
     `lookahead=1`: a thread of its own makes the next batch while the trainer trains on this
-    one (two batches alive at once); 0, the default: each batch is made when asked for."""
+    one (two batches alive at once); 0, the default: each batch is made when asked for.
+
+    `generate` (a `GenerateConfig` or a dict of its fields, e.g. {"max_tokens": 256,
+    "temperature": 0}): the target writes each response, as `extract --generate` does, and its
+    rows come in the same pass: a sample is its prompt and the response (a conversation under
+    regenerate "all": every assistant turn rewritten in order), the loss mask the response's
+    tokens (with a conversation's rule), and the batch gets `generations`, each sample's record
+    as `extract` writes it to generations.jsonl. The budget then counts the most rows a sample
+    may reach (its prompt, each response at max_tokens, capped at max_model_len)."""
 
     def __init__(self, model: str, input: str | Path, *, layers: str | Sequence[int] | None = None,
                  layers_from: str | None = None, final_state: bool = False, token_budget: int = 16384,
                  gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
                  loss_mask: str | None = None, engine_args: Sequence[str] = (), dtype: str = "auto",
                  cache_dir: str | None = None, rank: int | None = None, world_size: int | None = None,
-                 lookahead: int = 0) -> None:
+                 lookahead: int = 0, generate: GenerateConfig | dict[str, Any] | None = None) -> None:
         from vllm_hidden.config import CaptureLayout, ExtractConfig
         from vllm_hidden.extract.extractor import Extractor
         from vllm_hidden.extract.plan import check_prompts, plan_extract, prompt_reader
@@ -99,16 +121,25 @@ class HiddenStatesStream:
         engine = list(engine_args)
         if gpu_memory_utilization is not None:
             engine += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+        if isinstance(generate, dict):
+            generate = GenerateConfig(**generate)
+        elif generate is not None and not isinstance(generate, GenerateConfig):
+            raise ValueError(f"generate must be a GenerateConfig, a dict of its fields or None, got {generate!r}")
+        self.generate: GenerateConfig | None = generate
         if isinstance(layers, (list, tuple)):
             layers = ",".join(str(int(x)) for x in layers)
         cfg = ExtractConfig(model=model, input_path=self.input, output_dir="", layers=layers,  # type: ignore[arg-type]
                             layers_from=layers_from, max_model_len=max_model_len, dtype=dtype,
                             engine_args=engine, cache_dir=cache_dir, loss_mask=loss_mask,
-                            final_state="post-norm" if self.final_state else "none", progress=False)
+                            final_state="post-norm" if self.final_state else "none", progress=False,
+                            generate=generate)
         plan = plan_extract(cfg)
         check_prompts(cfg, plan)  # a systematic input mistake fails here, before the engine starts
         self.layer_ids = list(plan.layer_ids)
-        self._batcher = PromptBatcher(prompt_reader(cfg, plan), self.rank, self.world_size, token_budget)
+        cost = None
+        if generate is not None:
+            cost = _rows_at_most(generate.max_tokens, plan.max_prompt_len + generate.max_tokens)
+        self._batcher = PromptBatcher(prompt_reader(cfg, plan), self.rank, self.world_size, token_budget, cost)
         self._batches = 0
         self._samples = 0
         self._cursor = 0  # the first input record not in a batch handed over
@@ -131,6 +162,7 @@ class HiddenStatesStream:
             raise RuntimeError(f"the engine's worker is not in this process (its capture sink came back as "
                                f"{type(sink).__name__}); colocated capture needs vLLM's one-process executor")
         self._sink = sink
+        self._responses = self._ex.responses() if generate is not None else None
         self.device: torch.device = sink.device  # where the batches' tensors are
         self.hidden_size: int = sink.hidden_size
         log.info("vllm-hidden: colocated on %s: %s", sink.device, self.memory())
@@ -153,9 +185,9 @@ class HiddenStatesStream:
         prompts = self._batcher.next_batch()
         if not prompts:
             return None, self._batcher.cursor, 0
-        batch = self._compute(prompts)
+        batch = self._compute(prompts) if self._responses is None else self._generated(prompts)
         self._batcher.done(prompts)
-        return batch, self._batcher.cursor, len(prompts)
+        return batch, self._batcher.cursor, len(batch["ids"])
 
     def _next_made(self) -> tuple[dict[str, Any] | None, int, int]:
         """lookahead=1: a thread of its own steps the engine, one batch ahead of the trainer (it
@@ -248,6 +280,107 @@ class HiddenStatesStream:
         if final is not None:
             batch["final_hidden_states"] = final
         return batch
+
+    def _generated(self, prompts: list[Prompt]) -> dict[str, Any]:
+        """`generate`: each prompt's response written by the engine while its rows are placed;
+        the batch packs the samples that ended well, in input order."""
+        done = self._respond(prompts)
+        sink = self._sink
+        if sink.placed_event is not None:
+            torch.cuda.current_stream(sink.device).wait_event(sink.placed_event)
+        ends = [(p.id, *done[p.line]) for p in prompts if p.line in done]
+        k, h, dev = len(self.layer_ids), sink.hidden_size, sink.device
+        if not ends:
+            batch = {"ids": [], "hidden_states": torch.empty((0, k, h), dtype=sink.dtype, device=dev),
+                     "token_ids": torch.empty(0, dtype=torch.int64, device=dev),
+                     "position_ids": torch.empty(0, dtype=torch.int64, device=dev),
+                     "loss_mask": torch.empty(0, dtype=torch.bool, device=dev),
+                     "cu_seqlens": torch.zeros(1, dtype=torch.int32, device=dev), "generations": []}
+            if self.final_state:
+                batch["final_hidden_states"] = torch.empty((0, h), dtype=sink.dtype, device=dev)
+            return batch
+        masks = []
+        for _, end, _ in ends:
+            m = torch.zeros(end.rows, dtype=torch.bool)
+            for lo, hi in (end.loss_spans if end.loss_spans is not None else [(end.num_prompt, end.rows)]):
+                m[lo:hi] = True  # without a mask of its own: the response's tokens
+            masks.append(m)
+        rows = [end.rows for _, end, _ in ends]
+        batch = {"ids": [sid for sid, _, _ in ends],
+                 "hidden_states": torch.cat([d.hidden[: e.rows] for _, e, d in ends]),
+                 "token_ids": torch.tensor([t for _, e, _ in ends for t in e.token_ids[: e.rows]],
+                                           dtype=torch.int64).to(dev, non_blocking=True),
+                 "position_ids": torch.cat([torch.arange(n) for n in rows]).to(dev, non_blocking=True),
+                 "loss_mask": torch.cat(masks).to(dev, non_blocking=True),
+                 "cu_seqlens": torch.tensor([0, *itertools.accumulate(rows)], dtype=torch.int32).to(dev),
+                 "generations": [json.loads(e.record) for _, e, _ in ends]}
+        if self.final_state:
+            batch["final_hidden_states"] = torch.cat([d.final[: e.rows] for _, e, d in ends if d.final is not None])
+        return batch
+
+    def _respond(self, prompts: list[Prompt]) -> dict[int, tuple[Any, Destination]]:
+        """The prompts' responses through the engine (extract.generate.Responses says where each
+        ends; one token later it is aborted). Returns, by input line, each sample that ended
+        well: its ResponseEnd and its rows."""
+        engine, responses = self._ex.engine, self._responses
+        assert responses is not None  # (only called with generate)
+        live: dict[str, Any] = {}  # the engine's request id -> its Request
+        done: dict[int, tuple[Any, Destination]] = {}
+        try:
+            for p in prompts:
+                self._submit(responses.first(p), live)
+            while live:
+                aborts = []
+                for out in engine.step():
+                    req = live.get(out.request_id)
+                    got = None if req is None else responses.update(out.request_id, list(out.outputs[0].token_ids),
+                                                                    out.finished)
+                    if got is None:  # going on (or aborted a step ago: its last output)
+                        continue
+                    del live[out.request_id]
+                    if got.abort:
+                        aborts.append(got.rid)
+                    self._ended(req, got, live, done)
+                if aborts:
+                    engine.abort_request(aborts)
+        except BaseException:
+            if live:
+                engine.abort_request(list(live))
+            for rid in live:
+                responses.forget(rid)
+            self._sink.forget()
+            raise
+        return done
+
+    def _submit(self, req: Any, live: dict[str, Any]) -> None:
+        """A response's request into the engine; a captured one's rows get a tensor of their
+        own, sized now (a conversation's last prompt is known only when its turn comes)."""
+        sink, dev = self._sink, self._sink.device
+        assert self._responses is not None
+        if self._responses.captured(req.rid):
+            k, h = len(self.layer_ids), sink.hidden_size
+            hidden = torch.empty((req.rows, k, h), dtype=sink.dtype, device=dev)
+            final = torch.empty((req.rows, h), dtype=sink.dtype, device=dev) if self.final_state else None
+            sink.expect(req.item.id, Destination(hidden, 0, req.rows, final))
+        live[req.rid] = req
+        self._ex.engine.add_request(req.rid, {"prompt_token_ids": req.token_ids}, req.params)
+
+    def _ended(self, req: Any, got: Any, live: dict[str, Any], done: dict[int, tuple[Any, Destination]]) -> None:
+        """A response whose end is known: its sample complete (or dropped, or its next turn in)."""
+        sink = self._sink
+        if got.end is not None:  # a captured turn: its rows are all placed (its last went in a step ago)
+            dest = sink.dest(req.item.id)
+            filled = sink.finish(req.item.id)
+            if got.end.drop is None:  # (dropped: a later turn computes its rows again)
+                if filled < got.end.rows:
+                    raise CaptureError(f"input line {req.item.line} (id {req.item.id!r}): {filled} of its "
+                                       f"{got.end.rows} rows were captured")
+                done[req.item.line] = (got.end, dest)
+        if got.bad is not None:
+            self._batcher.errors.append(got.bad)
+            log.warning("vllm-hidden: input line %d (id %r) skipped: %s", got.bad.line, got.bad.id, got.bad.reason)
+        if got.next is not None:
+            self._submit(got.next, live)
 
     # -- checkpointing -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -228,13 +228,14 @@ class Capture:
 
     def _new_request(self, extra: dict[str, Any], prompt: list[int] | None) -> NewRequest | None:
         if REQUEST_KEY in extra:
-            if self.sink_kind == "device" and prompt:
-                return NewRequest(extra[REQUEST_KEY], prompt)
-            if self.sink_kind != "shards" or not prompt:
+            if self.sink_kind not in ("shards", "device") or not prompt:
                 return None
             rows = extra.get(GEN_KEY)
-            if rows is not None:
+            if rows is not None:  # --generate: the prompt and the response rows
                 rows = max(len(prompt), min(int(rows), self.max_model_len))
+            if self.sink_kind == "device":
+                return NewRequest(extra[REQUEST_KEY], prompt, rows)
+            if rows is not None:
                 return NewRequest(extra[REQUEST_KEY], prompt, rows, line=extra.get(LINE_KEY), generate=True,
                                   turn=int(extra.get(TURN_KEY, 0)))
             return NewRequest(extra[REQUEST_KEY], prompt, line=extra.get(LINE_KEY), loss_spans=extra.get(LOSS_KEY))

@@ -178,6 +178,11 @@ class PromptReader:
         for i, obj in records(self.path, self.columns):
             yield self.prompt(i, obj)
 
+    def forget_ids(self) -> None:
+        """Duplicate ids are found among the records read since this call (a stream that goes
+        back to an earlier record reads it again)."""
+        self._seen.clear()
+
     def parse(self, i: int, raw: bytes | str) -> Prompt | BadLine:
         """One JSONL line (as read from the file)."""
         return self.prompt(i, parse_json(raw))
