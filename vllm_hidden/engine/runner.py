@@ -71,7 +71,7 @@ class Capture:
         # "shards" (extract, opened by RPC), "publish" (server, on demand) or "device" (colocated, by RPC)
         self.sink_kind: str | None = None
         self.device_sink: DeviceBatches | None = None
-        self._tracked: dict[str, int] = {}
+        self._tracked: dict[str, int] = {}  # req id -> rows wanted (positions below it are captured)
         self.order = cfg.emit_order
         self._counters = _StepCounters()
         self.start_probe: StartProbe | None = StartProbe()
@@ -275,7 +275,6 @@ class Capture:
         preempted = compat.preempted_req_ids(scheduler_output)
         if preempted:  # their rows are computed again later (and placed over the same positions)
             self._counters.preempted += len(preempted)
-        tracked = self._tracked  # req id -> rows wanted (positions below it are captured)
         start: dict[str, int] = {}
         new = self._track_new(scheduler_output.scheduled_new_reqs, start)
         if self.device_sink is not None:
@@ -289,24 +288,12 @@ class Capture:
             # engine alive (raising here would kill it and bury the cause); the driver learns of
             # it from `status` and stops the run with this error.
             return
-        cached = scheduler_output.scheduled_cached_reqs
-        for rid, k in zip(cached.req_ids, cached.num_computed_tokens):
-            start[rid] = k
-        ended = [rid for rid in scheduler_output.finished_req_ids if rid in tracked]
-        for rid in ended:
-            del tracked[rid]
-        if not tracked and not new and not ended:
-            return
-        n = scheduler_output.total_num_scheduled_tokens
-        segments, lo, hi = map_rows(compat.step_rows(self.runner, self.kind, scheduler_output.num_scheduled_tokens)
-                                    if n else (), tracked, start, n)
+        segments, lo, hi, ended = self._step_rows(scheduler_output, start)
         if not segments:
             if new or ended:  # e.g. an open-ended capture finished: its sample is complete
                 thread.put(StepRecord(None, 0, [], new, frozenset(ended)))
             return
         layers, staged = self._step_layers()
-        if lo:  # copy only the span holding captured rows (a server's batch mixes requests)
-            segments = [Segment(s.req_id, s.row - lo, s.count, s.pos) for s in segments]
         st = self._counters
         t0 = time.perf_counter()
         transfer = self._buffers()
@@ -324,27 +311,39 @@ class Capture:
     def _device_step(self, scheduler_output: Any, new: dict[str, NewRequest], start: dict[str, int]) -> None:
         """Colocated: the step's captured rows gathered into the device buffer, then copied from
         there into their batches' tensors (`DeviceBatches.place`); nothing goes to the host."""
-        sink, tracked = self.device_sink, self._tracked
+        sink = self.device_sink
         if sink is None:
             return
         sink.track(new)
-        cached = scheduler_output.scheduled_cached_reqs
-        for rid, k in zip(cached.req_ids, cached.num_computed_tokens):
-            start[rid] = k
-        for rid in scheduler_output.finished_req_ids:
-            tracked.pop(rid, None)
-        n = scheduler_output.total_num_scheduled_tokens
-        if not tracked or not n:
-            return
-        segments, lo, hi = map_rows(compat.step_rows(self.runner, self.kind, scheduler_output.num_scheduled_tokens),
-                                    tracked, start, n)
+        segments, lo, hi, _ = self._step_rows(scheduler_output, start)
         if not segments:
             return
         layers, staged = self._step_layers()
         values = self._buffers().fill(layers, hi - lo, lo, staged)
-        sink.place(values, [Segment(s.req_id, s.row - lo, s.count, s.pos) for s in segments] if lo else segments)
+        sink.place(values, segments)
         self._counters.steps += 1
         self._counters.rows += hi - lo
+
+    def _step_rows(self, scheduler_output: Any, start: dict[str, int]) -> tuple[list[Segment], int, int, list[str]]:
+        """Both sinks' bookkeeping of a step: the running requests' first positions into `start`,
+        the finished ones no longer tracked; returns the captured rows' segments (rows counted
+        from `lo`: only the span [lo, hi) holding them is copied, as a server's batch mixes
+        requests), lo, hi, and the tracked requests that finished."""
+        tracked = self._tracked
+        cached = scheduler_output.scheduled_cached_reqs
+        for rid, k in zip(cached.req_ids, cached.num_computed_tokens):
+            start[rid] = k
+        ended = [rid for rid in scheduler_output.finished_req_ids if rid in tracked]
+        for rid in ended:
+            del tracked[rid]
+        n = scheduler_output.total_num_scheduled_tokens
+        if not tracked or not n:
+            return [], 0, 0, ended
+        segments, lo, hi = map_rows(compat.step_rows(self.runner, self.kind, scheduler_output.num_scheduled_tokens),
+                                    tracked, start, n)
+        if lo:
+            segments = [Segment(s.req_id, s.row - lo, s.count, s.pos) for s in segments]
+        return segments, lo, hi, ended
 
     def _step_layers(self) -> tuple[list[torch.Tensor], int]:
         """The step's columns for `StepTransfer.submit`: the tensors to gather and how many columns
