@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Train a small drafter colocated with its target: the target runs in this process
 (`vllm_hidden.colocate.HiddenStatesStream`), and each batch's hidden states arrive as tensors
-on this process's device. The drafter here is a few torch layers (a projection of the captured
-layers, two MLP blocks, a head predicting the next token), enough to show the loop; a real one
-(speculators' or SpecForge's EAGLE-3 / DFlash) takes the same batch.
+on this process's device. The drafter is a few torch layers (a projection of the captured
+layers, two MLP blocks, a head predicting the next token), enough to show the loop, or with
+`--drafter speculators-eagle3` speculators' own EAGLE-3 model, fed through
+`vllm_hidden.colocate.to_speculators` (its training batch layout).
 
     python scripts/colocated_train.py --model M --input prompts.jsonl --layers 1,16,31 \\
         --checkpoint ckpt.pt            # again with the same flags after a crash: goes on exactly
@@ -57,6 +58,35 @@ def next_token_loss(logits: torch.Tensor, batch: dict) -> torch.Tensor:
     return nn.functional.cross_entropy(logits[keep], target[keep])
 
 
+def speculators_eagle3(model: str, layer_ids: list[int], device: torch.device):
+    """speculators' own EAGLE-3 drafter (one llama decoder layer shaped from the target, the
+    target's embedding, final norm and LM head loaded from its checkpoint) and its loss on a
+    stream batch (`to_speculators`: the last captured layer is the verifier's last)."""
+    from speculators.losses.utils import resolve_loss_config
+    from speculators.models.eagle3.core import Eagle3DraftModel
+    from speculators.train.cli import create_transformer_layer_config
+
+    from vllm_hidden.colocate import to_speculators
+
+    cfg = create_transformer_layer_config(model, num_layers=1, draft_arch="llama", hidden_act=None, sliding_window=0,
+                                          full_attention_indices=[0])
+    # aux states in vLLM's numbering (aux id j: the input of layer j, layer id j - 1); eager attention: any device
+    drafter = Eagle3DraftModel.from_training_args(
+        verifier_config=cfg, draft_vocab_size=cfg.vocab_size, norm_before_residual=False, ttt_steps=2,
+        verifier_name_or_path=model, target_layer_ids=[i + 1 for i in layer_ids[:-1]], draft_attn_impl="eager")
+    drafter = drafter.to(device)
+    loss_config = resolve_loss_config("kl_div", "fused" if device.type == "cuda" else "eager")  # (fused: Triton)
+    dtype = next(drafter.parameters()).dtype
+
+    def loss(batch: dict) -> torch.Tensor:
+        kw = to_speculators(batch)
+        for k in ("hidden_states", "verifier_last_hidden_states"):
+            kw[k] = kw[k].to(dtype)
+        return drafter(**kw, ttt_steps=2, loss_config=loss_config)[1]
+
+    return drafter, loss
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -71,6 +101,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="the target writes each response (at most this many tokens), as extract --generate")
     ap.add_argument("--temperature", type=float, default=1.0, help="with --max-tokens")
+    ap.add_argument("--drafter", choices=("tiny", "speculators-eagle3"), default="tiny",
+                    help="a few torch layers, or speculators' own EAGLE-3 model (--layers: aux layers, then the last)")
     ap.add_argument("--steps-per-batch", type=int, default=1)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--checkpoint", default=None)
@@ -92,7 +124,18 @@ def main() -> None:
     vocab = AutoConfig.from_pretrained(a.model).get_text_config().vocab_size
     dev = stream.device
     torch.manual_seed(0)
-    drafter = TinyDrafter(len(stream.layer_ids), stream.hidden_size, vocab).to(dev)
+    if a.drafter == "speculators-eagle3":
+        last = AutoConfig.from_pretrained(a.model).get_text_config().num_hidden_layers - 1
+        if stream.layer_ids[-1] != last:
+            stream.close()
+            sys.exit(f"--drafter speculators-eagle3: the last of --layers must be the model's last layer, {last} "
+                     f"(speculators' verifier state), got {stream.layer_ids}")
+        drafter, loss_of = speculators_eagle3(a.model, stream.layer_ids, dev)
+    else:
+        drafter = TinyDrafter(len(stream.layer_ids), stream.hidden_size, vocab).to(dev)
+
+        def loss_of(batch: dict) -> torch.Tensor:
+            return next_token_loss(drafter(batch["hidden_states"]), batch)
     opt = torch.optim.AdamW(drafter.parameters(), lr=a.lr)
     ckpt = Path(a.checkpoint) if a.checkpoint else None
     if ckpt is not None and ckpt.exists():
@@ -107,7 +150,7 @@ def main() -> None:
     losses, t0, tokens = [], time.perf_counter(), 0
     for batch in stream:
         for _ in range(a.steps_per_batch):
-            loss = next_token_loss(drafter(batch["hidden_states"]), batch)
+            loss = loss_of(batch)
             opt.zero_grad()
             loss.backward()
             opt.step()
