@@ -98,6 +98,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--engine-arg", action="append", default=[], help="a vLLM engine option (repeat)")
     ap.add_argument("--lookahead", type=int, default=0, help="1: the next batch made while this one trains")
+    ap.add_argument("--rank", type=int, default=None, help="this process's rank (default: torchrun's RANK, else 0)")
+    ap.add_argument("--world-size", type=int, default=None, help="default: torchrun's WORLD_SIZE, else 1")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="the target writes each response (at most this many tokens), as extract --generate")
     ap.add_argument("--temperature", type=float, default=1.0, help="with --max-tokens")
@@ -117,6 +119,7 @@ def main() -> None:
     stream = HiddenStatesStream(a.model, a.input, layers=a.layers, final_state=a.final_state,
                                 token_budget=a.token_budget, gpu_memory_utilization=a.gpu_memory_utilization,
                                 max_model_len=a.max_model_len, engine_args=engine_args, lookahead=a.lookahead,
+                                rank=a.rank, world_size=a.world_size,
                                 generate=None if a.max_tokens is None else {"max_tokens": a.max_tokens,
                                                                             "temperature": a.temperature})
     from transformers import AutoConfig

@@ -126,6 +126,30 @@ def killed_then_resumed(tiny_models, tmp_path, engine: str) -> dict:
     return res
 
 
+def test_two_ranks_split_the_prompts(tiny_models, tmp_path):
+    """Two processes (rank 0 and 1 of 2, one after the other here): each trains on its own lines,
+    i % 2 == rank, in order; together every good sample once, the bad line skipped by its rank."""
+    model = tiny_models("qwen3_next", 4)
+    rng = random.Random(6)
+    lines = [json.dumps({"id": f"r{i}", "token_ids": [rng.randrange(10, 1000) for _ in range(rng.randint(8, 60))]})
+             for i in range(9)]
+    lines[4] = "not json"
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    seen = []
+    for rank in (0, 1):
+        run = run_script(ROOT / "scripts" / "colocated_train.py", "--model", str(model), "--input",
+                         str(tmp_path / "in.jsonl"), "--layers", "1,3", "--token-budget", "100", "--rank", str(rank),
+                         "--world-size", "2", "--engine-arg", "--enforce-eager --dtype bfloat16 --max-num-seqs 8",
+                         "--dump", str(tmp_path / f"d{rank}"), "--result", str(tmp_path / f"res{rank}.json"))
+        assert run.returncode == 0, run.stderr[-3000:]
+        res = json.loads((tmp_path / f"res{rank}.json").read_text())
+        ids = [i for f in sorted((tmp_path / f"d{rank}").glob("batch-*.pt")) for i in torch.load(f)["ids"]]
+        assert ids == [f"r{i}" for i in range(rank, 9, 2) if i != 4], ids
+        assert [e["line"] for e in res["errors"]] == ([4] if rank == 0 else []), res["errors"]
+        seen += ids
+    assert sorted(seen) == sorted(f"r{i}" for i in range(9) if i != 4)
+
+
 def test_generated_responses_come_with_their_states(tiny_models, tmp_path):
     res = generated_with_states(tiny_models, tmp_path, "--enforce-eager --dtype bfloat16 --max-num-seqs 8")
     assert res["device"] == "cpu"
