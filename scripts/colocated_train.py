@@ -13,7 +13,8 @@ The checkpoint holds the drafter, its optimizer and the stream's position (`stat
 after every batch. Under torchrun each process takes its rank's share of the input.
 `--dump DIR` writes each batch's tensors (for checks); `--die-after N` kills this process with
 SIGKILL after N batches (for the resume test); `--max-tokens N` has the target write each
-response first (its states captured in the same pass, the loss on the response)."""
+response (its states captured in the same pass, the loss on the response): a resumed run gets
+the same responses with `--seed` or `--temperature 0`."""
 
 from __future__ import annotations
 
@@ -103,6 +104,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="the target writes each response (at most this many tokens), as extract --generate")
     ap.add_argument("--temperature", type=float, default=1.0, help="with --max-tokens")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="with --max-tokens: each response's seed comes from it and the sample's id, so a resumed run "
+                         "samples the same responses (without it, only --temperature 0 does)")
     ap.add_argument("--drafter", choices=("tiny", "speculators-eagle3"), default="tiny",
                     help="a few torch layers, or speculators' own EAGLE-3 model (--layers: aux layers, then the last)")
     ap.add_argument("--steps-per-batch", type=int, default=1)
@@ -121,7 +125,8 @@ def main() -> None:
                                 max_model_len=a.max_model_len, engine_args=engine_args, lookahead=a.lookahead,
                                 rank=a.rank, world_size=a.world_size,
                                 generate=None if a.max_tokens is None else {"max_tokens": a.max_tokens,
-                                                                            "temperature": a.temperature})
+                                                                            "temperature": a.temperature,
+                                                                            "seed": a.seed})
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(a.model).get_text_config().vocab_size

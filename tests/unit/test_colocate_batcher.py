@@ -112,3 +112,53 @@ def test_a_cost_cuts_the_batches_and_seeking_back_reads_the_same_ids_again(tmp_p
     with pytest.raises(ValueError, match="up to 82 tokens with its responses, more than token_budget 81"):
         PromptBatcher(PromptReader(tmp_path / "in.jsonl", vocab_size=100, max_prompt_len=1000), 0, 1, 81,
                       cost=lambda p: 82).next_batch()
+
+
+def test_a_saved_stream_state_is_refused_where_the_batches_would_differ(tmp_path):
+    """`load_state_dict` takes a state only from a stream whose batches are the same sequence:
+    the same input, rank, world size, budget and generation settings (no engine needed here)."""
+    from vllm_hidden.colocate.stream import HiddenStatesStream
+    from vllm_hidden.config import GenerateConfig
+
+    _input(tmp_path / "in.jsonl")
+
+    def bare(**kw):
+        s = HiddenStatesStream.__new__(HiddenStatesStream)  # the state's part of a stream, no engine
+        s.input, s.rank, s.world_size, s.token_budget, s.generate = str(tmp_path / "in.jsonl"), 1, 2, 90, None
+        s.__dict__.update(kw)
+        s._cursor = s._batches = s._samples = 0
+        s._maker = None
+        s._batcher = _batcher(tmp_path / "in.jsonl", s.rank, s.world_size, budget=s.token_budget)
+        return s
+
+    # a batch that raised is made again from the same prompts; one left with no sample is not handed over
+    s = bare()
+    s._responses, calls = None, []
+
+    def compute(prompts):
+        calls.append([p.line for p in prompts])
+        if len(calls) == 1:
+            raise RuntimeError("the engine failed")
+        return {"ids": [] if len(calls) == 2 else [p.id for p in prompts]}
+
+    s._compute = compute
+    with pytest.raises(RuntimeError, match="the engine failed"):
+        s._make()
+    batch, cursor, n = s._make()
+    assert calls[0] == calls[1] != calls[2] and batch["ids"] == [f"s{i}" for i in calls[2]] and n == len(calls[2])
+    assert cursor > calls[2][-1], (cursor, calls)  # past the batch handed over
+
+    saved = {**bare().state_dict(), "cursor": 9, "batches": 2, "samples": 4}
+    s = bare()
+    s.load_state_dict(saved)
+    assert (s.state_dict()["cursor"], s._batcher.cursor, s.state_dict()["batches"]) == (9, 9, 2)
+    for kw, name in (({"input": "other.jsonl"}, "input"), ({"rank": 0}, "rank"), ({"world_size": 3}, "world_size"),
+                     ({"token_budget": 91}, "token_budget"),
+                     ({"generate": GenerateConfig(max_tokens=64)}, "generate")):
+        with pytest.raises(ValueError, match=f"the saved stream had {name}=.*this one has"):
+            bare(**kw).load_state_dict(saved)
+    gen = bare(generate=GenerateConfig(max_tokens=64))
+    with pytest.raises(ValueError, match="the saved stream had generate=.'max_tokens': 32"):
+        gen.load_state_dict(bare(generate=GenerateConfig(max_tokens=32)).state_dict())
+    with pytest.raises(ValueError, match="not a HiddenStatesStream state"):
+        bare().load_state_dict({"cursor": 3})

@@ -20,7 +20,9 @@ def to_speculators(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         raise ValueError(f"speculators' layout needs at least 2 captured layers (aux layers, then the model's last); "
                          f"the batch's hidden_states is {tuple(hidden.shape)}")
     cu = batch["cu_seqlens"].long()
-    docs = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), cu[1:] - cu[:-1])
+    # output_size given: no device-to-host read of the lengths (a sync on CUDA)
+    docs = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), cu[1:] - cu[:-1],
+                                   output_size=batch["token_ids"].numel())
     return {"hidden_states": hidden[:, :-1].flatten(1)[None], "verifier_last_hidden_states": hidden[:, -1][None],
             "input_ids": batch["token_ids"][None], "loss_mask": batch["loss_mask"][None],
             "position_ids": batch["position_ids"][None], "document_ids": docs[None]}

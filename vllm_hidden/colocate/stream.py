@@ -181,13 +181,21 @@ class HiddenStatesStream:
         return batch
 
     def _make(self) -> tuple[dict[str, Any] | None, int, int]:
-        """The next batch (None at the end), the cursor after it, its samples."""
-        prompts = self._batcher.next_batch()
-        if not prompts:
-            return None, self._batcher.cursor, 0
-        batch = self._compute(prompts) if self._responses is None else self._generated(prompts)
-        self._batcher.done(prompts)
-        return batch, self._batcher.cursor, len(batch["ids"])
+        """The next batch (None at the end), the cursor after it, its samples. A batch whose
+        every sample failed (`generate`: each response ended by the engine at once) is not
+        handed over: the next one is made. A batch that raised is read again by the next call."""
+        while True:
+            prompts = self._batcher.next_batch()
+            if not prompts:
+                return None, self._batcher.cursor, 0
+            try:
+                batch = self._compute(prompts) if self._responses is None else self._generated(prompts)
+            except BaseException:
+                self._batcher.seek(self._batcher.cursor)  # its prompts are read again, not skipped
+                raise
+            self._batcher.done(prompts)
+            if batch["ids"]:
+                return batch, self._batcher.cursor, len(batch["ids"])
 
     def _next_made(self) -> tuple[dict[str, Any] | None, int, int]:
         """lookahead=1: a thread of its own steps the engine, one batch ahead of the trainer (it
@@ -326,11 +334,12 @@ class HiddenStatesStream:
         assert responses is not None  # (only called with generate)
         live: dict[str, Any] = {}  # the engine's request id -> its Request
         done: dict[int, tuple[Any, Destination]] = {}
+        aborts: list[str] = []  # ended one token past their end: to abort after the step's outputs
         try:
             for p in prompts:
                 self._submit(responses.first(p), live)
             while live:
-                aborts = []
+                aborts.clear()
                 for out in engine.step():
                     req = live.get(out.request_id)
                     got = None if req is None else responses.update(out.request_id, list(out.outputs[0].token_ids),
@@ -343,9 +352,10 @@ class HiddenStatesStream:
                     self._ended(req, got, live, done)
                 if aborts:
                     engine.abort_request(aborts)
+                    aborts.clear()
         except BaseException:
-            if live:
-                engine.abort_request(list(live))
+            if live or aborts:
+                engine.abort_request([*live, *aborts])
             for rid in live:
                 responses.forget(rid)
             self._sink.forget()
@@ -357,12 +367,12 @@ class HiddenStatesStream:
         own, sized now (a conversation's last prompt is known only when its turn comes)."""
         sink, dev = self._sink, self._sink.device
         assert self._responses is not None
+        live[req.rid] = req  # (first: on a failure below, what is live is forgotten)
         if self._responses.captured(req.rid):
             k, h = len(self.layer_ids), sink.hidden_size
             hidden = torch.empty((req.rows, k, h), dtype=sink.dtype, device=dev)
             final = torch.empty((req.rows, h), dtype=sink.dtype, device=dev) if self.final_state else None
             sink.expect(req.item.id, Destination(hidden, 0, req.rows, final))
-        live[req.rid] = req
         self._ex.engine.add_request(req.rid, {"prompt_token_ids": req.token_ids}, req.params)
 
     def _ended(self, req: Any, got: Any, live: dict[str, Any], done: dict[int, tuple[Any, Destination]]) -> None:
@@ -387,15 +397,18 @@ class HiddenStatesStream:
         """Where the stream is: after the last batch handed over. Saved with the trainer's
         checkpoint, it brings a new stream (same input, rank, world size and budget) to the
         batch after that one."""
+        g = self.generate
         return {"version": STATE_VERSION, "input": self.input, "cursor": self._cursor, "batches": self._batches,
                 "samples": self._samples, "rank": self.rank, "world_size": self.world_size,
-                "token_budget": self.token_budget}
+                "token_budget": self.token_budget,
+                # what else cuts the batches under generate (a prompt's cost) and what the samples are
+                "generate": None if g is None else {"max_tokens": g.max_tokens, "regenerate": g.regenerate}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise ValueError(f"not a HiddenStatesStream state (version {STATE_VERSION}): {str(state)[:200]!r}")
         mine = self.state_dict()
-        for name in ("input", "rank", "world_size", "token_budget"):
+        for name in ("input", "rank", "world_size", "token_budget", "generate"):
             if state.get(name) != mine[name]:
                 raise ValueError(f"the saved stream had {name}={state.get(name)!r}, this one has {mine[name]!r}: "
                                  "the batches would not be the same sequence")
