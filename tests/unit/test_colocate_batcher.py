@@ -162,3 +162,23 @@ def test_a_saved_stream_state_is_refused_where_the_batches_would_differ(tmp_path
         gen.load_state_dict(bare(generate=GenerateConfig(max_tokens=32)).state_dict())
     with pytest.raises(ValueError, match="not a HiddenStatesStream state"):
         bare().load_state_dict({"cursor": 3})
+
+
+def test_a_resumed_batcher_skips_the_duplicates_an_uninterrupted_one_skips(tmp_path):
+    """An id repeated after the cursor of an earlier record's: the up-front scan names it, so a
+    batcher resumed past the first one skips it too (its reader never saw the first)."""
+    from vllm_hidden.inputs import scan_input
+
+    ids = ["a", "b", "c", "a", "d"]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": i, "token_ids": [5] * 30}) + "\n" for i in ids))
+
+    def batcher():
+        reader = PromptReader(tmp_path / "in.jsonl", vocab_size=100, max_prompt_len=1000)
+        dups = scan_input(PromptReader(tmp_path / "in.jsonl", vocab_size=100, max_prompt_len=1000)).duplicates
+        return PromptBatcher(reader, 0, 1, 60, duplicates=dups)
+
+    whole = batcher()
+    assert _all(whole) == [[0, 1], [2, 4]] and [(e.line, e.reason) for e in whole.errors] == [(3, "duplicate id 'a'")]
+    resumed = batcher()
+    resumed.seek(2)
+    assert _all(resumed) == [[2, 4]] and [e.line for e in resumed.errors] == [3]

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from vllm_hidden.inputs.reader import BadLine, Prompt, PromptReader
+from vllm_hidden.inputs.reader import BadLine, Prompt, PromptReader, duplicate
 from vllm_hidden.inputs.sources import records
 
 log = logging.getLogger("vllm_hidden")
@@ -19,8 +19,11 @@ class PromptBatcher:
     tokens fit `token_budget`. `cursor` is the first record not in a batch handed over."""
 
     def __init__(self, reader: PromptReader, rank: int, world_size: int, token_budget: int,
-                 cost: Callable[[Prompt], int] | None = None) -> None:
+                 cost: Callable[[Prompt], int] | None = None, duplicates: dict[int, Any] | None = None) -> None:
         self.reader = reader
+        # the up-front scan's duplicate ids (line -> id): skipped wherever the reading starts,
+        # so a resumed stream skips what an uninterrupted one does
+        self.duplicates = dict(duplicates or {})
         self.rank, self.world_size, self.token_budget = rank, world_size, token_budget
         # the rows a prompt's sample may have (its tokens; under generation, with its responses)
         self.cost: Callable[[Prompt], int] = cost or (lambda p: len(p.token_ids))
@@ -54,7 +57,9 @@ class PromptBatcher:
                 nxt = next(self._lines(), None)
                 if nxt is None:
                     return batch
-                rec = self.reader.prompt(*nxt)
+                i, obj = nxt
+                rec = (BadLine(i, self.duplicates[i], duplicate(self.duplicates[i])) if i in self.duplicates
+                       else self.reader.prompt(i, obj))
                 if isinstance(rec, BadLine):
                     self.errors.append(rec)
                     log.warning("vllm-hidden: input line %d (id %r) skipped: %s", rec.line, rec.id, rec.reason)

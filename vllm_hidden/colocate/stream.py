@@ -134,12 +134,13 @@ class HiddenStatesStream:
                             final_state="post-norm" if self.final_state else "none", progress=False,
                             generate=generate)
         plan = plan_extract(cfg)
-        check_prompts(cfg, plan)  # a systematic input mistake fails here, before the engine starts
+        scan = check_prompts(cfg, plan)  # a systematic input mistake fails here, before the engine starts
         self.layer_ids = list(plan.layer_ids)
         cost = None
         if generate is not None:
             cost = _rows_at_most(generate.max_tokens, plan.max_prompt_len + generate.max_tokens)
-        self._batcher = PromptBatcher(prompt_reader(cfg, plan), self.rank, self.world_size, token_budget, cost)
+        self._batcher = PromptBatcher(prompt_reader(cfg, plan), self.rank, self.world_size, token_budget, cost,
+                                      scan.duplicates)
         self._batches = 0
         self._samples = 0
         self._cursor = 0  # the first input record not in a batch handed over

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_hidden.inputs.reader import BadLine, PromptReader, duplicate
@@ -38,6 +38,9 @@ class InputScan:
     first_bad: BadLine | None = None
     bytes: int = 0
     seconds: float = 0.0
+    # line -> id of each record whose id an earlier good record has: the whole file's duplicates,
+    # for a reader that starts mid-file (a resumed colocated stream) and never saw the first ones
+    duplicates: dict[int, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
         """One line for the log: how many records, how many will be skipped, the first of them."""
@@ -62,6 +65,7 @@ def scan_input(reader: PromptReader) -> InputScan:
         rec = reader.check(i, obj)
         if not isinstance(rec, BadLine):
             if rec.id in seen:
+                scan.duplicates[i] = rec.id
                 rec = BadLine(i, rec.id, duplicate(rec.id))
             else:
                 seen.add(rec.id)
