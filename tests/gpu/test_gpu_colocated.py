@@ -20,5 +20,5 @@ def test_gpu_colocated_killed_then_resumed_matches_hf(tiny_models, tmp_path):
 
 def test_gpu_colocated_generated_responses_match_hf(tiny_models, tmp_path):
     res = generated_with_states(tiny_models, tmp_path,
-                                "--gdn-prefill-backend triton --gpu-memory-utilization 0.3 --max-num-seqs 8")
+                                "--gdn-prefill-backend triton --gpu-memory-utilization 0.3 --max-num-seqs 8", "tiny")
     assert res["device"].startswith("cuda"), res["device"]

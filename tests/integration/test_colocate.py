@@ -155,11 +155,12 @@ def test_generated_responses_come_with_their_states(tiny_models, tmp_path):
     assert res["device"] == "cpu"
 
 
-def generated_with_states(tiny_models, tmp_path, engine: str) -> dict:
+def generated_with_states(tiny_models, tmp_path, engine: str, drafter: str = "speculators-eagle3") -> dict:
     """`generate`: the target writes each response (greedy, at most 6 tokens) and the batch holds
     prompt + response, its states those HF computes for the final token ids, the loss on the
     response; a two-turn conversation has both assistant turns rewritten in order. The drafter
-    is speculators' own EAGLE-3 model. Returns the run's result (this CPU test and its GPU twin)."""
+    is speculators' own EAGLE-3 model (or `drafter`: the GPU host has speculators' package but
+    not all of its imports). Returns the run's result (this CPU test and its GPU twin)."""
     from transformers import AutoTokenizer
 
     max_tokens = 6
@@ -174,7 +175,7 @@ def generated_with_states(tiny_models, tmp_path, engine: str) -> dict:
                      str(tmp_path / "in.jsonl"), "--layers", ",".join(map(str, LAYERS)), "--final-state",
                      "--token-budget", "200", "--max-model-len", "512", "--max-tokens", str(max_tokens),
                      "--temperature", "0", "--engine-arg", engine,
-                     "--drafter", "speculators-eagle3", "--steps-per-batch", "3",
+                     "--drafter", drafter, "--steps-per-batch", "3",
                      "--dump", str(tmp_path / "d"), "--result", str(tmp_path / "res.json"))
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads((tmp_path / "res.json").read_text())
@@ -212,7 +213,7 @@ def generated_with_states(tiny_models, tmp_path, engine: str) -> dict:
                 worst[lid] = max(worst[lid], rel_l2(batch["hidden_states"][lo:hi, k], states[lid]))
             worst["final"] = max(worst["final"], rel_l2(batch["final_hidden_states"][lo:hi], ref.post_norm))
     assert max(worst.values()) <= 1e-2, worst
-    # speculators' own EAGLE-3 model trained on the batches as given (`to_speculators`): its loss falls
+    # the drafter (speculators' own EAGLE-3 model, fed through `to_speculators`) trained: its loss falls
     per_batch = [res["losses"][i : i + 3] for i in range(0, len(res["losses"]), 3)]
     assert len(per_batch) == len(batches) and all(b[-1] < b[0] for b in per_batch), per_batch
     return res
