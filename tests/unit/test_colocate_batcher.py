@@ -139,7 +139,7 @@ def test_a_saved_stream_state_is_refused_where_the_batches_would_differ(tmp_path
         calls.append([p.line for p in prompts])
         if len(calls) == 1:
             raise RuntimeError("the engine failed")
-        return {"ids": [] if len(calls) == 2 else [p.id for p in prompts]}
+        return None if len(calls) == 2 else {"ids": [p.id for p in prompts]}  # None: no sample left
 
     s._compute = compute
     with pytest.raises(RuntimeError, match="the engine failed"):

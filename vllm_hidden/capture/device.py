@@ -107,13 +107,6 @@ class DeviceBatches:
         if placed and self.placed_event is not None:
             self.placed_event.record()
 
-    def dest(self, sample_id: Any) -> Destination:
-        """Where sample `sample_id` is going (until `finish`)."""
-        dest = self._by_sample.get(sample_id)
-        if dest is None:
-            raise CaptureError(f"sample {sample_id!r} was not expected")
-        return dest
-
     def finish(self, sample_id: Any) -> int:
         """The engine is done with this sample's request: it leaves the sink; returns the rows
         placed (the driver checks them against the prompt's length)."""

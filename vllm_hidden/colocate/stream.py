@@ -195,7 +195,7 @@ class HiddenStatesStream:
                 self._batcher.seek(self._batcher.cursor)  # its prompts are read again, not skipped
                 raise
             self._batcher.done(prompts)
-            if batch["ids"]:
+            if batch is not None:
                 return batch, self._batcher.cursor, len(batch["ids"])
 
     def _next_made(self) -> tuple[dict[str, Any] | None, int, int]:
@@ -245,28 +245,16 @@ class HiddenStatesStream:
 
         sink, engine = self._sink, self._ex.engine
         lengths = [len(p.token_ids) for p in prompts]
-        total, k, h = sum(lengths), len(self.layer_ids), sink.hidden_size
-        dev = sink.device
-        hidden = torch.empty((total, k, h), dtype=sink.dtype, device=dev)
-        final = torch.empty((total, h), dtype=sink.dtype, device=dev) if self.final_state else None
-        token_ids, positions = torch.empty(total, dtype=torch.int64), torch.empty(total, dtype=torch.int64)
-        mask = torch.zeros(total, dtype=torch.bool)
-        cu = [0]
+        hidden, final = self._states(sum(lengths))
         waiting: dict[str, Any] = {}  # the engine's request id -> sample key
         try:
-            for p, n in zip(prompts, lengths):
-                at = cu[-1]
-                token_ids[at : at + n] = torch.tensor(p.token_ids, dtype=torch.int64)
-                positions[at : at + n] = torch.arange(n)
-                for lo, hi in (p.loss_spans if p.loss_spans is not None else [(0, n)]):
-                    mask[at + lo : at + hi] = True
+            for p, n, at in zip(prompts, lengths, itertools.accumulate(lengths, initial=0)):
                 key = f"{self.input}:{p.line}"
                 sink.expect(key, Destination(hidden, at, n, final))
                 rid = f"colocated-{p.line}"
                 params = compat.prefill_sampling_params({REQUEST_KEY: key})
                 engine.add_request(rid, {"prompt_token_ids": p.token_ids}, params)
                 waiting[rid] = (key, p, n)
-                cu.append(at + n)
             while waiting:
                 for out in engine.step():
                     if out.finished and out.request_id in waiting:
@@ -280,51 +268,55 @@ class HiddenStatesStream:
                 engine.abort_request(list(waiting))
             sink.forget()
             raise
-        if sink.placed_event is not None:  # the copies ran on the engine's stream: ours waits for them on the device
-            torch.cuda.current_stream(dev).wait_event(sink.placed_event)
-        batch = {"ids": [p.id for p in prompts], "hidden_states": hidden,
-                 "token_ids": token_ids.to(dev, non_blocking=True),
-                 "position_ids": positions.to(dev, non_blocking=True), "loss_mask": mask.to(dev, non_blocking=True),
-                 "cu_seqlens": torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True)}
-        if final is not None:
-            batch["final_hidden_states"] = final
+        return self._pack([p.id for p in prompts], hidden, final, [p.token_ids for p in prompts],
+                          [p.loss_spans if p.loss_spans is not None else [(0, n)] for p, n in zip(prompts, lengths)])
+
+    def _generated(self, prompts: list[Prompt]) -> dict[str, Any] | None:
+        """`generate`: each prompt's response written by the engine while its rows are placed;
+        the batch packs the samples that ended well, in input order (None: none did)."""
+        done = self._respond(prompts)
+        ends = [(p.id, *done[p.line]) for p in prompts if p.line in done]
+        if not ends:
+            return None
+        final = None
+        if self.final_state:
+            final = torch.cat([d.final[: e.rows] for _, e, d in ends if d.final is not None])
+        batch = self._pack([sid for sid, _, _ in ends], torch.cat([d.hidden[: e.rows] for _, e, d in ends]), final,
+                           [e.token_ids[: e.rows] for _, e, _ in ends],
+                           # without a mask of its own: the response's tokens
+                           [e.loss_spans if e.loss_spans is not None else [(e.num_prompt, e.rows)] for _, e, _ in ends])
+        batch["generations"] = [json.loads(e.record) for _, e, _ in ends]
         return batch
 
-    def _generated(self, prompts: list[Prompt]) -> dict[str, Any]:
-        """`generate`: each prompt's response written by the engine while its rows are placed;
-        the batch packs the samples that ended well, in input order."""
-        done = self._respond(prompts)
+    def _states(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Device tensors for `rows` rows of the captured layers (and of the final state)."""
         sink = self._sink
-        if sink.placed_event is not None:
-            torch.cuda.current_stream(sink.device).wait_event(sink.placed_event)
-        ends = [(p.id, *done[p.line]) for p in prompts if p.line in done]
-        k, h, dev = len(self.layer_ids), sink.hidden_size, sink.device
-        if not ends:
-            batch = {"ids": [], "hidden_states": torch.empty((0, k, h), dtype=sink.dtype, device=dev),
-                     "token_ids": torch.empty(0, dtype=torch.int64, device=dev),
-                     "position_ids": torch.empty(0, dtype=torch.int64, device=dev),
-                     "loss_mask": torch.empty(0, dtype=torch.bool, device=dev),
-                     "cu_seqlens": torch.zeros(1, dtype=torch.int32, device=dev), "generations": []}
-            if self.final_state:
-                batch["final_hidden_states"] = torch.empty((0, h), dtype=sink.dtype, device=dev)
-            return batch
-        masks = []
-        for _, end, _ in ends:
-            m = torch.zeros(end.rows, dtype=torch.bool)
-            for lo, hi in (end.loss_spans if end.loss_spans is not None else [(end.num_prompt, end.rows)]):
-                m[lo:hi] = True  # without a mask of its own: the response's tokens
-            masks.append(m)
-        rows = [end.rows for _, end, _ in ends]
-        batch = {"ids": [sid for sid, _, _ in ends],
-                 "hidden_states": torch.cat([d.hidden[: e.rows] for _, e, d in ends]),
-                 "token_ids": torch.tensor([t for _, e, _ in ends for t in e.token_ids[: e.rows]],
-                                           dtype=torch.int64).to(dev, non_blocking=True),
-                 "position_ids": torch.cat([torch.arange(n) for n in rows]).to(dev, non_blocking=True),
-                 "loss_mask": torch.cat(masks).to(dev, non_blocking=True),
-                 "cu_seqlens": torch.tensor([0, *itertools.accumulate(rows)], dtype=torch.int32).to(dev),
-                 "generations": [json.loads(e.record) for _, e, _ in ends]}
-        if self.final_state:
-            batch["final_hidden_states"] = torch.cat([d.final[: e.rows] for _, e, d in ends if d.final is not None])
+        hidden = torch.empty((rows, len(self.layer_ids), sink.hidden_size), dtype=sink.dtype, device=sink.device)
+        final = (torch.empty((rows, sink.hidden_size), dtype=sink.dtype, device=sink.device) if self.final_state
+                 else None)
+        return hidden, final
+
+    def _pack(self, ids: list[Any], hidden: torch.Tensor, final: torch.Tensor | None, token_ids: list[list[int]],
+              spans: list[Any]) -> dict[str, Any]:
+        """A batch of samples packed one after another: their states (on the device, placed),
+        token ids and loss spans; positions and cu_seqlens from their lengths. The caller's
+        stream waits on the device for the engine's copies (no host sync)."""
+        sink, dev = self._sink, self._sink.device
+        if sink.placed_event is not None:  # the copies ran on the engine's stream
+            torch.cuda.current_stream(dev).wait_event(sink.placed_event)
+        lengths = [len(t) for t in token_ids]
+        mask = torch.zeros(sum(lengths), dtype=torch.bool)
+        for at, sample in zip(itertools.accumulate(lengths, initial=0), spans):
+            for lo, hi in sample:
+                mask[at + lo : at + hi] = True
+        batch = {"ids": ids, "hidden_states": hidden,
+                 "token_ids": torch.tensor([t for ts in token_ids for t in ts], dtype=torch.int64).to(dev,
+                                                                                                   non_blocking=True),
+                 "position_ids": torch.cat([torch.arange(n) for n in lengths]).to(dev, non_blocking=True),
+                 "loss_mask": mask.to(dev, non_blocking=True),
+                 "cu_seqlens": torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(dev)}
+        if final is not None:
+            batch["final_hidden_states"] = final
         return batch
 
     def _respond(self, prompts: list[Prompt]) -> dict[int, tuple[Any, Destination]]:
@@ -333,7 +325,7 @@ class HiddenStatesStream:
         well: its ResponseEnd and its rows."""
         engine, responses = self._ex.engine, self._responses
         assert responses is not None  # (only called with generate)
-        live: dict[str, Any] = {}  # the engine's request id -> its Request
+        live: dict[str, tuple[Any, Destination | None]] = {}  # the engine's request id -> its Request, its rows
         done: dict[int, tuple[Any, Destination]] = {}
         aborts: list[str] = []  # ended one token past their end: to abort after the step's outputs
         try:
@@ -342,15 +334,14 @@ class HiddenStatesStream:
             while live:
                 aborts.clear()
                 for out in engine.step():
-                    req = live.get(out.request_id)
-                    got = None if req is None else responses.update(out.request_id, list(out.outputs[0].token_ids),
-                                                                    out.finished)
+                    got = None if out.request_id not in live else responses.update(
+                        out.request_id, list(out.outputs[0].token_ids), out.finished)
                     if got is None:  # going on (or aborted a step ago: its last output)
                         continue
-                    del live[out.request_id]
+                    req, dest = live.pop(out.request_id)
                     if got.abort:
                         aborts.append(got.rid)
-                    self._ended(req, got, live, done)
+                    self._ended(req, dest, got, live, done)
                 if aborts:
                     engine.abort_request(aborts)
                     aborts.clear()
@@ -363,25 +354,23 @@ class HiddenStatesStream:
             raise
         return done
 
-    def _submit(self, req: Any, live: dict[str, Any]) -> None:
+    def _submit(self, req: Any, live: dict[str, tuple[Any, Destination | None]]) -> None:
         """A response's request into the engine; a captured one's rows get a tensor of their
         own, sized now (a conversation's last prompt is known only when its turn comes)."""
-        sink, dev = self._sink, self._sink.device
         assert self._responses is not None
-        live[req.rid] = req  # (first: on a failure below, what is live is forgotten)
+        live[req.rid] = (req, None)  # (first: on a failure below, what is live is forgotten)
         if self._responses.captured(req.rid):
-            k, h = len(self.layer_ids), sink.hidden_size
-            hidden = torch.empty((req.rows, k, h), dtype=sink.dtype, device=dev)
-            final = torch.empty((req.rows, h), dtype=sink.dtype, device=dev) if self.final_state else None
-            sink.expect(req.item.id, Destination(hidden, 0, req.rows, final))
+            hidden, final = self._states(req.rows)
+            dest = Destination(hidden, 0, req.rows, final)
+            self._sink.expect(req.item.id, dest)
+            live[req.rid] = (req, dest)
         self._ex.engine.add_request(req.rid, {"prompt_token_ids": req.token_ids}, req.params)
 
-    def _ended(self, req: Any, got: Any, live: dict[str, Any], done: dict[int, tuple[Any, Destination]]) -> None:
+    def _ended(self, req: Any, dest: Destination | None, got: Any, live: dict[str, tuple[Any, Destination | None]],
+               done: dict[int, tuple[Any, Destination]]) -> None:
         """A response whose end is known: its sample complete (or dropped, or its next turn in)."""
-        sink = self._sink
-        if got.end is not None:  # a captured turn: its rows are all placed (its last went in a step ago)
-            dest = sink.dest(req.item.id)
-            filled = sink.finish(req.item.id)
+        if got.end is not None and dest is not None:  # a captured turn: its rows are placed (its last a step ago)
+            filled = self._sink.finish(req.item.id)
             if got.end.drop is None:  # (dropped: a later turn computes its rows again)
                 if filled < got.end.rows:
                     raise CaptureError(f"input line {req.item.line} (id {req.item.id!r}): {filled} of its "

@@ -278,7 +278,7 @@ class Capture:
         start: dict[str, int] = {}
         new = self._track_new(scheduler_output.scheduled_new_reqs, start)
         if self.device_sink is not None:
-            self._device_step(scheduler_output, new, start)
+            self._device_step(self.device_sink, scheduler_output, new, start)
             return
         thread = self.thread
         if thread is None:
@@ -307,13 +307,10 @@ class Capture:
         st.acquire_wait_s += t1 - t0
         st.submit_s += time.perf_counter() - t1
 
-
-    def _device_step(self, scheduler_output: Any, new: dict[str, NewRequest], start: dict[str, int]) -> None:
+    def _device_step(self, sink: DeviceBatches, scheduler_output: Any, new: dict[str, NewRequest],
+                     start: dict[str, int]) -> None:
         """Colocated: the step's captured rows gathered into the device buffer, then copied from
         there into their batches' tensors (`DeviceBatches.place`); nothing goes to the host."""
-        sink = self.device_sink
-        if sink is None:
-            return
         sink.track(new)
         segments, lo, hi, _ = self._step_rows(scheduler_output, start)
         if not segments:
