@@ -40,17 +40,17 @@ DFLASH_LAYERS = "1,16,31,46,61"  # of the 27B's 64 (vllm_hidden's default for it
 SCRIPTS = Path(__file__).resolve().parent
 
 
-def batches_of(prompts: list[list[int]], budget: int) -> list[list[int]]:
-    """Prompt indices, in order, cut greedily under the budget (as HiddenStatesStream cuts them)."""
-    out: list[list[int]] = [[]]
-    used = 0
-    for i, p in enumerate(prompts):
-        if used + len(p) > budget and out[-1]:
-            out.append([])
-            used = 0
-        out[-1].append(i)
-        used += len(p)
-    return [b for b in out if b]
+def batches_of(path: Path, vocab: int, max_len: int, budget: int) -> list[list[int]]:
+    """The input's lines as HiddenStatesStream batches them (its own batcher, one rank)."""
+    from vllm_hidden.colocate.batcher import PromptBatcher
+    from vllm_hidden.inputs import PromptReader
+
+    batcher = PromptBatcher(PromptReader(path, vocab_size=vocab, max_prompt_len=max_len), 0, 1, budget)
+    out = []
+    while batch := batcher.next_batch():
+        out.append([p.line for p in batch])
+        batcher.done(batch)
+    return out
 
 
 class Trainer:
@@ -285,9 +285,10 @@ def main() -> None:
         if torch.cuda.is_available():
             engine += ["--gdn-prefill-backend", "triton"]
     engine += [x for e in a.engine_arg for x in e.split()]
-    prompts = benchlib.w_chat_input(work / "in.jsonl", a.samples, min(max_len - 1, a.token_budget), vocab)
+    benchlib.w_chat_input(work / "in.jsonl", a.samples, min(max_len - 1, a.token_budget), vocab)
     spec = {"model": model, "input": str(work / "in.jsonl"), "layers": layers, "max_len": max_len,
-            "engine": engine, "batches": batches_of(prompts, a.token_budget), "work": str(work)}
+            "engine": engine, "batches": batches_of(work / "in.jsonl", vocab, max_len, a.token_budget),
+            "work": str(work)}
     result = {"command": benchlib.command_line(__file__), "git_revision": benchlib.git_revision(),
               "versions": benchlib.versions("vllm", "torch"), "gpus": benchlib.gpu_names(),
               "model": "Qwen3.6-27B text dims, random weights" if a.qwen36_27b else "tiny random Qwen3-Next",

@@ -68,13 +68,14 @@ def speculators_eagle3(model: str, layer_ids: list[int], device: torch.device):
     from speculators.train.cli import create_transformer_layer_config
 
     from vllm_hidden.colocate import to_speculators
+    from vllm_hidden.layers import to_aux_ids
 
     cfg = create_transformer_layer_config(model, num_layers=1, draft_arch="llama", hidden_act=None, sliding_window=0,
                                           full_attention_indices=[0])
-    # aux states in vLLM's numbering (aux id j: the input of layer j, layer id j - 1); eager attention: any device
+    # the aux states in vLLM's numbering; eager attention: any device
     drafter = Eagle3DraftModel.from_training_args(
         verifier_config=cfg, draft_vocab_size=cfg.vocab_size, norm_before_residual=False, ttt_steps=2,
-        verifier_name_or_path=model, target_layer_ids=[i + 1 for i in layer_ids[:-1]], draft_attn_impl="eager")
+        verifier_name_or_path=model, target_layer_ids=to_aux_ids(layer_ids[:-1]), draft_attn_impl="eager")
     drafter = drafter.to(device)
     loss_config = resolve_loss_config("kl_div", "fused" if device.type == "cuda" else "eager")  # (fused: Triton)
     dtype = next(drafter.parameters()).dtype
@@ -129,11 +130,12 @@ def main() -> None:
                                                                             "seed": a.seed})
     from transformers import AutoConfig
 
-    vocab = AutoConfig.from_pretrained(a.model).get_text_config().vocab_size
+    text_config = AutoConfig.from_pretrained(a.model).get_text_config()
+    vocab = text_config.vocab_size
     dev = stream.device
     torch.manual_seed(0)
     if a.drafter == "speculators-eagle3":
-        last = AutoConfig.from_pretrained(a.model).get_text_config().num_hidden_layers - 1
+        last = text_config.num_hidden_layers - 1
         if stream.layer_ids[-1] != last:
             stream.close()
             sys.exit(f"--drafter speculators-eagle3: the last of --layers must be the model's last layer, {last} "

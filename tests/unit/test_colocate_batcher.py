@@ -85,6 +85,12 @@ def test_stream_options_are_checked_before_anything_starts(tmp_path, monkeypatch
         HiddenStatesStream("m", tmp_path / "in.jsonl", lookahead=2)
     with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\), got 1.5"):
         HiddenStatesStream("m", tmp_path / "in.jsonl", gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match=r"generate: unknown option\(s\) 'max_token'; it takes max_tokens, "):
+        HiddenStatesStream("m", tmp_path / "in.jsonl", generate={"max_token": 8})
+    with pytest.raises(ValueError, match="--max-tokens must be a positive int, got 0"):
+        HiddenStatesStream("m", tmp_path / "in.jsonl", generate={"max_tokens": 0})
+    with pytest.raises(ValueError, match="generate must be a GenerateConfig, a dict of its fields or None, got 8"):
+        HiddenStatesStream("m", tmp_path / "in.jsonl", generate=8)
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert _rank_and_world(None, None) == (3, 4)  # torchrun's

@@ -11,6 +11,7 @@ stream given it back (`load_state_dict`) goes on with exactly the batches not ye
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -122,6 +123,10 @@ class HiddenStatesStream:
         if gpu_memory_utilization is not None:
             engine += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
         if isinstance(generate, dict):
+            unknown = sorted(set(generate) - {f.name for f in dataclasses.fields(GenerateConfig)})
+            if unknown:
+                raise ValueError(f"generate: unknown option(s) {', '.join(map(repr, unknown))}; it takes "
+                                 f"{', '.join(f.name for f in dataclasses.fields(GenerateConfig))}")
             generate = GenerateConfig(**generate)
         elif generate is not None and not isinstance(generate, GenerateConfig):
             raise ValueError(f"generate must be a GenerateConfig, a dict of its fields or None, got {generate!r}")
