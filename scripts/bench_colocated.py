@@ -16,12 +16,19 @@
     VLLM_CPU_KVCACHE_SPACE=1 python scripts/bench_colocated.py --samples 48 --token-budget 1024
 
 Each case runs in a process of its own (the GPU's memory freed between). The batches are the
-same in all three: the prompts in order, cut greedily under --token-budget. The drafter is
-`colocated_train.TinyDrafter` at the target's width (--drafter-width 0) with --drafter-blocks MLP
-blocks and a head over the first --drafter-vocab token ids, AdamW, bf16 autocast on CUDA. Per
-case: batches, tokens, seconds, steps/s, tokens/s, the time spent waiting for data against
-training (the target's share of each step, colocated), and the GPU's peak memory (torch's,
-this process; nvidia-smi's, the whole card)."""
+same in all three: the prompts in order, cut greedily under --token-budget. The drafter is the
+same in all (seeded): with --qwen36-27b `--drafter qwen3`, a stack of Qwen3 decoder layers at the
+dims of the 27B's DFlash drafter (SpecForge's qwen3.5-27b-dflash config: 5 layers, hidden 5,120,
+MLP 17,408, 24 heads of 256, 4 KV heads; ~1.8B parameters) behind a projection of the captured
+layers and a head over the first --drafter-vocab token ids, causal attention over the packed batch
+(not DFlash's anchored blocks: the same matmuls, its own attention pattern); else
+`colocated_train.TinyDrafter`. bf16 weights, AdamW, the next-token loss. The first batch of each
+case is trained but untimed (kernels and allocator warm). Per case: batches, tokens, seconds,
+steps/s, tokens/s, the time spent waiting for data against training (the target's share of each
+step, colocated), and the GPU's peak memory (torch's, this process; nvidia-smi's, the whole card).
+offline also reports its steps/s with the extraction's run time counted (`with_extract_*`: the
+states made on this card first, the run's time prorated by tokens), the fair figure beside
+colocated and online, which make their states inside the timed loop."""
 
 from __future__ import annotations
 
@@ -53,8 +60,39 @@ def batches_of(path: Path, vocab: int, max_len: int, budget: int) -> list[list[i
     return out
 
 
+# the 27B's DFlash drafter's decoder dims (SpecForge configs/qwen3.5-27b-dflash.json)
+DFLASH_27B = {"num_hidden_layers": 5, "hidden_size": 5120, "intermediate_size": 17408, "num_attention_heads": 24,
+              "num_key_value_heads": 4, "head_dim": 256}
+
+
+class Qwen3Drafter:
+    """A Qwen3 decoder stack as the drafter: projection of the K captured layers -> the stack ->
+    a head over `vocab` ids (the shape of a DFlash drafter's compute, causal attention)."""
+
+    def __new__(cls, k: int, hidden: int, vocab: int, dims: dict) -> Any:
+        import torch
+        from torch import nn
+        from transformers import Qwen3Config, Qwen3Model
+
+        class Drafter(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                cfg = Qwen3Config(**dims, vocab_size=1, max_position_embeddings=65536, attn_implementation="sdpa")
+                self.proj = nn.Linear(k * hidden, cfg.hidden_size, bias=False)
+                self.stack = Qwen3Model(cfg)
+                self.head = nn.Linear(cfg.hidden_size, vocab, bias=False)
+
+            def forward(self, states: torch.Tensor) -> torch.Tensor:
+                x = self.proj(states.flatten(1).to(self.proj.weight.dtype))[None]
+                pos = torch.arange(x.shape[1], device=x.device)[None]
+                return self.head(self.stack(inputs_embeds=x, position_ids=pos).last_hidden_state[0])
+
+        return Drafter()
+
+
 class Trainer:
-    """The drafter, its optimizer and the timing of data against training."""
+    """The drafter, its optimizer and the timing of data against training. The first step is
+    untimed: every case's clock starts when it ends."""
 
     def __init__(self, k: int, hidden: int, a: argparse.Namespace, device: Any) -> None:
         import torch
@@ -64,14 +102,29 @@ class Trainer:
 
         torch.manual_seed(0)
         self.torch, self.device = torch, device
-        width = a.drafter_width or hidden
         self.vocab = a.drafter_vocab
-        self.model = TinyDrafter(k, hidden, self.vocab, width=width, blocks=a.drafter_blocks).to(device)
+        self.cuda = device.type == "cuda"
+        if a.drafter == "qwen3":
+            dims = dict(DFLASH_27B) if a.qwen36_27b else {
+                "num_hidden_layers": a.drafter_blocks, "hidden_size": a.drafter_width or 64, "intermediate_size": 224,
+                "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
+            self.model = Qwen3Drafter(k, hidden, self.vocab, dims).to(device)
+            if self.cuda:  # bf16 weights and optimizer state (the bench's drafter fits beside the target)
+                self.model = self.model.to(torch.bfloat16)
+            self.drafter = {"kind": "qwen3", **dims}
+        else:
+            width = a.drafter_width or hidden
+            self.model = TinyDrafter(k, hidden, self.vocab, width=width, blocks=a.drafter_blocks).to(device)
+            self.drafter = {"kind": "tiny", "width": width, "blocks": a.drafter_blocks}
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.params = sum(p.numel() for p in self.model.parameters())
         self.data_s = self.train_s = 0.0
         self.steps = self.tokens = 0
-        self.cuda = device.type == "cuda"
+        self.t0: float | None = None  # the clock: from the end of the first (untimed) step
+
+    def waited(self, seconds: float) -> None:
+        if self.t0 is not None:
+            self.data_s += seconds
 
     def step(self, batch: dict) -> None:
         torch = self.torch
@@ -85,16 +138,21 @@ class Trainer:
         self.opt.step()
         if self.cuda:
             torch.cuda.synchronize(self.device)  # the step's time is its own, not the next wait's
+        if self.t0 is None:
+            self.t0 = time.perf_counter()
+            return
         self.train_s += time.perf_counter() - t0
         self.steps += 1
         self.tokens += batch["token_ids"].numel()
 
-    def result(self, seconds: float) -> dict:
+    def result(self) -> dict:
         torch = self.torch
+        seconds = time.perf_counter() - (self.t0 or time.perf_counter())
         r = {"batches": self.steps, "tokens": self.tokens, "seconds": round(seconds, 3),
              "steps_per_s": round(self.steps / seconds, 3), "tokens_per_s": round(self.tokens / seconds, 1),
              "data_wait_s": round(self.data_s, 3), "train_s": round(self.train_s, 3),
-             "data_share": round(self.data_s / max(seconds, 1e-9), 3), "drafter_params": self.params}
+             "data_share": round(self.data_s / max(seconds, 1e-9), 3), "drafter_params": self.params,
+             "drafter": self.drafter, "untimed_first_batch": True}
         if self.cuda:
             r["torch_peak_gib"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)
             used = gpu_used_mib()
@@ -121,16 +179,15 @@ def case_colocated(a: argparse.Namespace, spec: dict) -> dict:
                                 engine_args=spec["engine"], lookahead=int(spec["case"] == "colocated-ahead"))
     start_s = time.perf_counter() - t0
     tr = Trainer(len(stream.layer_ids), stream.hidden_size, a, stream.device)
-    t1 = time.perf_counter()
     it = iter(stream)
     while True:
         t = time.perf_counter()
         batch = next(it, None)
-        tr.data_s += time.perf_counter() - t
+        tr.waited(time.perf_counter() - t)
         if batch is None:
             break
         tr.step(batch)
-    res = tr.result(time.perf_counter() - t1)
+    res = tr.result()
     res["memory"] = stream.memory()
     res["capture"] = stream.close()
     res["target_start_s"] = round(start_s, 1)
@@ -156,13 +213,18 @@ def case_offline(a: argparse.Namespace, spec: dict) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     first = ds[0]["hidden_states"]
     tr = Trainer(first.shape[1], first.shape[2], a, device)
-    t1 = time.perf_counter()
     for b in spec["batches"]:
         t = time.perf_counter()
         batch = _packed([ds[by_id[i]] for i in b], device)
-        tr.data_s += time.perf_counter() - t
+        tr.waited(time.perf_counter() - t)
         tr.step(batch)
-    return tr.result(time.perf_counter() - t1)
+    res = tr.result()
+    extract = spec["extract"]  # the states were made on this card first: that run's time, by tokens
+    share = res["tokens"] / max(extract["tokens"], 1)
+    made_s = res["seconds"] + extract["seconds"] * share
+    res.update(with_extract_seconds=round(made_s, 3), with_extract_steps_per_s=round(res["batches"] / made_s, 3),
+               with_extract_tokens_per_s=round(res["tokens"] / made_s, 1))
+    return res
 
 
 def case_online(a: argparse.Namespace, spec: dict) -> dict:
@@ -176,6 +238,7 @@ def case_online(a: argparse.Namespace, spec: dict) -> dict:
     from vllm_hidden.layers import to_aux_ids
 
     layers = [int(x) for x in spec["layers"].split(",")]
+    k = len(layers)
     hs_dir = Path(spec["work"]) / "hs"
     hs_dir.mkdir(parents=True, exist_ok=True)
     cap, _ = capture_args(to_aux_ids(layers), hs_dir, "file")
@@ -204,24 +267,21 @@ def case_online(a: argparse.Namespace, spec: dict) -> dict:
             tr = None
             async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0,
                                           timeout=600) as client:
-                t1 = time.perf_counter()
                 for b in spec["batches"]:
                     t = time.perf_counter()
                     got = await asyncio.gather(*(fetch(client, prompts[i]) for i in b))
-                    batch = _packed(got, device)
-                    if tr is None:  # (the files' layers: the aux ids' outputs, the model's last layer last)
+                    # the files hold the aux layers and the model's last: the drafter takes the same K as the others
+                    batch = _packed([{**g, "hidden_states": g["hidden_states"][:, :k]} for g in got], device)
+                    if tr is None:
                         tr = Trainer(batch["hidden_states"].shape[1], batch["hidden_states"].shape[2], a, device)
-                        t1 = time.perf_counter()
-                    else:
-                        tr.data_s += time.perf_counter() - t
+                    tr.waited(time.perf_counter() - t)
                     tr.step(batch)
-                return tr.result(time.perf_counter() - t1)
+                return tr.result()
 
         res = asyncio.run(run())
     finally:
         server.stop()
     res["target_start_s"] = round(start_s, 1)
-    res["note"] = "the first batch is untimed (it sizes the drafter from the files' layers)"
     return res
 
 
@@ -229,8 +289,9 @@ CASES = {"colocated": case_colocated, "colocated-ahead": case_colocated, "offlin
          "online": case_online}
 
 
-def extract_first(spec: dict, a: argparse.Namespace, work: Path) -> float:
-    """offline's states, extracted before its timed run (reported apart)."""
+def extract_first(spec: dict, a: argparse.Namespace, work: Path) -> dict:
+    """offline's states, extracted before its timed run (reported apart): extract's own summary
+    (its run's `seconds` exclude the engine's start) and the whole command's wall time."""
     out = work / "offline-out"
     engine = [*spec["engine"], *(["--gpu-memory-utilization", str(a.extract_share)] if a.extract_share else [])]
     t0 = time.perf_counter()
@@ -240,7 +301,9 @@ def extract_first(spec: dict, a: argparse.Namespace, work: Path) -> float:
     if r.returncode:
         sys.exit(f"offline: extract failed ({r.returncode}):\n{r.stderr[-3000:]}")
     spec["out"] = str(out)
-    return round(time.perf_counter() - t0, 1)
+    summary = benchlib.last_json(r.stdout)
+    keep = ("samples", "tokens", "seconds", "engine_init_seconds", "flush_seconds", "tokens_per_s", "engine_start")
+    return {**{k: summary.get(k) for k in keep}, "command_wall_s": round(time.perf_counter() - t0, 1)}
 
 
 def main() -> None:
@@ -248,10 +311,13 @@ def main() -> None:
     ap.add_argument("--qwen36-27b", action="store_true", help="Qwen3.6-27B text dims, random weights")
     ap.add_argument("--cases", default="colocated,colocated-ahead,offline,online")
     ap.add_argument("--samples", type=int, default=512, help="W-chat prompts")
-    ap.add_argument("--token-budget", type=int, default=16384)
+    ap.add_argument("--token-budget", type=int, default=None, help="default: 8192 with --qwen36-27b, else 16384")
     ap.add_argument("--target-share", type=float, default=None, help="the target's gpu_memory_utilization")
     ap.add_argument("--extract-share", type=float, default=None, help="offline's extract: gpu_memory_utilization")
     ap.add_argument("--bf16", action="store_true", help="bf16 target weights (default with --qwen36-27b: FP8)")
+    ap.add_argument("--drafter", choices=("qwen3", "tiny"), default=None,
+                    help="qwen3: a Qwen3 decoder stack (--qwen36-27b: the 27B DFlash drafter's dims; the default "
+                         "there), tiny: colocated_train.TinyDrafter (the default elsewhere)")
     ap.add_argument("--drafter-width", type=int, default=0, help="0: the target's hidden size")
     ap.add_argument("--drafter-blocks", type=int, default=2)
     ap.add_argument("--drafter-vocab", type=int, default=32768)
@@ -260,6 +326,7 @@ def main() -> None:
     ap.add_argument("--result", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    a.drafter = a.drafter or ("qwen3" if a.qwen36_27b else "tiny")
     if a.child:  # one case, in this process: its spec from the parent
         spec = json.loads(Path(a.child).read_text())
         print(json.dumps(CASES[spec["case"]](a, spec)))
@@ -274,12 +341,17 @@ def main() -> None:
         layers, max_len, vocab = DFLASH_LAYERS, 4096, 248320
         if not a.bf16:
             engine += ["--quantization", "fp8"]
-        engine = [x for i, x in enumerate(engine) if not (x == "--gpu-memory-utilization" or
-                                                         (i and engine[i - 1] == "--gpu-memory-utilization"))]
+        # the target's share is --target-share; 128 sequences at most: that share's Mamba cache
+        # blocks are fewer than the reference's 256 (a batch of --token-budget holds ~16 prompts)
+        dropped = ("--gpu-memory-utilization", "--max-num-seqs")
+        engine = [x for i, x in enumerate(engine) if not (x in dropped or (i and engine[i - 1] in dropped))]
+        engine += ["--max-num-seqs", "128"]
         a.target_share = a.target_share or 0.55
+        a.token_budget = a.token_budget or 8192  # the drafter's activations beside the target's share
     else:
         model, engine = benchlib.tiny_model(work), ["--dtype", "bfloat16", "--enforce-eager"]
         layers, max_len, vocab = "1,3,5", 2048, 1000
+        a.token_budget = a.token_budget or 16384
         import torch
 
         if torch.cuda.is_available():
@@ -298,7 +370,7 @@ def main() -> None:
         if case not in CASES:
             sys.exit(f"unknown case {case!r}: one of {', '.join(CASES)}")
         if case == "offline":
-            result["offline_extract_s"] = extract_first(spec, a, work)
+            result["offline_extract"] = spec["extract"] = extract_first(spec, a, work)
         path = work / f"spec-{case}.json"
         path.write_text(json.dumps({**spec, "case": case}))
         r = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child", str(path)], capture_output=True,
@@ -309,6 +381,8 @@ def main() -> None:
         else:
             result["cases"][case] = benchlib.last_json(r.stdout)
         print(f"{case}: {json.dumps(result['cases'][case])[:400]}", file=sys.stderr, flush=True)
+        if a.result:  # what ran so far, should a later case not finish
+            benchlib.write_json_atomic(a.result, result)
     base = result["cases"].get("colocated", {}).get("steps_per_s")
     for c in result["cases"].values():
         if base and c.get("steps_per_s"):

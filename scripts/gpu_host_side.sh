@@ -24,7 +24,7 @@
 #                 whole, the forward stopped at layer 5 of 8) and 1,3 (built with 4 layers), each against
 #                 --full-model (each pair compiles cold, Triton autotune included: up to 7 min a pair, so run
 #                 it in scripts/gpu_background.sh)
-#   STEP=colocated tests/gpu/test_gpu_colocated.py, then scripts/bench_colocated.py --qwen36-27b: drafter
+#   STEP=colocated tests/gpu/test_gpu_colocated.py, then scripts/bench_colocated.py --qwen36-27b (SAMPLES, CASES): drafter
 #                 steps/s colocated (pull-through, look-ahead), from offline shards and from `serve` files, one card (four cold 27B
 #                 engines and an extract: run it in scripts/gpu_background.sh)
 #   STEP=colocated-test tests/gpu/test_gpu_colocated.py alone (tiny model, two compiled starts)
@@ -145,13 +145,14 @@ case "$STEP" in
     # speculators' client and hs_connectors (the online case), as gpu_online.sh installs them
     python3 -c "import hs_connectors, importlib.metadata as m; m.version('speculators')" 2>/dev/null ||
       python3 -m pip install -q --no-index --no-deps .kit/extra/speculators-0.9.0-*.whl .kit/extra/hs_connectors-0.9.0-*.whl
-    timeout -k 10 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_colocated.py -rxXf \
+    timeout -k 10 420 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_colocated.py -rxXf \
       > "$OUT/gpu-colocated-test.log" 2>&1 || rc=1
     quiet "$OUT/gpu-colocated-test.log" 12
     VHIDDEN_CACHE_DIR=/tmp/vhc timeout -k 10 "${BENCH_TIMEOUT:-1500}" python3 scripts/bench_colocated.py --qwen36-27b \
-      --cases "${CASES:-colocated,colocated-ahead,offline,online}" --work /tmp/vh-colocated --result "$OUT/bench-colocated.json" \
-      > "$OUT/bench-colocated.log" 2>&1 || rc=1
+      --cases "${CASES:-colocated,colocated-ahead,offline,online}" --samples "${SAMPLES:-1024}" \
+      --work /tmp/vh-colocated --result "$OUT/bench-colocated.json" > "$OUT/bench-colocated.log" 2>&1 || rc=1
     quiet "$OUT/bench-colocated.log" 20
+    mkdir -p "$OUT/colocated-logs" && cp /tmp/vh-colocated/*.log "$OUT/colocated-logs/" 2>/dev/null
     ;;
   *) echo "gpu_host_side: unknown STEP=$STEP"; exit 2 ;;
 esac
