@@ -326,7 +326,11 @@ def main() -> None:
     ap.add_argument("--result", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    # defaults that hang on --qwen36-27b, resolved here: a case's process parses the same flags
     a.drafter = a.drafter or ("qwen3" if a.qwen36_27b else "tiny")
+    a.token_budget = a.token_budget or (8192 if a.qwen36_27b else 16384)  # 27B: the drafter's activations fit
+    if a.qwen36_27b:
+        a.target_share = a.target_share or 0.55
     if a.child:  # one case, in this process: its spec from the parent
         spec = json.loads(Path(a.child).read_text())
         print(json.dumps(CASES[spec["case"]](a, spec)))
@@ -346,12 +350,9 @@ def main() -> None:
         dropped = ("--gpu-memory-utilization", "--max-num-seqs")
         engine = [x for i, x in enumerate(engine) if not (x in dropped or (i and engine[i - 1] in dropped))]
         engine += ["--max-num-seqs", "128"]
-        a.target_share = a.target_share or 0.55
-        a.token_budget = a.token_budget or 8192  # the drafter's activations beside the target's share
     else:
         model, engine = benchlib.tiny_model(work), ["--dtype", "bfloat16", "--enforce-eager"]
         layers, max_len, vocab = "1,3,5", 2048, 1000
-        a.token_budget = a.token_budget or 16384
         import torch
 
         if torch.cuda.is_available():
