@@ -248,6 +248,9 @@ def case_online(a: argparse.Namespace, spec: dict) -> dict:
     server = Server([sys.executable, "-m", "vllm_hidden.cli", "serve", spec["model"], *cap, *engine], {},
                     Path(spec["work"]) / "online-server.log")
     start_s = server.start(1200)
+    # this process shares the card with the server's: an allocator that returns what it frees
+    # (the drafter's fragmentation otherwise took the server's headroom; set before CUDA starts here)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     prompts = [json.loads(line)["token_ids"] for line in open(spec["input"])]
     client_mod, _ = speculators_client()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
