@@ -65,29 +65,28 @@ DFLASH_27B = {"num_hidden_layers": 5, "hidden_size": 5120, "intermediate_size": 
               "num_key_value_heads": 4, "head_dim": 256}
 
 
-class Qwen3Drafter:
+def qwen3_drafter(k: int, hidden: int, vocab: int, dims: dict) -> Any:
     """A Qwen3 decoder stack as the drafter: projection of the K captured layers -> the stack ->
-    a head over `vocab` ids (the shape of a DFlash drafter's compute, causal attention)."""
+    a head over `vocab` ids (the shape of a DFlash drafter's compute, causal attention). Built
+    here, not at import: the parent process never imports torch's CUDA side."""
+    import torch
+    from torch import nn
+    from transformers import Qwen3Config, Qwen3Model
 
-    def __new__(cls, k: int, hidden: int, vocab: int, dims: dict) -> Any:
-        import torch
-        from torch import nn
-        from transformers import Qwen3Config, Qwen3Model
+    class Qwen3Drafter(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            cfg = Qwen3Config(**dims, vocab_size=1, max_position_embeddings=65536, attn_implementation="sdpa")
+            self.proj = nn.Linear(k * hidden, cfg.hidden_size, bias=False)
+            self.stack = Qwen3Model(cfg)
+            self.head = nn.Linear(cfg.hidden_size, vocab, bias=False)
 
-        class Drafter(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                cfg = Qwen3Config(**dims, vocab_size=1, max_position_embeddings=65536, attn_implementation="sdpa")
-                self.proj = nn.Linear(k * hidden, cfg.hidden_size, bias=False)
-                self.stack = Qwen3Model(cfg)
-                self.head = nn.Linear(cfg.hidden_size, vocab, bias=False)
+        def forward(self, states: torch.Tensor) -> torch.Tensor:
+            x = self.proj(states.flatten(1).to(self.proj.weight.dtype))[None]
+            pos = torch.arange(x.shape[1], device=x.device)[None]
+            return self.head(self.stack(inputs_embeds=x, position_ids=pos).last_hidden_state[0])
 
-            def forward(self, states: torch.Tensor) -> torch.Tensor:
-                x = self.proj(states.flatten(1).to(self.proj.weight.dtype))[None]
-                pos = torch.arange(x.shape[1], device=x.device)[None]
-                return self.head(self.stack(inputs_embeds=x, position_ids=pos).last_hidden_state[0])
-
-        return Drafter()
+    return Qwen3Drafter()
 
 
 class Trainer:
@@ -108,7 +107,7 @@ class Trainer:
             dims = dict(DFLASH_27B) if a.qwen36_27b else {
                 "num_hidden_layers": a.drafter_blocks, "hidden_size": a.drafter_width or 64, "intermediate_size": 224,
                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
-            self.model = Qwen3Drafter(k, hidden, self.vocab, dims).to(device)
+            self.model = qwen3_drafter(k, hidden, self.vocab, dims).to(device)
             if self.cuda:  # bf16 weights and optimizer state (the bench's drafter fits beside the target)
                 self.model = self.model.to(torch.bfloat16)
             self.drafter = {"kind": "qwen3", **dims}
