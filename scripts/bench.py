@@ -91,7 +91,7 @@ def run_plain(args: list[str], max_len: int, workloads: dict[str, list[list[int]
             with RssPeak() as rss:
                 dt, _ = benchlib.timed_loop(engine, prompts, lambda i: sp, feed)
             res["workloads"][key] = {"seconds": dt, "feed": feed, "peak_rss_bytes_during_run": rss.peak,
-                                     **_trace_since(mark)}
+                                     **_trace_since(mark, time.perf_counter())}
             save(res)
     finally:
         engine.engine_core.shutdown()
@@ -124,7 +124,7 @@ def run_extract(args: list[str], max_len: int, workloads: dict[str, list[list[in
                 mark = _trace_mark()
                 with RssPeak() as rss:
                     s = extract_file(ex, str(inputs[name]), str(out_root / name)).to_dict()
-                steps = _trace_since(mark)
+                steps = _trace_since(mark, time.perf_counter())
                 v = benchlib.verify_extract(out_root / name, prompts)
                 runs.append({"seconds": s["seconds"], "flush_seconds": s["flush_seconds"],
                              "peak_rss_bytes_during_run": rss.peak, "capture_stats": s["capture_stats"],
@@ -135,22 +135,31 @@ def run_extract(args: list[str], max_len: int, workloads: dict[str, list[list[in
     return res
 
 
-def _trace_mark() -> int:
-    """Lines in this case's step trace so far (0 without --step-trace)."""
+def _trace_mark() -> tuple[int, int]:
+    """Lines in this case's step trace and in its done file so far (0 without --step-trace)."""
+    from vllm_hidden.engine.scheduler import DONE_SUFFIX
+
+    def lines(f: str) -> int:
+        return len(Path(f).read_text().splitlines()) if Path(f).exists() else 0
+
     path = os.environ.get(STEP_TRACE)
-    return len(Path(path).read_text().splitlines()) if path and Path(path).exists() else 0
+    return (lines(path), lines(path + DONE_SUFFIX)) if path else (0, 0)
 
 
-def _trace_since(mark: int) -> dict:
+def _trace_since(mark: tuple[int, int], ended_at: float | None = None) -> dict:
     """The steps the engine scheduled since `mark`: how many, their tokens (quantiles, and how
     many were under an eighth of the largest), the time between them, and every step as a row of
-    `rows_columns` (time from the first step; the scheduler's queues as the step was made)."""
-    from vllm_hidden.engine.scheduler import TRACE_COLUMNS
+    `rows_columns` (time from the first step; the scheduler's queues as the step was made). Then
+    `done`: each step's output as the scheduler took it in (ms from the first step's schedule,
+    tokens, ms since the previous output: the step's own time where the GPU is the bottleneck),
+    and `after_last_step_ms`, from the last output to `ended_at` (the run's end as its caller saw
+    it: for extract, every shard durable)."""
+    from vllm_hidden.engine.scheduler import DONE_SUFFIX, TRACE_COLUMNS
 
     path = os.environ.get(STEP_TRACE)
     if not path or not Path(path).exists():
         return {}
-    rows = [ln.split() for ln in Path(path).read_text().splitlines()[mark:]]
+    rows = [ln.split() for ln in Path(path).read_text().splitlines()[mark[0]:]]
     if not rows:
         return {"steps": {"count": 0}}
     t = [float(r[0]) for r in rows]
@@ -160,13 +169,26 @@ def _trace_since(mark: int) -> dict:
     def q(xs, p):
         return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else None
 
-    return {"steps": {"count": len(rows), "tokens_p10_p50_p90": [q(tokens, 0.1), q(tokens, 0.5), q(tokens, 0.9)],
-                      "under_an_eighth_of_the_largest": sum(n < tokens[-1] / 8 for n in tokens),
-                      "mean_tokens": round(sum(tokens) / len(tokens), 1),
-                      "interval_ms_p50_p90": [round(1e3 * q(gaps, 0.5), 2), round(1e3 * q(gaps, 0.9), 2)] if gaps
-                      else None,
-                      "rows_columns": ["ms", *TRACE_COLUMNS[1:]],
-                      "rows": [[round(1e3 * (float(r[0]) - t[0]), 1), *map(int, r[1:])] for r in rows]}}
+    out = {"count": len(rows), "tokens_p10_p50_p90": [q(tokens, 0.1), q(tokens, 0.5), q(tokens, 0.9)],
+           "under_an_eighth_of_the_largest": sum(n < tokens[-1] / 8 for n in tokens),
+           "mean_tokens": round(sum(tokens) / len(tokens), 1),
+           "interval_ms_p50_p90": [round(1e3 * q(gaps, 0.5), 2), round(1e3 * q(gaps, 0.9), 2)] if gaps else None,
+           "rows_columns": ["ms", *TRACE_COLUMNS[1:]],
+           "rows": [[round(1e3 * (float(r[0]) - t[0]), 1), *map(int, r[1:])] for r in rows]}
+    done_path = Path(path + DONE_SUFFIX)
+    done = [ln.split() for ln in done_path.read_text().splitlines()[mark[1]:]] if done_path.exists() else []
+    if done:
+        d = [float(r[0]) for r in done]
+        own = [b - a for a, b in zip(d, d[1:])]
+        out["done"] = {"count": len(done),
+                       "interval_ms_p50_p90": [round(1e3 * q(sorted(own), 0.5), 2), round(1e3 * q(sorted(own), 0.9), 2)]
+                       if own else None,
+                       "rows_columns": ["ms", "tokens", "ms_since_previous"],
+                       "rows": [[round(1e3 * (x - t[0]), 1), int(r[1]), round(1e3 * (x - d[i - 1]), 1) if i else None]
+                                for i, (x, r) in enumerate(zip(d, done))]}
+        if ended_at is not None:
+            out["after_last_step_ms"] = round(1e3 * (ended_at - d[-1]), 1)
+    return {"steps": out}
 
 
 def _stats_ab(runs: list[dict]) -> dict:

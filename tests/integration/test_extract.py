@@ -195,6 +195,13 @@ def test_the_end_of_a_run_tapers(compiled):
     assert [int(t[1]) for t in trace[-8:]] == rows and sum(int(t[1]) for t in trace) == stats["rows"], trace
     running, waiting, free = ([int(t[k]) for t in trace] for k in (3, 4, 5))
     assert running[0] == 0 and waiting[0] > 0 and min(running) >= 0 and min(free) > 0, trace
+    # and each step's output as vLLM's scheduler took it in: the same steps, in order, each after
+    # it was scheduled
+    from vllm_hidden.engine.scheduler import DONE_SUFFIX
+
+    done = [line.split() for line in (root / ("steps.txt" + DONE_SUFFIX)).read_text().splitlines()]
+    assert [int(d[1]) for d in done] == [int(t[1]) for t in trace], (done, trace)
+    assert all(float(d[0]) >= float(t[0]) for d, t in zip(done, trace)), (done, trace)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3"])

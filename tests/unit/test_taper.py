@@ -158,3 +158,26 @@ def test_the_step_trace_has_a_line_per_step_with_its_tokens_requests_and_queues(
     # waiting as each step was made (r1 started, r2 not), free blocks as the pool said
     assert [[int(x) for x in r[1:]] for r in rows] == [[100, 2, 0, 3, 7], [50, 2, 1, 1, 7]]
     assert float(rows[0][0]) <= float(rows[1][0])  # perf_counter times, in order
+
+
+def test_the_done_trace_has_a_line_per_step_whose_output_came_back(tmp_path):
+    from vllm_hidden.engine.scheduler import DONE_COLUMNS, DONE_SUFFIX
+
+    class OutBase(_Base):  # vLLM's update_from_output, as far as the trace reads its argument
+        def update_from_output(self, scheduler_output, model_runner_output):
+            return {"handled": scheduler_output.total_num_scheduled_tokens}
+
+    class Traced(_Taper, OutBase):
+        pass
+
+    s = Traced(100)
+    step = lambda n: SimpleNamespace(total_num_scheduled_tokens=n)  # noqa: E731
+    assert s.update_from_output(step(5), None) == {"handled": 5}  # untraced: vLLM's result, no file
+    s._vh_trace = str(tmp_path / "steps.txt")
+    outs = [s.update_from_output(step(n), None) for n in (100, 0, 37)]
+    assert outs == [{"handled": 100}, {"handled": 0}, {"handled": 37}]  # vLLM's own result passed on
+    rows = [line.split() for line in (tmp_path / ("steps.txt" + DONE_SUFFIX)).read_text().splitlines()]
+    # an output of no scheduled tokens is not a step's
+    assert [int(r[1]) for r in rows] == [100, 37] and all(len(r) == len(DONE_COLUMNS) for r in rows)
+    assert float(rows[0][0]) <= float(rows[1][0])
+    assert not (tmp_path / "steps.txt").exists()  # schedule()'s own file is written by schedule() only

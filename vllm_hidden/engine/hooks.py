@@ -316,6 +316,9 @@ HOOKS: tuple[Hook, ...] = (
          does="as Scheduler.add_request's", **_TAPER),
     Hook(name="async_scheduler.schedule", module=ASYNC_SCHEDULER, cls="AsyncScheduler", attr="schedule",
          does="as Scheduler.schedule's", **_TAPER),
+    Hook(name="scheduler.update_from_output", module=SCHEDULER, cls="Scheduler", attr="update_from_output",
+         does="with VHIDDEN_STEP_TRACE (benchmarks): the time each step's output came back (AsyncScheduler "
+              "inherits it)", **_TAPER),
     Hook(name=SCHEDULER_BUDGET, module=SCHEDULER, cls="Scheduler", attr="max_num_scheduled_tokens", kind="field",
          installed_by="engine.scheduler's subclass, in schedule()",
          does="lowered for one schedule() call while a run's end drains, then restored",

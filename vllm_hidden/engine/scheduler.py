@@ -16,7 +16,8 @@ tokens left of 16,384-token steps go as 15,000, 7,500, 3,750, 1,875 and 1,875).
 vLLM would have picked (async or not) with this one change. A plain vLLM engine given it
 (`--scheduler-cls vllm_hidden.engine.scheduler.taper_scheduler`) schedules exactly as vLLM's, as
 no request of its says it is a run's last; with VHIDDEN_STEP_TRACE set it records each step
-(scripts/bench.py --step-trace, plain and extract alike). The vLLM methods the subclass
+as it is scheduled and as its output comes back (scripts/bench.py --step-trace, plain and
+extract alike). The vLLM methods the subclass
 overrides and the budget attribute it lowers are rows of `hooks.HOOKS`.
 """
 
@@ -38,6 +39,10 @@ QUALNAME = f"{__name__}.taper_scheduler"
 FLOOR_FRACTION = 16  # no halved step below this fraction of a full step (the last step, the rest, may be)
 # a VHIDDEN_STEP_TRACE line: one scheduled step, and the scheduler's queues as the step was being made
 TRACE_COLUMNS = ("time", "tokens", "requests", "running_before", "waiting_before", "free_blocks_before")
+# a line of the trace's DONE_SUFFIX file: one step's output taken in by the scheduler (vLLM's
+# update_from_output), so the GPU had finished it: the time between two is a step's own time
+# where the GPU is the bottleneck, under async scheduling too (where schedule times run ahead)
+DONE_SUFFIX, DONE_COLUMNS = ".done", ("time", "tokens")
 
 
 def taper_budget(remaining: int, full: int) -> int:
@@ -82,6 +87,13 @@ class _Taper:
             with open(trace, "a") as f:
                 f.write(f"{time.perf_counter():.6f} {out.total_num_scheduled_tokens} "
                         f"{len(out.num_scheduled_tokens)} {' '.join(map(str, before))}\n")
+        return out
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        out = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        if self._vh_trace is not None and scheduler_output.total_num_scheduled_tokens:  # see DONE_COLUMNS
+            with open(self._vh_trace + DONE_SUFFIX, "a") as f:
+                f.write(f"{time.perf_counter():.6f} {scheduler_output.total_num_scheduled_tokens}\n")
         return out
 
 
