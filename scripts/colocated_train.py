@@ -118,8 +118,19 @@ def main() -> None:
     ap.add_argument("--result", default=None, help="a JSON file for the run's figures")
     a = ap.parse_args()
 
-    from vllm_hidden.colocate import HiddenStatesStream
+    from transformers import AutoConfig
 
+    from vllm_hidden.colocate import HiddenStatesStream
+    from vllm_hidden.layers import resolve_layer_ids
+
+    text_config = AutoConfig.from_pretrained(a.model).get_text_config()
+    vocab = text_config.vocab_size
+    if a.drafter == "speculators-eagle3":  # refused before the engine starts
+        last = text_config.num_hidden_layers - 1
+        ids = resolve_layer_ids(text_config.num_hidden_layers, layers=a.layers)
+        if ids[-1] != last:
+            sys.exit(f"--drafter speculators-eagle3: the last of --layers must be the model's last layer, {last} "
+                     f"(speculators' verifier state), got {ids}")
     engine_args = [x for arg in a.engine_arg for x in arg.split()]
     stream = HiddenStatesStream(a.model, a.input, layers=a.layers, final_state=a.final_state,
                                 token_budget=a.token_budget, gpu_memory_utilization=a.gpu_memory_utilization,
@@ -128,18 +139,9 @@ def main() -> None:
                                 generate=None if a.max_tokens is None else {"max_tokens": a.max_tokens,
                                                                             "temperature": a.temperature,
                                                                             "seed": a.seed})
-    from transformers import AutoConfig
-
-    text_config = AutoConfig.from_pretrained(a.model).get_text_config()
-    vocab = text_config.vocab_size
     dev = stream.device
     torch.manual_seed(0)
     if a.drafter == "speculators-eagle3":
-        last = text_config.num_hidden_layers - 1
-        if stream.layer_ids[-1] != last:
-            stream.close()
-            sys.exit(f"--drafter speculators-eagle3: the last of --layers must be the model's last layer, {last} "
-                     f"(speculators' verifier state), got {stream.layer_ids}")
         drafter, loss_of = speculators_eagle3(a.model, stream.layer_ids, dev)
     else:
         drafter = TinyDrafter(len(stream.layer_ids), stream.hidden_size, vocab).to(dev)
