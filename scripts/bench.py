@@ -81,7 +81,9 @@ def run_plain(args: list[str], max_len: int, workloads: dict[str, list[list[int]
     from vllm_hidden.engine import compat
 
     engine, init = benchlib.start_engine(args, max_len)
-    sp = compat.prefill_sampling_params({})  # the params extract uses, nothing marked for capture
+    # the params extract uses, nothing marked for capture, and not marked prompt-only: vLLM's own
+    # scheduling (under --step-trace too, through our scheduler class)
+    sp = compat.prefill_sampling_params({}, prompt_only=False)
     res = {"engine_init_seconds": init, "model_runner": "v2" if engine.vllm_config.use_v2_model_runner else "v1",
            "workloads": {}}
     save(res)
@@ -222,7 +224,7 @@ def run_upstream(args: list[str], max_len: int, workloads: dict[str, list[list[i
         [*args, "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)], max_len)
     res = {"engine_init_seconds": init, "aux_layer_ids": aux, "workloads": {}}
     save(res)
-    sp = compat.prefill_sampling_params({})
+    sp = compat.prefill_sampling_params({}, prompt_only=False)  # vLLM's connector keeps its own scheduler
     try:
         for name, prompts in workloads.items():
             with RssPeak() as rss:

@@ -20,6 +20,9 @@
 #                 into bench-trace.json; plain once per feed (FEEDS, bench.py --feeds: default window,all)
 #   STEP=trace-extract-notaper: the same extract-fp8w trace with VHIDDEN_TAPER=0 (the end of the run not
 #                 tapered), into bench-notaper.json: what the taper costs or saves, against trace-extract
+#   STEP=trace-extract-norelease: the same with VHIDDEN_RELEASE=0 (prompt-only requests keep their KV blocks
+#                 until they finish, as vLLM's), into bench-norelease.json: what freeing them at scheduling moves
+#   STEP=release-test tests/gpu/test_gpu_capture.py's freed-blocks case alone (parity with HF, blocks reused)
 #   STEP=truncate scripts/check_truncate.py under torch.compile and CUDA graphs, tiny hybrid: layers 1,4 (built
 #                 whole, the forward stopped at layer 5 of 8) and 1,3 (built with 4 layers), each against
 #                 --full-model (each pair compiles cold, Triton autotune included: up to 7 min a pair, so run
@@ -37,7 +40,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the output folder of the call}"
-STEP=${STEP:?set STEP to fp8, fp8gen, tests, plain, extract, server, bf16, plain-bf16, extract-bf16, fp8b, generate, trace-plain, trace-extract, trace-extract-notaper, truncate, colocated, colocated-test or online}
+STEP=${STEP:?set STEP to fp8, fp8gen, tests, plain, extract, server, bf16, plain-bf16, extract-bf16, fp8b, generate, trace-plain, trace-extract, trace-extract-notaper, trace-extract-norelease, release-test, truncate, colocated, colocated-test or online}
 mkdir -p "$OUT"
 
 env_sh=$(ls .kit/*/device-env.sh /tmp/kitstage/device-env.sh 2>/dev/null | head -1)
@@ -108,6 +111,16 @@ case "$STEP" in
     BENCH=/tmp/vh-results/bench-notaper.json BENCH_EXTRA="--step-trace --feeds window" VHIDDEN_TAPER=0 \
       bench extract-fp8w
     rc=$? ;;
+  trace-extract-norelease)
+    BENCH=/tmp/vh-results/bench-norelease.json BENCH_EXTRA="--step-trace --feeds window" VHIDDEN_RELEASE=0 \
+      bench extract-fp8w
+    rc=$? ;;
+  release-test)
+    timeout -k 10 "${CAPTURE_S:-400}" python3 -m pytest -q -s -x -p no:cacheprovider tests/gpu/test_gpu_capture.py \
+      -k freed_prompt_blocks > "$OUT/gpu-release.log" 2>&1
+    rc=$?
+    quiet "$OUT/gpu-release.log" 15
+    ;;
   extract-bf16) bench extract; rc=$? ;;
   fp8b) bench "${CASES:-plain-fp8b}"; rc=$? ;;
   server)

@@ -18,6 +18,7 @@ CACHE_DIR = "VHIDDEN_CACHE_DIR"  # --cache-dir's default
 LAYER_STATS = "VHIDDEN_LAYER_STATS"  # "0": shards without per-layer statistics
 STEP_TRACE = "VHIDDEN_STEP_TRACE"  # a file: the scheduler appends each step's time, tokens and requests (benchmarks)
 TAPER = "VHIDDEN_TAPER"  # "0": the end of an extract run is not tapered (benchmarks: what the taper costs)
+RELEASE = "VHIDDEN_RELEASE"  # "0": prompt-only requests keep their KV blocks until they finish (benchmarks)
 # set by the commands that start vLLM, for its processes
 CAPTURE_LAYOUT = "VHIDDEN_CAPTURE_LAYOUT"  # the capture buffers' layout (config.CaptureLayout)
 CONNECTOR = "VHIDDEN_CONNECTOR"  # the connector form's configuration (config.ConnectorConfig)

@@ -310,11 +310,16 @@ def _no_prefix_cache_reads(sampling_params_cls) -> dict[str, bool]:
         else {}
 
 
-def prefill_sampling_params(extra_args: dict):
-    """One sampled (discarded) token, greedy, no detokenizing, no prefix-cache reads."""
+def prefill_sampling_params(extra_args: dict, *, prompt_only: bool = True):
+    """One sampled (discarded) token, greedy, no detokenizing, no prefix-cache reads; with
+    `prompt_only` marked so, so that its KV blocks are freed once its last prompt token is
+    scheduled (engine.scheduler; benchmarks of plain vLLM leave it out)."""
     from vllm import SamplingParams
 
-    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args=extra_args,
+    from vllm_hidden.engine.scheduler import PREFILL_ONLY_KEY
+
+    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                          extra_args={**extra_args, PREFILL_ONLY_KEY: True} if prompt_only else extra_args,
                           **_no_prefix_cache_reads(SamplingParams))
 
 
@@ -540,6 +545,32 @@ def request_extra_args(request) -> dict:
     without sampling params (pooling) or without extra args."""
     params = getattr(request, "sampling_params", None)
     return getattr(params, "extra_args", None) or {}
+
+
+def request_max_tokens(request) -> int | None:
+    """A scheduler `Request`'s max_tokens (`Request.max_tokens`: 0.26 and 0.32); None for a request
+    without one (pooling)."""
+    return getattr(request, "max_tokens", None)
+
+
+def early_release_blocker(scheduler) -> str | None:
+    """Why the scheduler may not free a prompt-only request's KV blocks when its last prompt token
+    is scheduled (engine.scheduler), or None where it may: vLLM's async scheduling (no step made
+    for a request whose max_tokens a step in flight reaches: `Scheduler.schedule` in 0.26 and 0.32),
+    no prefix caching (`kv_cache_manager.enable_caching`), no KV connector (`connector`), no
+    speculative decoding and one pipeline stage (`vllm_config`)."""
+    config = scheduler.vllm_config
+    if not config.scheduler_config.async_scheduling:
+        return "no async scheduling (the next step is made after this one's output frees them)"
+    if scheduler.kv_cache_manager.enable_caching:
+        return "prefix caching is on"
+    if getattr(scheduler, "connector", None) is not None:
+        return "a KV connector reads a finished request's blocks"
+    if config.speculative_config is not None:
+        return "speculative decoding"
+    if config.parallel_config.pipeline_parallel_size > 1:
+        return "pipeline parallelism"
+    return None
 
 
 def prompt_tokens_left(scheduler) -> int:

@@ -12,10 +12,22 @@ step. Every step's rows are written while the next, half-size step runs, and the
 small. The GPU does the same work in a few more steps (mostly 3 more at the end of a run: 30,000
 tokens left of 16,384-token steps go as 15,000, 7,500, 3,750, 1,875 and 1,875).
 
+Under async scheduling the next step is made while the GPU runs this one. A prompt-only request
+(`PREFILL_ONLY_KEY`: one discarded sampled token, so no later step reads its KV cache or its
+recurrent state) whose last prompt token is in this step holds its blocks until this step's
+output comes back, so the step made meanwhile finds the cache full: with short prompts vLLM
+alternates a step that fills the cache with one of a request or two (W-short on the 27B: 44
+steps, 22 of them small). Its blocks go back to the pool as soon as the step is made instead
+(`_release`): every later GPU write to them is queued on the same stream after this step's own
+reads and writes, and vLLM's scheduler makes no further step for a request whose max_tokens a
+step in flight reaches. Only where that reasoning holds (`compat.early_release_blocker`): async
+scheduling, no prefix caching (a freed block could be found by its hash), no KV connector (it
+reads a finished request's blocks), no speculative decoding, one pipeline stage.
+
 `taper_scheduler` is what the engine is given as its `scheduler_cls`: it builds the scheduler
-vLLM would have picked (async or not) with this one change. A plain vLLM engine given it
+vLLM would have picked (async or not) with these two changes. A plain vLLM engine given it
 (`--scheduler-cls vllm_hidden.engine.scheduler.taper_scheduler`) schedules exactly as vLLM's, as
-no request of its says it is a run's last; with VHIDDEN_STEP_TRACE set it records each step
+no request of its says it is a run's last or prompt-only; with VHIDDEN_STEP_TRACE set it records each step
 as it is scheduled and as its output comes back (scripts/bench.py --step-trace, plain and
 extract alike). The vLLM methods the subclass
 overrides and the budget attribute it lowers are rows of `hooks.HOOKS`.
@@ -35,6 +47,9 @@ log = logging.getLogger("vllm.vllm_hidden")  # in the engine core process: throu
 
 # SamplingParams.extra_args key on the driver's last request of a run: no more will come
 LAST_KEY = "vllm_hidden_last"
+# SamplingParams.extra_args key of a prompt-only request (compat.prefill_sampling_params): its KV
+# blocks go back to the pool once its last prompt token is scheduled
+PREFILL_ONLY_KEY = "vllm_hidden_prefill_only"
 QUALNAME = f"{__name__}.taper_scheduler"
 FLOOR_FRACTION = 16  # no halved step below this fraction of a full step (the last step, the rest, may be)
 # a VHIDDEN_STEP_TRACE line: one scheduled step, and the scheduler's queues as the step was being made
@@ -62,7 +77,11 @@ class _Taper:
     _vh_draining = False
     _vh_taper = True  # VHIDDEN_TAPER=0: never drains (a benchmark of the taper's cost)
     _vh_trace: str | None = None  # VHIDDEN_STEP_TRACE's path (opened per step: a benchmark's, and never left open)
+    _vh_release = False  # prompt-only requests' blocks freed at scheduling (taper_scheduler decides)
+    _vh_releasable: set[str]  # with _vh_release: prompt-only requests' ids, blocks not yet released
     max_num_scheduled_tokens: int  # vLLM's Scheduler's, which every schedule() reads its budget from
+    requests: dict[str, Any]  # vLLM's Scheduler's: every request it holds, by id
+    kv_cache_manager: Any  # vLLM's Scheduler's
 
     def add_request(self, request: Any) -> None:
         super().add_request(request)  # type: ignore[misc]
@@ -70,6 +89,8 @@ class _Taper:
         # the last request of a run starts its end; any other request belongs to a run still
         # being fed (or the next run on this engine)
         self._vh_draining = self._vh_taper and bool(extra.get(LAST_KEY))
+        if self._vh_release and extra.get(PREFILL_ONLY_KEY) and compat.request_max_tokens(request) == 1:
+            self._vh_releasable.add(request.request_id)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         trace = self._vh_trace
@@ -83,11 +104,26 @@ class _Taper:
                 out = super().schedule(*args, **kwargs)  # type: ignore[misc]
             finally:
                 self.max_num_scheduled_tokens = full
+        if self._vh_release and self._vh_releasable:
+            self._release(out.num_scheduled_tokens)
         if trace is not None and before is not None and out.total_num_scheduled_tokens:  # see TRACE_COLUMNS
             with open(trace, "a") as f:
                 f.write(f"{time.perf_counter():.6f} {out.total_num_scheduled_tokens} "
                         f"{len(out.num_scheduled_tokens)} {' '.join(map(str, before))}\n")
         return out
+
+    def _release(self, scheduled: dict[str, int]) -> None:
+        """Free the blocks of the prompt-only requests whose prompts this step completes (see the
+        module's docstring); vLLM's own free when the request finishes then finds none."""
+        releasable, requests, free = self._vh_releasable, self.requests, self.kv_cache_manager.free
+        for rid in scheduled:
+            if rid in releasable:
+                request = requests[rid]
+                if request.num_computed_tokens >= request.num_prompt_tokens:  # the step's tokens counted
+                    releasable.discard(rid)
+                    free(request)
+        if len(releasable) > 2 * len(requests) + 64:  # ids of requests aborted before their last chunk
+            releasable.intersection_update(requests)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         out = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
@@ -108,10 +144,15 @@ def taper_scheduler(*args: Any, **kwargs: Any) -> Any:
         attrs["_vh_trace"] = trace
     attrs["_vh_taper"] = os.environ.get(envs.TAPER, "1") != "0"
     cls = type(f"Tapering{base.__name__}", (_Taper, base), attrs)
-    # vLLM warns about every scheduler class it did not name; say that this one is its own
-    log.info("vllm-hidden: %s, with the last steps of each extract run %s (vLLM's own scheduler, async or not as "
-             "vLLM chose: its warning about a custom scheduler class does not apply)", base.__name__,
-             "tapered" if attrs["_vh_taper"] else f"not tapered ({envs.TAPER}=0)")
     scheduler = cls(*args, **kwargs)
+    blocker = "turned off (VHIDDEN_RELEASE=0)" if os.environ.get(envs.RELEASE, "1") == "0" \
+        else compat.early_release_blocker(scheduler)
+    scheduler._vh_release, scheduler._vh_releasable = blocker is None, set()
+    # vLLM warns about every scheduler class it did not name; say that this one is its own
+    log.info("vllm-hidden: %s, with the last steps of each extract run %s and prompt-only requests' KV blocks "
+             "freed %s (vLLM's own scheduler, async or not as vLLM chose: its warning about a custom scheduler class "
+             "does not apply)", base.__name__,
+             "tapered" if attrs["_vh_taper"] else f"not tapered ({envs.TAPER}=0)",
+             "once their last prompt token is scheduled" if blocker is None else f"when they finish: {blocker}")
     hooks.check_scheduler(scheduler)  # the budget it lowers while a run drains
     return scheduler
