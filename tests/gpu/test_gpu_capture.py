@@ -105,14 +105,14 @@ def test_gpu_freed_prompt_blocks_reused_under_async_scheduling(tiny_models, tmp_
     """A KV cache of a few dozen blocks and many short prompts, so that the step made while a
     full one runs takes the blocks that step's prompt-only requests freed at scheduling
     (engine.scheduler; async scheduling, vLLM's default on a GPU): every row still matches HF,
-    and the steps made while another was in flight take more requests than with the blocks held
-    until each request finishes (vLLM's own behaviour, VHIDDEN_RELEASE=0)."""
+    and the run takes fewer steps than with the blocks held until each request finishes (vLLM's
+    own behaviour, VHIDDEN_RELEASE=0: a full step, then one of the few requests the blocks left
+    free allow, made while the full one runs)."""
     from transformers import AutoModelForCausalLM
 
     from vllm_hidden import envs
     from vllm_hidden.config import ExtractConfig
     from vllm_hidden.data import HiddenStatesDataset
-    from vllm_hidden.engine.scheduler import DONE_SUFFIX
     from vllm_hidden.extract import run_extract
 
     model = tiny_models("qwen3_next")
@@ -132,12 +132,12 @@ def test_gpu_freed_prompt_blocks_reused_under_async_scheduling(tiny_models, tmp_
                                       engine_args=ENGINE + ["--enforce-eager", "--num-gpu-blocks-override", "48"]))
         assert s.samples == len(good) and s.errors == 0
         made = [line.split() for line in trace.read_text().splitlines()]  # time, tokens, requests, ...
-        done = [float(line.split()[0]) for line in open(f"{trace}{DONE_SUFFIX}")]
         assert sum(int(m[1]) for m in made) == sum(map(len, good.values())), made
-        # the requests of each step made before the step ahead of it had come back
-        steps[release] = [int(m[2]) for m, before in zip(made[1:], done) if float(m[0]) < before]
-    print(f"requests of the steps made while one ran, with release: {steps['1']}; without: {steps['0']}")
-    assert steps["1"] and sum(steps["1"]) > 2 * sum(steps["0"]), steps
+        steps[release] = [int(m[2]) for m in made]
+    # seen on an H100, the steps after the first: [11, 11, 11, 11, 11, 11, 11, 10, 5, 4] against
+    # [10, 1, 10, 1, ..., 10, 2, 4, 4] (18)
+    print(f"requests per step with release: {steps['1']}; without: {steps['0']}")
+    assert len(steps["1"]) < 0.75 * len(steps["0"]), steps
     hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).cuda().eval()
     last = {}
     hf.model.layers[-1].register_forward_hook(
