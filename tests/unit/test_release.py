@@ -145,10 +145,13 @@ def test_a_chunked_prompt_keeps_its_blocks_until_its_last_chunk(vllm_config, mon
 def test_release_only_where_it_is_safe(vllm_config, monkeypatch):
     from vllm_hidden.engine import compat
 
+    assert compat.early_release_blocker(vllm_config) is None
+    monkeypatch.setattr(vllm_config.cache_config, "enable_prefix_caching", True)
+    assert compat.early_release_blocker(vllm_config) == "prefix caching is on"
     s = make_scheduler(vllm_config, monkeypatch)
-    assert compat.early_release_blocker(s) is None
-    monkeypatch.setattr(s.kv_cache_manager, "enable_caching", True)
-    assert compat.early_release_blocker(s) == "prefix caching is on"
-    monkeypatch.setattr(s.kv_cache_manager, "enable_caching", False)
+    assert not s._vh_release  # and its requests keep their blocks to the end
+    s.add_request(request("r", PROMPT))
+    assert not s._vh_releasable
+    monkeypatch.setattr(vllm_config.cache_config, "enable_prefix_caching", False)
     monkeypatch.setattr(vllm_config.scheduler_config, "async_scheduling", False)
-    assert "no async scheduling" in compat.early_release_blocker(s)
+    assert "no async scheduling" in compat.early_release_blocker(vllm_config)

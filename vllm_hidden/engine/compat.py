@@ -310,13 +310,16 @@ def _no_prefix_cache_reads(sampling_params_cls) -> dict[str, bool]:
         else {}
 
 
+# SamplingParams.extra_args key of a prompt-only request: its KV blocks go back to the pool once
+# its last prompt token is scheduled (engine.scheduler)
+PREFILL_ONLY_KEY = "vllm_hidden_prefill_only"
+
+
 def prefill_sampling_params(extra_args: dict, *, prompt_only: bool = True):
     """One sampled (discarded) token, greedy, no detokenizing, no prefix-cache reads; with
     `prompt_only` marked so, so that its KV blocks are freed once its last prompt token is
     scheduled (engine.scheduler; benchmarks of plain vLLM leave it out)."""
     from vllm import SamplingParams
-
-    from vllm_hidden.engine.scheduler import PREFILL_ONLY_KEY
 
     return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
                           extra_args={**extra_args, PREFILL_ONLY_KEY: True} if prompt_only else extra_args,
@@ -523,14 +526,21 @@ def argument_parser(prog: str):
 
 # -- the scheduler (engine core process) -------------------------------------------------------
 
-def scheduler_base(*args, **kwargs) -> type:
-    """The scheduler class vLLM would make for the engine whose scheduler constructor arguments
-    these are (`vllm_config` by name, as `EngineCore` passes it in 0.26 and 0.32, or first):
-    `AsyncScheduler` under `scheduler_config.async_scheduling`, else `Scheduler`, from
-    `vllm.v1.core.sched` in both (`hooks.HOOKS` rows check their methods at plugin load)."""
+def scheduler_vllm_config(*args, **kwargs):
+    """The VllmConfig among a scheduler's constructor arguments (`vllm_config` by name, as
+    `EngineCore` passes it in 0.26 and 0.32, or first)."""
     vllm_config = kwargs.get("vllm_config", args[0] if args else None)
     if vllm_config is None:
         raise TypeError(f"no vllm_config among the scheduler's arguments: args={args!r}, kwargs={sorted(kwargs)}")
+    return vllm_config
+
+
+def scheduler_base(*args, **kwargs) -> type:
+    """The scheduler class vLLM would make for the engine whose scheduler constructor arguments
+    these are (`scheduler_vllm_config`): `AsyncScheduler` under
+    `scheduler_config.async_scheduling`, else `Scheduler`, from `vllm.v1.core.sched` in both
+    (`hooks.HOOKS` rows check their methods at plugin load)."""
+    vllm_config = scheduler_vllm_config(*args, **kwargs)
     if vllm_config.scheduler_config.async_scheduling:
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
@@ -553,22 +563,21 @@ def request_max_tokens(request) -> int | None:
     return getattr(request, "max_tokens", None)
 
 
-def early_release_blocker(scheduler) -> str | None:
-    """Why the scheduler may not free a prompt-only request's KV blocks when its last prompt token
-    is scheduled (engine.scheduler), or None where it may: vLLM's async scheduling (no step made
-    for a request whose max_tokens a step in flight reaches: `Scheduler.schedule` in 0.26 and 0.32),
-    no prefix caching (`kv_cache_manager.enable_caching`), no KV connector (`connector`), no
-    speculative decoding and one pipeline stage (`vllm_config`)."""
-    config = scheduler.vllm_config
-    if not config.scheduler_config.async_scheduling:
+def early_release_blocker(vllm_config) -> str | None:
+    """Why a scheduler for this engine may not free a prompt-only request's KV blocks when its
+    last prompt token is scheduled (engine.scheduler), or None where it may: vLLM's async
+    scheduling (no step made for a request whose max_tokens a step in flight reaches:
+    `Scheduler.schedule` in 0.26 and 0.32), no prefix caching, no KV connector, no speculative
+    decoding and one pipeline stage (`VllmConfig` fields: 0.26 and 0.32)."""
+    if not vllm_config.scheduler_config.async_scheduling:
         return "no async scheduling (the next step is made after this one's output frees them)"
-    if scheduler.kv_cache_manager.enable_caching:
+    if vllm_config.cache_config.enable_prefix_caching:
         return "prefix caching is on"
-    if getattr(scheduler, "connector", None) is not None:
+    if vllm_config.kv_transfer_config is not None:
         return "a KV connector reads a finished request's blocks"
-    if config.speculative_config is not None:
+    if vllm_config.speculative_config is not None:
         return "speculative decoding"
-    if config.parallel_config.pipeline_parallel_size > 1:
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
         return "pipeline parallelism"
     return None
 

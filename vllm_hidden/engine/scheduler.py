@@ -47,9 +47,8 @@ log = logging.getLogger("vllm.vllm_hidden")  # in the engine core process: throu
 
 # SamplingParams.extra_args key on the driver's last request of a run: no more will come
 LAST_KEY = "vllm_hidden_last"
-# SamplingParams.extra_args key of a prompt-only request (compat.prefill_sampling_params): its KV
-# blocks go back to the pool once its last prompt token is scheduled
-PREFILL_ONLY_KEY = "vllm_hidden_prefill_only"
+# SamplingParams.extra_args key of a prompt-only request (compat.prefill_sampling_params sets it)
+PREFILL_ONLY_KEY = compat.PREFILL_ONLY_KEY
 QUALNAME = f"{__name__}.taper_scheduler"
 FLOOR_FRACTION = 16  # no halved step below this fraction of a full step (the last step, the rest, may be)
 # a VHIDDEN_STEP_TRACE line: one scheduled step, and the scheduler's queues as the step was being made
@@ -78,10 +77,14 @@ class _Taper:
     _vh_taper = True  # VHIDDEN_TAPER=0: never drains (a benchmark of the taper's cost)
     _vh_trace: str | None = None  # VHIDDEN_STEP_TRACE's path (opened per step: a benchmark's, and never left open)
     _vh_release = False  # prompt-only requests' blocks freed at scheduling (taper_scheduler decides)
-    _vh_releasable: set[str]  # with _vh_release: prompt-only requests' ids, blocks not yet released
+    _vh_releasable: set[str]  # prompt-only requests' ids whose blocks are not yet released
     max_num_scheduled_tokens: int  # vLLM's Scheduler's, which every schedule() reads its budget from
     requests: dict[str, Any]  # vLLM's Scheduler's: every request it holds, by id
     kv_cache_manager: Any  # vLLM's Scheduler's
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._vh_releasable = set()
 
     def add_request(self, request: Any) -> None:
         super().add_request(request)  # type: ignore[misc]
@@ -143,16 +146,16 @@ def taper_scheduler(*args: Any, **kwargs: Any) -> Any:
     if trace:  # a benchmark's record of every step, readable while the engine runs
         attrs["_vh_trace"] = trace
     attrs["_vh_taper"] = os.environ.get(envs.TAPER, "1") != "0"
-    cls = type(f"Tapering{base.__name__}", (_Taper, base), attrs)
-    scheduler = cls(*args, **kwargs)
     blocker = "turned off (VHIDDEN_RELEASE=0)" if os.environ.get(envs.RELEASE, "1") == "0" \
-        else compat.early_release_blocker(scheduler)
-    scheduler._vh_release, scheduler._vh_releasable = blocker is None, set()
+        else compat.early_release_blocker(compat.scheduler_vllm_config(*args, **kwargs))
+    attrs["_vh_release"] = blocker is None
+    cls = type(f"Tapering{base.__name__}", (_Taper, base), attrs)
     # vLLM warns about every scheduler class it did not name; say that this one is its own
     log.info("vllm-hidden: %s, with the last steps of each extract run %s and prompt-only requests' KV blocks "
              "freed %s (vLLM's own scheduler, async or not as vLLM chose: its warning about a custom scheduler class "
              "does not apply)", base.__name__,
              "tapered" if attrs["_vh_taper"] else f"not tapered ({envs.TAPER}=0)",
              "once their last prompt token is scheduled" if blocker is None else f"when they finish: {blocker}")
+    scheduler = cls(*args, **kwargs)
     hooks.check_scheduler(scheduler)  # the budget it lowers while a run drains
     return scheduler
