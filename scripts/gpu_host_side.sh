@@ -23,6 +23,8 @@
 #   STEP=trace-extract-norelease: the same with VHIDDEN_RELEASE=0 (prompt-only requests keep their KV blocks
 #                 until they finish, as vLLM's), into bench-norelease.json: what freeing them at scheduling moves
 #   STEP=release-test tests/gpu/test_gpu_capture.py's freed-blocks case alone (parity with HF, blocks reused)
+#   STEP=seqs512  bench.py --step-trace of CASES (default extract-fp8w) at --max-num-seqs 512, into bench-seqs512.json
+#   STEP=profile-short  py-spy record of bench.py's CASES (default plain-fp8w) on W-short (.kit/extra: py-spy)
 #   STEP=truncate scripts/check_truncate.py under torch.compile and CUDA graphs, tiny hybrid: layers 1,4 (built
 #                 whole, the forward stopped at layer 5 of 8) and 1,3 (built with 4 layers), each against
 #                 --full-model (each pair compiles cold, Triton autotune included: up to 7 min a pair, so run
@@ -40,7 +42,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the output folder of the call}"
-STEP=${STEP:?set STEP to fp8, fp8gen, tests, plain, extract, server, bf16, plain-bf16, extract-bf16, fp8b, generate, trace-plain, trace-extract, trace-extract-notaper, trace-extract-norelease, release-test, truncate, colocated, colocated-test or online}
+STEP=${STEP:?set STEP to fp8, fp8gen, tests, plain, extract, server, bf16, plain-bf16, extract-bf16, fp8b, generate, trace-plain, trace-extract, trace-extract-notaper, trace-extract-norelease, release-test, seqs512, profile-short, truncate, colocated, colocated-test or online}
 mkdir -p "$OUT"
 
 env_sh=$(ls .kit/*/device-env.sh /tmp/kitstage/device-env.sh 2>/dev/null | head -1)
@@ -115,6 +117,23 @@ case "$STEP" in
     BENCH=/tmp/vh-results/bench-norelease.json BENCH_EXTRA="--step-trace --feeds window" VHIDDEN_RELEASE=0 \
       bench extract-fp8w
     rc=$? ;;
+  seqs512)
+    # the same trace at --max-num-seqs 512 for every case (plain and extract alike): with the blocks
+    # freed at scheduling the step made while a full one runs is capped by max_num_seqs, not the cache
+    seqs="--engine-arg=--max-num-seqs --engine-arg=512"
+    BENCH=/tmp/vh-results/bench-seqs512.json BENCH_EXTRA="--step-trace --feeds window $seqs" bench "${CASES:-extract-fp8w}"
+    rc=$? ;;
+  profile-short)
+    # where W-short's time goes, host side: py-spy's samples of every process of one bench run
+    # (raw: one line per stack with its count; the engine core's lines name its process), the
+    # cold compile included (its stacks are torch's); py-spy from .kit/extra (build.sh py-spy==0.4.3)
+    command -v py-spy > /dev/null || python3 -m pip install -q --no-index --no-deps .kit/extra/py_spy-*.whl || exit 3
+    timeout -s INT "${BENCH_TIMEOUT:-560}" py-spy record --subprocesses --rate 100 --format raw --nonblocking \
+      -o "$OUT/profile-${CASES:-plain-fp8w}.txt" -- python3 scripts/bench.py --qwen36-27b --workloads w-short \
+      --cases "${CASES:-plain-fp8w}" --result /tmp/vh-results/bench-profile.json > "$OUT/profile.log" 2>&1
+    rc=$?
+    quiet "$OUT/profile.log" 15
+    ;;
   release-test)
     timeout -k 10 "${CAPTURE_S:-400}" python3 -m pytest -q -s -x -p no:cacheprovider tests/gpu/test_gpu_capture.py \
       -k freed_prompt_blocks > "$OUT/gpu-release.log" 2>&1
