@@ -145,8 +145,8 @@ def taper_scheduler(*args: Any, **kwargs: Any) -> Any:
     trace = os.environ.get(envs.STEP_TRACE)
     if trace:  # a benchmark's record of every step, readable while the engine runs
         attrs["_vh_trace"] = trace
-    attrs["_vh_taper"] = os.environ.get(envs.TAPER, "1") != "0"
-    blocker = "turned off (VHIDDEN_RELEASE=0)" if os.environ.get(envs.RELEASE, "1") == "0" \
+    attrs["_vh_taper"] = envs.get(envs.TAPER) != "0"
+    blocker = "turned off (VHIDDEN_RELEASE=0)" if envs.get(envs.RELEASE) == "0" \
         else compat.early_release_blocker(compat.scheduler_vllm_config(*args, **kwargs))
     attrs["_vh_release"] = blocker is None
     cls = type(f"Tapering{base.__name__}", (_Taper, base), attrs)
