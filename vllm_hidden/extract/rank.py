@@ -56,6 +56,9 @@ RankEvent = RankReady | RankProgress | RankDone | RankError
 
 def run_rank(spec: dict[str, Any], work: Any, events: Any) -> dict[str, Any]:
     os.environ.update(spec["env"])  # its devices, before anything touches them
+    from vllm_hidden.devices import bind_cores
+
+    bind_cores(spec["env"])
     from vllm_hidden.config import ExtractConfig, ShardConfig
     from vllm_hidden.extract.feed import QueueFeed
     from vllm_hidden.extract.job import start_extractor
