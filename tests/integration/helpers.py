@@ -33,15 +33,23 @@ def cli_env(inprocess: bool = False) -> dict[str, str]:
     return env
 
 
-def run_cli(*args: str, timeout: int = 900, inprocess: bool = True, **kw) -> subprocess.CompletedProcess:
+# vLLM's own CPU CI setting: torch.compile as users run it (Dynamo, vLLM's piecewise graphs, our
+# capture inside them) with the eager backend for Inductor's, whose C++ kernels take most of a
+# compiled start on 2 cores. For tests about what runs in the graphs, not about Inductor's CPU
+# kernels (test_extract.py's compiled run and test_warmup.py keep Inductor).
+EAGER_BACKEND = {"VLLM_CPU_CI_ENV": "1"}
+
+
+def run_cli(*args: str, timeout: int = 900, inprocess: bool = True, env: dict[str, str] | None = None,
+            **kw) -> subprocess.CompletedProcess:
     """The CLI to its end, in a process of its own; its engine core in that process unless
-    `inprocess=False` (`cli_env`). The run is forked from an interpreter that has imported
-    torch and vLLM already (`_forked`); a run with subprocess options (`kw`) starts a new
-    interpreter as `python -m vllm_hidden.cli` does."""
+    `inprocess=False` (`cli_env`), `env` added to its environment. The run is forked from an
+    interpreter that has imported torch and vLLM already (`_forked`); a run with subprocess
+    options (`kw`) starts a new interpreter as `python -m vllm_hidden.cli` does."""
+    e = {**cli_env(inprocess), **(env or {})}
     if not kw:
-        return _forked(list(args), cli_env(inprocess), timeout)
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
-                          env=cli_env(inprocess), **kw)
+        return _forked(list(args), e, timeout)
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=e, **kw)
 
 
 # What every CLI run imports first (torch, transformers, vLLM's engine): ~7 s of each run on a
@@ -86,10 +94,12 @@ def _forked(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.
     return run.wait(timeout)
 
 
-def run_script(script: Path, *args: str, timeout: int = 900, inprocess: bool = False) -> subprocess.CompletedProcess:
+def run_script(script: Path, *args: str, timeout: int = 900, inprocess: bool = False,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python script args` to its end, forked from the fork server as `run_cli`'s runs are
-    (vLLM and torch imported already); the exit code is negative for a signal, as subprocess's."""
-    return _forked([str(script), *args], cli_env(inprocess), timeout)
+    (vLLM and torch imported already), `env` added to its environment; the exit code is
+    negative for a signal, as subprocess's."""
+    return _forked([str(script), *args], {**cli_env(inprocess), **(env or {})}, timeout)
 
 
 class ForkedRun:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from tests.integration.helpers import HFReference, cli, last_json, rel_l2, run_cli, verify_checksums
+from tests.integration.helpers import EAGER_BACKEND, HFReference, cli, last_json, rel_l2, run_cli, verify_checksums
 from vllm_hidden import envs
 from vllm_hidden.data import HiddenStatesDataset
 from vllm_hidden.demo import make_tiny_model
@@ -132,7 +132,9 @@ LAYERS = [7, 0, 3, 1, 6, 2, 5, 4]  # every layer of 8, out of order (kept): the 
 @pytest.fixture(scope="module")
 def compiled(tiny_models, tmp_path_factory):
     """arch -> one compiled extract (vLLM's default), chunked prefill forced by a 64-token step
-    budget, every layer: (model, output, good, bad). Made once per arch for the tests below."""
+    budget, every layer: (model, output, good, bad). Made once per arch for the tests below.
+    The hybrid compiles with Inductor, as users run it; the dense model with the eager backend
+    in its place (helpers.EAGER_BACKEND: the same graphs, without a second set of C++ kernels)."""
     runs = {}
 
     def get(arch):
@@ -148,7 +150,7 @@ def compiled(tiny_models, tmp_path_factory):
                 r = run_cli("extract", "--model", str(model), "--input", str(root / "in.jsonl"), "--output",
                             str(out), "--layers", ",".join(map(str, LAYERS)), "--max-model-len", str(MAX_LEN),
                             "--max-num-batched-tokens", "64", "--dtype", "bfloat16", "--no-progress",
-                            "--final-state", "post-norm")
+                            "--final-state", "post-norm", env=None if arch == "qwen3_next" else EAGER_BACKEND)
             finally:
                 del os.environ[envs.STEP_TRACE]
             assert r.returncode == 0, r.stderr[-4000:]

