@@ -127,7 +127,7 @@ def test_dp2_engine_killed_mid_run_then_resume_exactly_once(model, ref, tmp_path
     have a durable shard, or, should one lag, once the other has one and half the file is
     read (a rank with few prompts makes its first shard durable only at its end)."""
     inp = tmp_path / "in.jsonl"
-    good = dp_prompts(inp, 600, seed=1, bad=False)
+    good = dp_prompts(inp, 240, seed=1, bad=False)  # the kill comes after ~30 of them
     size = inp.stat().st_size
     out = tmp_path / "out"
     args = ["-m", str(model), "-i", str(inp), "-o", str(out), "--layers", "3,0", "--max-shard-bytes", "200000",

@@ -27,7 +27,8 @@ def test_extract_to_s3_killed_then_resumed_and_read_back(tiny_models, s3, tmp_pa
     url, bucket, client = s3
     model = tiny_models("qwen3")
     rng = random.Random(3)
-    prompts = {i: [rng.randrange(1024) for _ in range(rng.randint(16, 160))] for i in range(240)}
+    # ~20 shards; the kill comes after 3
+    prompts = {i: [rng.randrange(1024) for _ in range(rng.randint(16, 160))] for i in range(120)}
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps({"token_ids": p}) + "\n" for p in prompts.values()))  # ids: line numbers
     uri = f"s3://{bucket}/runs/r1"

@@ -79,7 +79,8 @@ def _attempt(args, out, grow, delay, timeout=600) -> dict:
 def test_kill_9_at_random_points_then_resume_exactly_once(tiny_models, tmp_path, reliability_report):
     model = tiny_models("qwen3", 4)
     inp = tmp_path / "in.jsonl"
-    prompts = write_prompts(inp, random_prompts(600, SEED), ["not json"])  # + one bad line: one error record
+    prompts = write_prompts(inp, random_prompts(200, SEED), ["not json"])  # + one bad line: one error record
+    # (~21 shards: the last kill comes after at most a few)
     out = tmp_path / "out"
     args = ["extract", "--model", str(model), "--input", str(inp), "--output", str(out), "--layers", "0,3",
             "--max-shard-bytes", str(256 * 1024), "--writer-threads", "2", "--no-progress", *ENGINE]
