@@ -20,8 +20,9 @@ fi
 # process starts and servers much of the time, so one engine process alone leaves a core idle.
 # The servers' files share one half, with the data-parallel ones (a server or an engine is up
 # to three processes of ~1.7 GB, and test_server.py holds three servers: the halves' biggest
-# files at once must fit 24 GB); the other half takes every other engine file, new ones too. Each process has its own temporary root; the slowest tests are listed at the
-# end of each log: what each costs of the CI machine's time.
+# files at once must fit 24 GB); the other half takes every other engine file, new ones too.
+# Each process has its own temporary root; the slowest tests are listed at the end of each
+# log: what each costs of the CI machine's time.
 tmp=$(mktemp -d)
 servers=(tests/integration/test_server.py tests/integration/test_connector.py tests/integration/test_mooncake.py
          tests/reliability/test_server_faults.py tests/integration/test_warmup.py tests/integration/test_parallel.py)

@@ -95,7 +95,8 @@ def bind_cores(env: dict[str, str]) -> list[int] | None:
     value = env.get(CPU_BIND)
     if not value or value in ("auto", "nobind") or not hasattr(os, "sched_setaffinity"):
         return None
-    cores = sorted(set(parse_cores(value.replace("|", ","))))
+    groups = value.split("|")  # one per TP rank: the process holds them all, a rank's threads one
+    cores = sorted({c for g in groups for c in parse_cores(g)})
     try:
         os.sched_setaffinity(0, cores)
     except OSError as e:
@@ -103,7 +104,7 @@ def bind_cores(env: dict[str, str]) -> list[int] | None:
                          f"{allowed_cpus()}") from None
     import torch
 
-    torch.set_num_threads(len(cores) // max(1, value.count("|") + 1) or 1)
+    torch.set_num_threads(max(1, len(parse_cores(groups[0]))))
     return cores
 
 

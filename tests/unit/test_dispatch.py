@@ -125,7 +125,6 @@ def test_rank_envs_on_cpu_slice_the_users_binding_per_engine(monkeypatch):
         rank_envs(2, 2, gpu=False)
 
 
-
 def _bound(env):
     """bind_cores(env) in a fresh process: (its return, the process's affinity, torch's threads,
     a thread started after it: its affinity)."""
@@ -157,6 +156,7 @@ def test_a_cpu_rank_keeps_its_threads_on_its_own_cores():
     assert devices.parse_cores("5,2-4") == [5, 2, 3, 4]
     with pytest.raises(ValueError, match=r"VLLM_CPU_OMP_THREADS_BIND='4096': cannot run on cores \[4096\]"):
         _in_child({CPU_BIND: "4096"})
+
 
 # -- feeds -----------------------------------------------------------------------------------
 
