@@ -169,20 +169,87 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(list(args), r.exit_code, r.stdout, r.stderr)
 
 
-def start_cli(*args: str, stdout=subprocess.DEVNULL, **kw) -> subprocess.Popen:
+def start_cli(*args: str, stdout=subprocess.DEVNULL, inprocess: bool = False, **kw):
     """The CLI in the background, in a process group of its own (so that one killpg ends it
-    with vLLM's processes), the engine core in a process of its own as users run it (what kill
-    tests interrupt); stderr is a text pipe."""
-    return subprocess.Popen([*CLI, *args], start_new_session=True, env=cli_env(), stdout=stdout,
+    with vLLM's processes); stderr is a text pipe. By default a new interpreter with the engine
+    core in a process of its own, as users run it (what a test that kills vLLM's processes
+    interrupts). `inprocess`: forked from the fork server with the engine in the CLI's process
+    (`run_cli`), for tests that kill the whole run: its start is seconds, not three interpreters
+    importing vLLM (a `BackgroundRun`, which answers what these tests ask of a Popen)."""
+    if inprocess:
+        run = ForkedRun.start(list(args), cli_env(inprocess=True))
+        if run is not None:
+            return BackgroundRun(run)
+    return subprocess.Popen([*CLI, *args], start_new_session=True, env=cli_env(inprocess), stdout=stdout,
                             stderr=subprocess.PIPE, text=True, **kw)
 
 
-def kill_group(p: subprocess.Popen) -> None:
-    """SIGKILL a `start_cli` process group (the CLI and vLLM's processes) and reap it."""
+def warm_fork_server() -> None:
+    """Start the fork server (its imports: ~7-14 s on 2 cores) if it is not up, so that a
+    test timing a forked run from its start does not time those imports."""
+    r = run_cli("--help")
+    if r.returncode != 0:
+        raise RuntimeError(f"vllm-hidden --help failed: {r.stderr[-2000:]}")
+
+
+class BackgroundRun:
+    """A `ForkedRun` behind the part of Popen's interface the kill tests use: pid (its process
+    group's too), poll, wait, communicate, returncode, and stderr/stdout that read what the run
+    wrote so far (its output goes to files)."""
+
+    def __init__(self, run: ForkedRun) -> None:
+        self._run, self.pid, self.returncode = run, run.pid, None
+        d = run._tmp.name
+        self.stdout, self.stderr = _OutputSoFar(os.path.join(d, "out")), _OutputSoFar(os.path.join(d, "err"))
+        self._done: subprocess.CompletedProcess | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not self._run.proc.is_alive():
+            self.wait()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.communicate(timeout)
+        return self.returncode  # type: ignore[return-value]
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        if self._done is None:
+            try:
+                self._done = self._run.wait(timeout if timeout is not None else 3600)
+            except subprocess.TimeoutExpired:  # (the run's group was killed: Popen would leave it running)
+                self.returncode = self._run.proc.exitcode
+                self._done = subprocess.CompletedProcess(self._run.argv, self.returncode, "", "")
+                raise
+            self.returncode = self._done.returncode
+            self.stdout.text, self.stderr.text = self._done.stdout, self._done.stderr
+        return self._done.stdout, self._done.stderr
+
+
+class _OutputSoFar:
+    def __init__(self, path: str) -> None:
+        self.path, self.text = path, None
+
+    def read(self) -> str:
+        if self.text is not None:
+            return self.text
+        try:
+            with open(self.path) as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
+
+
+def kill_group(p) -> None:
+    """SIGKILL a `start_cli` process group (the CLI and vLLM's processes) and reap it. A forked
+    run killed before it made its group (its first instruction) is killed alone: it has no
+    child yet."""
     try:
         os.killpg(p.pid, signal.SIGKILL)
     except ProcessLookupError:
-        pass
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     p.wait()
 
 

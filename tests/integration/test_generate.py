@@ -304,7 +304,7 @@ def test_seeded_conversations_under_preemption_and_killed_and_resumed_are_the_sa
     assert last_json(r)["capture_stats"]["preempted"] > 0  # the pressure was real
     out = tmp_path / "out"
     args = ["extract", "--model", str(model), "--input", str(inp), "--output", str(out), *SAMPLED]
-    p = start_cli(*args)
+    p = start_cli(*args, inprocess=True)
     t0 = time.monotonic()
     try:
         while journal_lines(out) < 2 and p.poll() is None and time.monotonic() - t0 < 600:

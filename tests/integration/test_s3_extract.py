@@ -36,7 +36,7 @@ def test_extract_to_s3_killed_then_resumed_and_read_back(tiny_models, s3, tmp_pa
             "--staging-dir", str(tmp_path / "stage"), "--layers", "3,1", "--max-shard-bytes", str(128 * 1024),
             "--writer-threads", "2", "--no-progress", *ENGINE]
 
-    p = start_cli(*args)
+    p = start_cli(*args, inprocess=True)
     t0 = time.monotonic()
     try:
         while len(_shard_objects(client, bucket, "runs/r1")) < 3:
