@@ -36,7 +36,7 @@ def cli_env(inprocess: bool = False) -> dict[str, str]:
 # vLLM's own CPU CI setting: torch.compile as users run it (Dynamo, vLLM's piecewise graphs, our
 # capture inside them) with the eager backend for Inductor's, whose C++ kernels take most of a
 # compiled start on 2 cores. For tests about what runs in the graphs, not about Inductor's CPU
-# kernels (test_extract.py's compiled run and test_warmup.py keep Inductor).
+# kernels (test_warmup.py keeps Inductor).
 EAGER_BACKEND = {"VLLM_CPU_CI_ENV": "1"}
 
 

@@ -133,8 +133,8 @@ LAYERS = [7, 0, 3, 1, 6, 2, 5, 4]  # every layer of 8, out of order (kept): the 
 def compiled(tiny_models, tmp_path_factory):
     """arch -> one compiled extract (vLLM's default), chunked prefill forced by a 64-token step
     budget, every layer: (model, output, good, bad). Made once per arch for the tests below.
-    The hybrid compiles with Inductor, as users run it; the dense model with the eager backend
-    in its place (helpers.EAGER_BACKEND: the same graphs, without a second set of C++ kernels)."""
+    Both with the eager backend in Inductor's place (helpers.EAGER_BACKEND: the same graphs
+    and capture inside them; test_warmup.py checks Inductor's hybrid against HF)."""
     runs = {}
 
     def get(arch):
@@ -150,7 +150,7 @@ def compiled(tiny_models, tmp_path_factory):
                 r = run_cli("extract", "--model", str(model), "--input", str(root / "in.jsonl"), "--output",
                             str(out), "--layers", ",".join(map(str, LAYERS)), "--max-model-len", str(MAX_LEN),
                             "--max-num-batched-tokens", "64", "--dtype", "bfloat16", "--no-progress",
-                            "--final-state", "post-norm", env=None if arch == "qwen3_next" else EAGER_BACKEND)
+                            "--final-state", "post-norm", env=EAGER_BACKEND)
             finally:
                 del os.environ[envs.STEP_TRACE]
             assert r.returncode == 0, r.stderr[-4000:]
