@@ -175,7 +175,8 @@ def start_cli(*args: str, stdout=subprocess.DEVNULL, inprocess: bool = False, **
     core in a process of its own, as users run it (what a test that kills vLLM's processes
     interrupts). `inprocess`: forked from the fork server with the engine in the CLI's process
     (`run_cli`), for tests that kill the whole run: its start is seconds, not three interpreters
-    importing vLLM (a `BackgroundRun`, which answers what these tests ask of a Popen)."""
+    importing vLLM (a `BackgroundRun`, which answers what these tests ask of a Popen; its
+    output goes to files, so `stdout` and `kw` apply to a new interpreter only)."""
     if inprocess:
         run = ForkedRun.start(list(args), cli_env(inprocess=True))
         if run is not None:

@@ -38,8 +38,8 @@ from vllm_hidden.storage.verify import verify_output
 ENGINE = ["--enforce-eager", "--dtype", "bfloat16", "--max-num-seqs", "8", "--max-num-batched-tokens", "256"]
 SEED = 20261201
 # (shards that become durable before the kill, seconds after that): 0 shards = before any
-# output, at three depths of the start of a run forked with vLLM imported and its engine in
-# its own process (the input checked; engine config and model load; profiling and warm-up:
+# output, at three depths of the start of a run forked with vLLM imported and the engine in
+# the run's own process (the input checked; engine config and model load; profiling and warm-up:
 # ~1.2, 2.4 and 3.4 s on an idle 2-core machine, later under load); later kills add no new
 # kind of point, only time
 KILL_POINTS = [(0, (0.0, 1.2)), (0, (1.2, 2.4)), (0, (2.4, 3.4))] + [(g, (0.0, 0.3)) for g in (1, 2)]

@@ -142,7 +142,7 @@ def test_s3_5xx_storms_restarts_and_an_outage_then_resume(tiny_models, s3, tmp_p
                    if o["Key"].endswith(".safetensors"))
 
     # 1) the endpoint goes away for good mid-run: the run stops once the retries (5 s of them) are spent
-    p = start_cli(*args, "--s3-retry-seconds", "5", stdout=subprocess.PIPE, inprocess=True)
+    p = start_cli(*args, "--s3-retry-seconds", "5", inprocess=True)
     t0 = time.monotonic()
     while uploaded() < 3:
         assert p.poll() is None, p.stderr.read()[-3000:]
